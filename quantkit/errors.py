@@ -1,0 +1,5 @@
+"""User-facing errors: one line naming the problem and the fix, turned into exit code 2 by the CLI."""
+
+
+class QuantkitError(Exception):
+    """A mistake in the user's input (paths, options, data). The CLI prints `str(err)` and exits 2."""

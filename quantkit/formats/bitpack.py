@@ -1,0 +1,63 @@
+"""Bit packing of b-bit codes into int32 words, least-significant bits first.
+
+Along a dimension of length K, code j occupies bits [j*b, (j+1)*b) of one continuous bit stream;
+word w holds bits [32w, 32w + 32). For b in {2, 4, 8} codes never straddle words (32/b codes a
+word); for b = 3, 32 codes fill exactly 3 words and some codes spill across a word boundary.
+K is zero-padded to a whole number of such units (`padded_len`), so the number of words is
+padded_len * b / 32. When K is already aligned this is exactly the GPTQ layout.
+"""
+import math
+
+import torch
+
+
+def codes_per_unit(bits: int) -> int:
+    """Smallest number of codes that fill whole int32 words."""
+    return math.lcm(bits, 32) // bits
+
+
+def padded_len(k: int, bits: int) -> int:
+    unit = codes_per_unit(bits)
+    return -(-k // unit) * unit
+
+
+def packed_len(k: int, bits: int) -> int:
+    return padded_len(k, bits) * bits // 32
+
+
+def pack(codes: torch.Tensor, bits: int, dim: int = 0) -> torch.Tensor:
+    """Pack integer codes (any int dtype, values < 2^bits) along `dim` into int32 words."""
+    c = codes.movedim(dim, 0).to(torch.int64)
+    k = c.shape[0]
+    kp = padded_len(k, bits)
+    if kp != k:
+        c = torch.cat([c, c.new_zeros((kp - k, *c.shape[1:]))])
+    bitpos = torch.arange(kp, dtype=torch.int64) * bits
+    word, offset = bitpos // 32, bitpos % 32
+    view = (-1,) + (1,) * (c.dim() - 1)
+    words = c.new_zeros((kp * bits // 32, *c.shape[1:]))
+    low = (c << offset.view(view)) & 0xFFFFFFFF
+    words.index_add_(0, word, low)
+    spill = (offset + bits > 32).nonzero().flatten()
+    if len(spill):
+        high = c[spill] >> (32 - offset[spill]).view(view)
+        words.index_add_(0, word[spill] + 1, high)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.movedim(0, dim).contiguous()
+
+
+def unpack(words: torch.Tensor, bits: int, k: int, dim: int = 0) -> torch.Tensor:
+    """Inverse of `pack`: int32 words along `dim` -> int32 codes, the first `k` of them."""
+    w = words.movedim(dim, 0).to(torch.int64) & 0xFFFFFFFF
+    kp = w.shape[0] * 32 // bits
+    bitpos = torch.arange(kp, dtype=torch.int64) * bits
+    word, offset = bitpos // 32, bitpos % 32
+    view = (-1,) + (1,) * (w.dim() - 1)
+    mask = 2**bits - 1
+    codes = w[word] >> offset.view(view)
+    spill = (offset + bits > 32).nonzero().flatten()
+    if len(spill):
+        high = w[word[spill] + 1] << (32 - offset[spill]).view(view)
+        codes[spill] = codes[spill] | high
+    codes = (codes & mask)[:k].to(torch.int32)
+    return codes.movedim(0, dim).contiguous()

@@ -1,0 +1,73 @@
+"""Scalar integer grids: the 4-line primitives every integer method (rtn, gptq, awq) shares.
+
+A grid maps a row-group of weights to codes q in [0, 2^bits - 1] with a per-row scale and zero:
+    w_hat = scale * (q - zero)
+Asymmetric grids fit [min(w, 0), max(w, 0)]; symmetric grids fit [-absmax, absmax] with
+zero = 2^(bits-1) (GPTQ's convention: scale = 2 * absmax / (2^bits - 1)).
+
+Two details keep checkpoints exact and portable:
+- scales are rounded to fp16 here, because the checkpoint stores them as fp16; the method's error
+  feedback then sees exactly the weights that a reader will decode.
+- asymmetric zeros are clamped to >= 1, because the GPTQ v1 layout stores zero - 1 and cannot
+  represent 0 (it would wrap). Only groups whose weights are all >= 0 are affected.
+"""
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+@dataclass(frozen=True)
+class Grid:
+    bits: int
+    sym: bool = True
+
+    @property
+    def maxq(self) -> int:
+        return 2**self.bits - 1
+
+
+def fit(w: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row scale and zero for `w` [rows, cols]; returns float32 tensors of shape [rows]."""
+    w = w.float()
+    xmin = w.min(dim=1).values.clamp(max=0)
+    xmax = w.max(dim=1).values.clamp(min=0)
+    if grid.sym:
+        xmax = torch.maximum(xmin.abs(), xmax)
+        xmin = -xmax
+    span = xmax - xmin
+    scale = torch.where(span > 0, span / grid.maxq, torch.ones_like(span))
+    scale = scale.half().float().clamp(min=2**-24)  # stored as fp16; keep it nonzero
+    if grid.sym:
+        zero = torch.full_like(scale, float(2 ** (grid.bits - 1)))
+    else:
+        zero = torch.round(-xmin / scale).clamp(1, grid.maxq)
+    return scale, zero
+
+
+def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Codes (float tensor holding integers) for `w`; scale/zero broadcast against w."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return scale * (q - zero)
+
+
+def fake_quantize(w: torch.Tensor, scale, zero, maxq: int) -> torch.Tensor:
+    return dequantize(quantize(w, scale, zero, maxq), scale, zero)
+
+
+def n_groups(in_features: int, group_size: int) -> int:
+    """Groups along the input dim; group_size -1 means one group per row. The last may be shorter."""
+    if group_size == -1:
+        return 1
+    return -(-in_features // group_size)
+
+
+def group_index(in_features: int, group_size: int) -> torch.Tensor:
+    """g_idx: the group of each input column (i // group_size), int32."""
+    if group_size == -1:
+        return torch.zeros(in_features, dtype=torch.int32)
+    return (torch.arange(in_features) // group_size).to(torch.int32)
