@@ -10,6 +10,8 @@ Checkpoint format "gptq" (v1) stores zero - 1 in qzeros (4-bit sym: every word 0
 "gptq_v2" stores the true zero. We write v1 (what vLLM, TGI and transformers read); our grids keep
 asymmetric zeros >= 1 so v1 never wraps. K or N not aligned to the packing unit are zero-padded.
 """
+import re
+
 import torch
 
 from quantkit.formats import bitpack
@@ -50,3 +52,58 @@ def dequantize(t: dict, bits: int, in_features: int, out_features: int, checkpoi
     g = t["g_idx"].long()
     w = t["scales"].float()[g] * (q - z[g])
     return w.t().contiguous()
+
+
+def model_tensors(state_dict: dict, results: dict, checkpoint_format="gptq") -> dict:
+    """The checkpoint's tensors: packed ones for quantized modules, everything else as it is."""
+    out = {}
+    for name, t in state_dict.items():
+        module, _, leaf = name.rpartition(".")
+        if module in results and leaf in ("weight", "bias"):
+            continue
+        out[name] = t
+    for module, res in results.items():
+        bias_dtype = state_dict.get(f"{module}.bias", torch.empty(0, dtype=torch.float16)).dtype
+        for suffix, t in to_tensors(res, checkpoint_format, bias_dtype).items():
+            out[f"{module}.{suffix}"] = t
+    return out
+
+
+def quantization_config(bits, group_size, sym, act_order, checkpoint_format, results: dict, all_linears,
+                        extra=None) -> dict:
+    """config.json's "quantization_config" for GPTQ-aware readers.
+
+    Per-module exceptions use GPTQModel's "dynamic" map: "+:^name$" -> {bits, group_size, sym} for a
+    module quantized differently from the defaults, "-:^name$" -> {} for a linear left in float.
+    """
+    dynamic = {}
+    for name in all_linears:
+        res = results.get(name)
+        if res is None:
+            dynamic[f"-:^{re.escape(name)}$"] = {}
+        elif (res.bits, res.group_size, res.sym) != (bits, group_size, sym):
+            dynamic[f"+:^{re.escape(name)}$"] = {"bits": res.bits, "group_size": res.group_size, "sym": res.sym}
+    qc = {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group_size,
+        "sym": sym,
+        "desc_act": act_order,
+        "static_groups": act_order,  # act-order here always uses static groups: g_idx stays i // group_size
+        "checkpoint_format": checkpoint_format,
+        "pack_dtype": "int32",
+    }
+    if dynamic:
+        qc["dynamic"] = dynamic
+    qc.update(extra or {})
+    return qc
+
+
+def module_settings(qc: dict, name: str) -> tuple[int, int, bool]:
+    """(bits, group_size, sym) of module `name` under a quantization_config (with "dynamic")."""
+    settings = {"bits": qc["bits"], "group_size": qc["group_size"], "sym": qc.get("sym", True)}
+    for key, override in (qc.get("dynamic") or {}).items():
+        sign, _, pattern = key.partition(":")
+        if sign == "+" and re.match(pattern, name):
+            settings.update({k: override[k] for k in settings if k in override})
+    return settings["bits"], settings["group_size"], settings["sym"]

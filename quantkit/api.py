@@ -1,0 +1,121 @@
+"""Python API: quantize() a model into a checkpoint folder; load_quantized() it back."""
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from quantkit import __version__
+from quantkit.config import QuantConfig, write_recipe
+from quantkit.errors import QuantkitError
+from quantkit.formats import checkpoint, gptq
+from quantkit.loading import load_quantized  # noqa: F401  (public API)
+from quantkit.methods.grid import Grid
+from quantkit.methods.rtn import rtn
+from quantkit.model.arch import arch_for, block_linears, get_submodule, is_linear, require_scale_groups
+from quantkit.model.loader import load_fp_model
+from quantkit.model.sequential import get_weight, run_sequential
+
+REPORT_NAME = "quantkit_report.json"
+RECIPE_NAME = "quantkit_recipe.yaml"
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise QuantkitError(f"--device {device} was asked for but no CUDA GPU is visible: use --device cpu or auto")
+    return device
+
+
+def quantizable_linears(model, arch) -> list[str]:
+    """Full names of the linears inside the decoder blocks (embeddings and lm_head are left alone)."""
+    blocks = get_submodule(model, arch.blocks)
+    names = []
+    for i, block in enumerate(blocks):
+        for rel in block_linears(arch):
+            module = get_submodule(block, rel)
+            if not is_linear(module):
+                raise QuantkitError(f"{arch.blocks}.{i}.{rel} is a {type(module).__name__}, not a linear layer")
+            names.append(f"{arch.blocks}.{i}.{rel}")
+    return names
+
+
+def _quantize_rtn(model, names, config):
+    results = {}
+    for name in tqdm(names, desc="rtn", unit="linear"):
+        spec = config.spec_for(name)
+        if spec is None:
+            continue
+        module = model.get_submodule(name)
+        t0 = time.perf_counter()
+        res = rtn(get_weight(module), Grid(spec.bits, spec.sym), spec.group_size, bias=getattr(module, "bias", None))
+        res.stats.update(method="rtn", seconds=time.perf_counter() - t0)
+        results[name] = res
+    return results
+
+
+def _layer_report(results) -> dict:
+    return {name: {"bits": r.bits, "group_size": r.group_size, "sym": r.sym,
+                   "shape": list(r.shape), **{k: v for k, v in r.stats.items()}}
+            for name, r in results.items()}
+
+
+def quantize(model: str, out, config: QuantConfig | None = None, device: str = "auto", dtype: str = "auto",
+             overwrite: bool = False, calibration_ids=None) -> dict:
+    """Quantize `model` (hub id or folder) into the checkpoint folder `out`; returns the report.
+
+    calibration_ids: optional LongTensor [nsamples, seqlen] used instead of loading config.dataset.
+    """
+    config = config or QuantConfig()
+    out = Path(out)
+    if out.exists() and not overwrite:  # fail before any heavy work
+        raise QuantkitError(f"output folder {out} already exists: choose another -o or pass --overwrite")
+    device = resolve_device(device)
+    t_start = time.perf_counter()
+    fp_model, tokenizer = load_fp_model(model, dtype)
+    arch = arch_for(fp_model)
+    names = quantizable_linears(fp_model, arch)
+    method = None
+    if config.needs_calibration:
+        if config.method in ("awq", "awq+gptq"):
+            require_scale_groups(fp_model, arch)
+        if calibration_ids is None:
+            from quantkit.data import calibration_ids as load_calibration
+
+            calibration_ids = load_calibration(tokenizer, config.dataset, config.nsamples, config.seqlen, config.seed)
+        from quantkit.methods.registry import CalibratedMethod
+
+        method = CalibratedMethod(config, arch)
+        results = run_sequential(fp_model, arch, calibration_ids, method, device, config.true_sequential)
+    else:
+        results = _quantize_rtn(fp_model, names, config)
+    report = {
+        "quantkit_version": __version__, "model": str(model), "method": config.method,
+        "seconds": round(time.perf_counter() - t_start, 2), "device": device,
+        "layers": _layer_report(results),
+    }
+    if method is not None and method.awq_report:
+        report["awq"] = method.awq_report
+    _write(fp_model, tokenizer, results, names, config, out, overwrite, report)
+    return report
+
+
+def _write(model, tokenizer, results, names, config, out, overwrite, report):
+    qc = gptq.quantization_config(
+        config.bits, config.group_size, config.sym, config.act_order, config.checkpoint_format, results, names,
+        extra={"true_sequential": config.true_sequential, "damp_percent": config.damp,
+               "quantizer": [f"quantkit:{__version__}"], "meta": {"method": config.method}})
+    tensors = gptq.model_tensors(model.state_dict(), results, config.checkpoint_format)
+    model_config = model.config.to_dict()
+    model_config["quantization_config"] = qc
+    with checkpoint.atomic_folder(out, overwrite) as tmp:
+        checkpoint.write_tensors(tmp, checkpoint.drop_shared(tensors), checkpoint.parse_size(config.max_shard_size))
+        checkpoint.write_json(tmp / "config.json", model_config)
+        checkpoint.write_json(tmp / "quantize_config.json", qc)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_recipe(config, tmp / RECIPE_NAME)
+        checkpoint.write_json(tmp / REPORT_NAME, report)

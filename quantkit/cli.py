@@ -1,0 +1,150 @@
+"""The `quantkit` command line: quantize, eval perplexity, inspect, demo."""
+import json
+import sys
+
+import click
+
+from quantkit.config import METHODS, QuantConfig, read_recipe
+from quantkit.errors import QuantkitError
+
+
+class _Group(click.Group):
+    """Turns QuantkitError (a user mistake) into one line on stderr and exit code 2, never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except QuantkitError as e:
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.version_option(package_name="quantkit")
+def main():
+    """Offline weight quantization for Hugging Face causal LMs (RTN, GPTQ, AWQ -> GPTQ-layout checkpoints)."""
+
+
+# Options that map 1:1 onto QuantConfig fields; the recipe fills the ones not given on the command line.
+_CONFIG_OPTIONS = [
+    click.option("--method", type=click.Choice(METHODS), default="rtn",
+                 help="rtn: round to nearest; gptq: Hessian-aware error feedback; awq: activation-aware scales "
+                      "folded into the model, then RTN; awq+gptq: AWQ scales, then GPTQ."),
+    click.option("--bits", type=int, default=4, help="Bits per weight: 2, 3, 4 or 8."),
+    click.option("--group-size", type=int, default=128,
+                 help="Input columns sharing one scale/zero; -1 = one group per row. A last shorter group is fine."),
+    click.option("--sym/--asym", default=True, help="Symmetric grid (zero fixed at 2^(bits-1)) or asymmetric min/max grid."),
+    click.option("--dataset", default="wikitext2",
+                 help="Calibration data: wikitext2, c4, pileval, or a local .txt/.jsonl/.json/.parquet file. "
+                      "Unused by rtn."),
+    click.option("--nsamples", type=int, default=128, help="Calibration windows."),
+    click.option("--seqlen", type=int, default=512, help="Tokens per calibration window."),
+    click.option("--seed", type=int, default=0, help="Seed for choosing calibration windows."),
+    click.option("--damp", type=float, default=0.01, help="GPTQ damping, as a fraction of the mean Hessian diagonal "
+                                                          "(raised automatically if the Cholesky fails)."),
+    click.option("--block-size", type=int, default=128, help="GPTQ columns per lazy-update block."),
+    click.option("--act-order/--no-act-order", default=False,
+                 help="GPTQ: quantize columns by descending Hessian diagonal (static groups keep g_idx monotonic)."),
+    click.option("--true-sequential/--no-true-sequential", default=True,
+                 help="Calibrate each stage of a block (q/k/v, o, gate/up, down) on the outputs of the already "
+                      "quantized stages before it."),
+    click.option("--awq-grid", type=int, default=20, help="AWQ: number of alpha values tried on [0, 1)."),
+    click.option("--awq-clip/--no-awq-clip", default=True, help="AWQ: search a per-group clipping range too."),
+    click.option("--checkpoint-format", type=click.Choice(["gptq", "gptq_v2"]), default="gptq",
+                 help="gptq (v1, zero-1 stored; what vLLM/TGI/transformers read) or gptq_v2 (true zeros)."),
+    click.option("--max-shard-size", default="4GB", help="Largest safetensors shard; bigger models get an index."),
+]
+
+
+def _config_options(f):
+    for opt in reversed(_CONFIG_OPTIONS):
+        f = opt(f)
+    return f
+
+
+def build_config(ctx, params: dict, recipe_path) -> QuantConfig:
+    """Defaults < recipe file < options given on the command line."""
+    from click.core import ParameterSource
+
+    values = read_recipe(recipe_path) if recipe_path else {}
+    for name, value in params.items():
+        if name in QuantConfig.__dataclass_fields__:
+            explicit = ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+            if explicit or name not in values:
+                values[name] = value
+    return QuantConfig(**values)
+
+
+@main.command()
+@click.argument("model")
+@click.option("-o", "--output", "out", required=True, type=click.Path(), help="Checkpoint folder to write.")
+@_config_options
+@click.option("--recipe", type=click.Path(), default=None,
+              help="YAML/TOML file of options and per-module overrides (command-line options win).")
+@click.option("--device", default="auto", help="Compute device: cpu, cuda, cuda:N or auto (GPU if available).")
+@click.option("--dtype", default="auto", help="Dtype to load the source model in: auto, float32, float16, bfloat16.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new checkpoint is complete).")
+@click.pass_context
+def quantize(ctx, model, out, recipe, device, dtype, overwrite, **params):
+    """Quantize MODEL (hub id or local folder) into the checkpoint folder OUT."""
+    from quantkit.api import quantize as run
+    from quantkit.report import layer_table
+
+    config = build_config(ctx, params, recipe)
+    report = run(model, out, config, device=device, dtype=dtype, overwrite=overwrite)
+    click.echo(layer_table(report))
+    click.echo(f"wrote {out} ({len(report['layers'])} quantized linears, {report['seconds']:.1f} s)")
+
+
+@main.group()
+def eval():  # noqa: A001  (the command is called eval)
+    """Evaluate a floating-point or quantized model."""
+
+
+@eval.command()
+@click.argument("path")
+@click.option("--dataset", default="wikitext2", help="wikitext2, c4, pileval (eval split) or a local text file.")
+@click.option("--seqlen", type=int, default=512, help="Tokens per non-overlapping window.")
+@click.option("--max-tokens", type=int, default=None, help="Evaluate only the first T tokens (default: all).")
+@click.option("--device", default="auto", help="cpu, cuda, cuda:N or auto.")
+@click.option("--dtype", default=None, help="Activation dtype (default: fp32 on CPU, fp16/bf16 on GPU).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ppl, nll, tokens, windows, seqlen).")
+def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json):
+    """Perplexity of PATH (a model folder/hub id, or a quantized folder) with the standard protocol."""
+    from quantkit.report import evaluate_path
+
+    result = evaluate_path(path, dataset, seqlen, max_tokens, device, dtype, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo(f"perplexity {result['ppl']:.4f} over {result['tokens']} tokens "
+                   f"({result['windows']} windows of {seqlen}) on {dataset}")
+
+
+@main.command()
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def inspect(path, as_json):
+    """Per-layer method, bits, group size, bits per weight and total size of a quantized folder."""
+    from quantkit.report import inspect_checkpoint, inspect_table
+
+    info = inspect_checkpoint(path)
+    click.echo(json.dumps(info, indent=2) if as_json else inspect_table(info))
+
+
+@main.command()
+@click.option("-o", "--output", "out", type=click.Path(), default=None,
+              help="Keep the quantized checkpoint here (default: a temporary folder, deleted afterwards).")
+@click.option("--bits", type=int, default=4, help="Bits per weight.")
+@click.option("--group-size", type=int, default=32, help="Group size (the bundled model is 64 wide).")
+@click.option("--method", type=click.Choice(METHODS), default="rtn", help="Quantization method.")
+@click.option("--tokens", type=int, default=16384, help="Self-generated evaluation/calibration tokens.")
+def demo(out, bits, group_size, method, tokens):
+    """Quantize the bundled tiny Llama (stories260k) offline and print fp vs quantized perplexity."""
+    from quantkit.demo import run_demo
+
+    click.echo(run_demo(out, bits, group_size, method, tokens))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

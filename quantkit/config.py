@@ -1,0 +1,146 @@
+"""QuantConfig: every option of a quantization run, validated once; recipes load into it.
+
+A recipe is a YAML or TOML file whose keys mirror the CLI options (dashes or underscores) plus a
+`modules` list of per-module overrides, applied in order to each quantizable module's full name:
+
+    method: gptq
+    bits: 4
+    group_size: 128
+    modules:
+      - pattern: 'model\\.layers\\.0\\.mlp\\.down_proj'   # regex, re.search on the full name
+        bits: 8
+      - pattern: 'self_attn\\.o_proj'
+        skip: true                                       # leave this one in floating point
+"""
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from quantkit.errors import QuantkitError
+from quantkit.methods.grid import SUPPORTED_BITS
+
+METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+OVERRIDE_KEYS = {"pattern", "bits", "group_size", "sym", "skip"}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """How one module is quantized after overrides."""
+    bits: int
+    group_size: int
+    sym: bool
+
+
+def check_bits(bits, where="--bits"):
+    if bits not in SUPPORTED_BITS:
+        raise QuantkitError(f"{where} {bits} is not supported: choose one of {', '.join(map(str, SUPPORTED_BITS))}")
+
+
+def check_group_size(group_size, where="--group-size"):
+    if not isinstance(group_size, int) or group_size == 0 or group_size < -1:
+        raise QuantkitError(f"{where} {group_size} is invalid: use -1 (one group per row) or a positive size such as 128")
+
+
+@dataclass
+class QuantConfig:
+    method: str = "rtn"
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    dataset: str = "wikitext2"
+    nsamples: int = 128
+    seqlen: int = 512
+    seed: int = 0
+    damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = False
+    true_sequential: bool = True
+    awq_grid: int = 20
+    awq_clip: bool = True
+    checkpoint_format: str = "gptq"
+    max_shard_size: str = "4GB"
+    modules: list = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise QuantkitError(f"unknown method '{self.method}': choose one of {', '.join(METHODS)}")
+        check_bits(self.bits)
+        check_group_size(self.group_size)
+        for name in ("nsamples", "seqlen", "block_size", "awq_grid"):
+            if getattr(self, name) < 1:
+                raise QuantkitError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        if not 0 < self.damp <= 1:
+            raise QuantkitError(f"--damp {self.damp} is out of range: use a fraction in (0, 1], e.g. 0.01")
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise QuantkitError(f"unknown checkpoint format '{self.checkpoint_format}': use gptq or gptq_v2")
+        self.modules = [self._check_override(o, i) for i, o in enumerate(self.modules)]
+
+    @staticmethod
+    def _check_override(o, i) -> dict:
+        where = f"recipe modules[{i}]"
+        if not isinstance(o, dict) or "pattern" not in o:
+            raise QuantkitError(f"{where} needs a 'pattern' (regex on module names) and settings such as bits: 8 or skip: true")
+        unknown = set(o) - OVERRIDE_KEYS
+        if unknown:
+            raise QuantkitError(f"{where} has unknown keys {sorted(unknown)}: allowed are {sorted(OVERRIDE_KEYS)}")
+        try:
+            re.compile(o["pattern"])
+        except re.error as e:
+            raise QuantkitError(f"{where} pattern {o['pattern']!r} is not a valid regex: {e}") from e
+        if "bits" in o:
+            check_bits(o["bits"], f"{where} bits")
+        if "group_size" in o:
+            check_group_size(o["group_size"], f"{where} group_size")
+        return dict(o)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method != "rtn"
+
+    def spec_for(self, name: str) -> Optional[LayerSpec]:
+        """The settings for module `name`, or None when an override skips it."""
+        spec = {"bits": self.bits, "group_size": self.group_size, "sym": self.sym}
+        for o in self.modules:
+            if re.search(o["pattern"], name):
+                if o.get("skip"):
+                    return None
+                spec.update({k: o[k] for k in ("bits", "group_size", "sym") if k in o})
+        return LayerSpec(**spec)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def read_recipe(path) -> dict:
+    """Recipe file -> dict of QuantConfig fields (keys normalised to underscores)."""
+    path = Path(path)
+    if not path.is_file():
+        raise QuantkitError(f"recipe file {path} not found: pass an existing .yaml/.yml/.toml file")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            raw = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            raw = yaml.safe_load(text) or {}
+        else:
+            raise QuantkitError(f"recipe {path} has an unknown extension: use .yaml, .yml or .toml")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
+        raise QuantkitError(f"recipe {path} is not valid {path.suffix[1:].upper()}: {e}") from e
+    if not isinstance(raw, dict):
+        raise QuantkitError(f"recipe {path} must be a mapping of option names to values")
+    data = {k.replace("-", "_"): v for k, v in raw.items()}
+    known = {f.name for f in dataclasses.fields(QuantConfig)}
+    unknown = set(data) - known
+    if unknown:
+        raise QuantkitError(f"recipe {path} has unknown keys {sorted(unknown)}: allowed are {sorted(known)}")
+    return data
+
+
+def write_recipe(config: QuantConfig, path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -1,0 +1,126 @@
+"""Architecture knowledge as data: one small entry per model family, no subclass per model.
+
+For each `config.model_type`:
+  blocks      dotted path from the CausalLM to the ModuleList of decoder blocks
+  sequential  the block's linears in true-sequential order, as stages: a stage's linears read the same
+              input, and a later stage reads outputs of an earlier one (q/k/v, then o, then gate/up, ...)
+  scale_groups (AWQ) each (prev_op, linears): the op whose output feeds exactly those linears, into which
+              1/s is folded. prev_op is a norm (weight, bias) or a linear whose output dim equals the
+              linears' input dim with only a positively homogeneous op between (v->o, up->down,
+              fc1->ReLU->fc2). A group whose shapes don't allow folding (v->o under GQA) is skipped at
+              run time.
+  norm_offset Gemma-style RMSNorm computes x * (1 + weight); folding must respect it.
+An unknown family still quantizes with RTN/GPTQ (blocks found by shape, all linears in one stage);
+AWQ needs an entry and says what is missing.
+"""
+from dataclasses import dataclass
+
+from torch import nn
+
+from quantkit.errors import QuantkitError
+
+
+@dataclass(frozen=True)
+class Arch:
+    blocks: str
+    sequential: tuple[tuple[str, ...], ...]
+    scale_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    norm_offset: float = 0.0
+
+
+_LLAMA = Arch(
+    blocks="model.layers",
+    sequential=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+                ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)),
+    scale_groups=(("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                  ("self_attn.v_proj", ("self_attn.o_proj",)),
+                  ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+                  ("mlp.up_proj", ("mlp.down_proj",))),
+)
+
+ARCHS: dict[str, Arch] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": _LLAMA,
+    "gemma": Arch(_LLAMA.blocks, _LLAMA.sequential, _LLAMA.scale_groups, norm_offset=1.0),
+    "opt": Arch(
+        blocks="model.decoder.layers",
+        sequential=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.out_proj",),
+                    ("fc1",), ("fc2",)),
+        scale_groups=(("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                      ("self_attn.v_proj", ("self_attn.out_proj",)),
+                      ("final_layer_norm", ("fc1",)),
+                      ("fc1", ("fc2",))),  # ReLU between: relu(x/s) = relu(x)/s for s > 0
+    ),
+    "gpt_neox": Arch(
+        blocks="gpt_neox.layers",
+        sequential=(("attention.query_key_value",), ("attention.dense",), ("mlp.dense_h_to_4h",),
+                    ("mlp.dense_4h_to_h",)),
+        scale_groups=(("input_layernorm", ("attention.query_key_value",)),
+                      ("post_attention_layernorm", ("mlp.dense_h_to_4h",))),
+    ),
+    "gpt2": Arch(
+        blocks="transformer.h",
+        sequential=(("attn.c_attn",), ("attn.c_proj",), ("mlp.c_fc",), ("mlp.c_proj",)),
+        scale_groups=(("ln_1", ("attn.c_attn",)), ("ln_2", ("mlp.c_fc",))),
+    ),
+    "phi": Arch(
+        blocks="model.layers",
+        sequential=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.fc1"),
+                    ("self_attn.dense", "mlp.fc2")),
+        # parallel block: one norm feeds attention and MLP
+        scale_groups=(("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.fc1")),
+                      ("self_attn.v_proj", ("self_attn.dense",))),
+    ),
+    "phi3": Arch(
+        blocks="model.layers",
+        sequential=(("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
+        scale_groups=(("input_layernorm", ("self_attn.qkv_proj",)),
+                      ("post_attention_layernorm", ("mlp.gate_up_proj",))),
+    ),
+}
+
+
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear or GPT-2's Conv1D (weight stored [in, out])."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def get_submodule(root: nn.Module, path: str) -> nn.Module:
+    try:
+        return root.get_submodule(path)
+    except AttributeError as e:
+        raise QuantkitError(f"model has no module '{path}' ({e}): its architecture table entry is wrong") from e
+
+
+def find_blocks_path(model: nn.Module) -> str:
+    """The longest ModuleList whose entries hold linears: the decoder blocks of an unknown family."""
+    best, best_len = None, 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > best_len:
+            if any(is_linear(m) for m in mod[0].modules()):
+                best, best_len = name, len(mod)
+    if best is None:
+        raise QuantkitError("could not find the decoder blocks of this model: add its family to quantkit/model/arch.py")
+    return best
+
+
+def arch_for(model: nn.Module) -> Arch:
+    model_type = getattr(model.config, "model_type", None)
+    if model_type in ARCHS:
+        return ARCHS[model_type]
+    blocks = get_submodule(model, find_blocks_path(model))
+    linears = tuple(n for n, m in blocks[0].named_modules() if is_linear(m))
+    return Arch(blocks=find_blocks_path(model), sequential=(linears,))
+
+
+def require_scale_groups(model: nn.Module, arch: Arch) -> None:
+    if not arch.scale_groups:
+        raise QuantkitError(
+            f"AWQ has no scale-group table for model_type '{model.config.model_type}': add which norm or linear "
+            "feeds which linears to ARCHS in quantkit/model/arch.py, or use --method gptq/rtn")
+
+
+def block_linears(arch: Arch) -> list[str]:
+    return [name for stage in arch.sequential for name in stage]

@@ -1,0 +1,161 @@
+"""The sequential block loop shared by every calibrated method (GPTQ, AWQ, AWQ+GPTQ).
+
+1. capture the inputs of decoder block 0 (hidden states plus the keyword arguments the blocks take:
+   attention mask, position ids/embeddings; cache off) by running the model until block 0 is called;
+2. for each block: move it to the compute device, let the method prepare it (AWQ scales), then per
+   true-sequential stage: hook the stage's linears, forward the calibration samples, quantize them
+   and write the quantized weights back; finally forward again with the quantized weights: those
+   outputs are the next block's inputs (so later blocks calibrate on what they will really see).
+Only the current block sits on the compute device; calibration activations live on `store_device`.
+"""
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from quantkit.model.arch import Arch, get_submodule
+
+
+class _StopForward(Exception):
+    pass
+
+
+def get_weight(module: nn.Module) -> torch.Tensor:
+    """Weight as [out, in] (GPT-2's Conv1D stores [in, out])."""
+    w = module.weight.data
+    return w.t() if type(module).__name__ == "Conv1D" else w
+
+
+def set_weight(module: nn.Module, w: torch.Tensor) -> None:
+    w = w.t() if type(module).__name__ == "Conv1D" else w
+    module.weight.data.copy_(w.to(module.weight.dtype))
+
+
+def _move_except_blocks(model: nn.Module, blocks_path: str, device) -> None:
+    """Move every parameter and buffer outside the decoder blocks (embeddings, rotary, final norm)."""
+    for name, module in model.named_modules():
+        if name == blocks_path or name.startswith(blocks_path + "."):
+            continue
+        for key, t in list(module._parameters.items()) + list(module._buffers.items()):
+            if t is not None and t.device != torch.device(device):
+                t.data = t.data.to(device)
+
+
+def _first_tensor(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def capture_block_inputs(model, arch: Arch, input_ids: torch.Tensor, device, store_device="cpu"):
+    """Inputs of block 0 for each calibration sample: (list of hidden states [1, L, H], kwargs)."""
+    blocks = get_submodule(model, arch.blocks)
+    inputs, kwargs_box = [], {}
+
+    def grab(module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        inputs.append(hidden.detach().to(store_device))
+        kwargs_box.update({k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")})
+        raise _StopForward
+
+    _move_except_blocks(model, arch.blocks, device)
+    blocks[0].to(device)
+    handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            for row in input_ids:
+                try:
+                    model(row.unsqueeze(0).to(device), use_cache=False)
+                except _StopForward:
+                    pass
+    finally:
+        handle.remove()
+        blocks[0].to("cpu")
+        _move_except_blocks(model, arch.blocks, "cpu")
+    kwargs_box["use_cache"] = False
+    return inputs, kwargs_box
+
+
+@contextmanager
+def input_hooks(block: nn.Module, names, sink: Callable[[str, torch.Tensor], None]):
+    """While active, every forward of block.<name> passes its input to sink(name, x)."""
+    handles = []
+    for name in names:
+        module = block.get_submodule(name)
+        handles.append(module.register_forward_hook(lambda m, args, out, n=name: sink(n, args[0].detach())))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class BlockRunner:
+    """Forwards the calibration samples through one block on the compute device."""
+
+    def __init__(self, block, inputs, kwargs, device):
+        self.block, self.inputs, self.device = block, inputs, device
+        self.kwargs = {k: _to(v, device) for k, v in kwargs.items()}
+
+    def forward_all(self, keep_outputs=False, store_device="cpu"):
+        outs = []
+        with torch.inference_mode():
+            for x in self.inputs:
+                y = _first_tensor(self.block(x.to(self.device), **self.kwargs))
+                if keep_outputs:
+                    outs.append(y.detach().to(store_device))
+        return outs
+
+    def capture(self, names) -> dict[str, torch.Tensor]:
+        """Inputs of the named linears over all samples, as [tokens, in] on the compute device."""
+        got = {n: [] for n in names}
+        with input_hooks(self.block, names, lambda n, x: got[n].append(x.reshape(-1, x.shape[-1]))):
+            self.forward_all()
+        return {n: torch.cat(v) for n, v in got.items()}
+
+
+def _to(v, device):
+    if isinstance(v, torch.Tensor):
+        return v.to(device)
+    if isinstance(v, tuple):
+        return tuple(_to(t, device) for t in v)
+    return v
+
+
+def run_sequential(model, arch: Arch, input_ids, method, device, true_sequential=True, store_device="cpu"):
+    """Quantize every block in order; returns {full module name: QuantResult}.
+
+    `method` provides: prepare_block(runner, block, prefix) (may rescale weights, e.g. AWQ),
+    names(block_prefix, stage) -> the names in the stage it quantizes,
+    observer(full_name, weight) -> object with add_batch(x), and
+    quantize(full_name, observer, module) -> QuantResult.
+    """
+    blocks = get_submodule(model, arch.blocks)
+    inputs, kwargs = capture_block_inputs(model, arch, input_ids, device, store_device)
+    stages = arch.sequential if true_sequential else (tuple(n for s in arch.sequential for n in s),)
+    results = {}
+    for i, block in enumerate(tqdm(blocks, desc="blocks", unit="block")):
+        prefix = f"{arch.blocks}.{i}"
+        block.to(device)
+        runner = BlockRunner(block, inputs, kwargs, device)
+        method.prepare_block(runner, block, prefix)
+        for stage in stages:
+            names = method.names(prefix, stage)
+            if not names:
+                continue
+            observers = {n: method.observer(f"{prefix}.{n}", get_weight(block.get_submodule(n))) for n in names}
+            with input_hooks(block, names, lambda n, x: observers[n].add_batch(x)):
+                runner.forward_all()
+            for n in names:
+                module = block.get_submodule(n)
+                t0 = time.perf_counter()
+                res = method.quantize(f"{prefix}.{n}", observers.pop(n), module)
+                res.stats.setdefault("seconds", time.perf_counter() - t0)
+                set_weight(module, res.dequantize())
+                results[f"{prefix}.{n}"] = res
+        inputs = runner.forward_all(keep_outputs=True, store_device=store_device)
+        block.to("cpu")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results

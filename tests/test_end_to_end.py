@@ -1,0 +1,141 @@
+"""Tiny random models: quantize -> write -> load_quantized -> logits match a fake-quant reference."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from quantkit.api import quantize
+from quantkit.config import QuantConfig
+from quantkit.formats import checkpoint, gptq
+from quantkit.loading import load_quantized
+from quantkit.methods.grid import Grid
+from quantkit.methods.rtn import rtn
+from quantkit.model.loader import load_fp_model
+from quantkit.model.sequential import get_weight, set_weight
+from quantkit.nn.quant_linear import QuantLinear
+
+IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def fake_quant_reference(folder, config):
+    """The fp model with every quantized linear replaced by RTN's dequantized weight."""
+    model, _ = load_fp_model(str(folder), "float32")
+    for name, module in model.named_modules():
+        if ".layers." in name or ".h." in name:
+            spec = config.spec_for(name)
+            if spec and (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
+                set_weight(module, rtn(get_weight(module), Grid(spec.bits, spec.sym), spec.group_size).dequantize())
+    return model
+
+
+def logits(model):
+    with torch.inference_mode():
+        return model(IDS).logits.float()
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-gqa", "llama-tied-bias", "opt", "gpt2"])
+@pytest.mark.parametrize("bits,group_size,sym", [(4, 32, True), (3, 48, False), (2, -1, False), (8, 128, True)])
+def test_rtn_checkpoint_matches_fake_quant(model_factory, tmp_path, kind, bits, group_size, sym):
+    src = model_factory(kind)
+    config = QuantConfig(method="rtn", bits=bits, group_size=group_size, sym=sym)
+    out = tmp_path / "q"
+    quantize(str(src), out, config, device="cpu")
+    model = load_quantized(out)
+    n_quant = sum(isinstance(m, QuantLinear) for m in model.modules())
+    assert n_quant == len(json.loads((out / "quantkit_report.json").read_text())["layers"]) > 0
+    ref = fake_quant_reference(src, config)
+    torch.testing.assert_close(logits(model), logits(ref), rtol=1e-4, atol=1e-4)
+
+
+def test_loaded_model_holds_no_fp_weights_of_quantized_layers(model_factory, tmp_path):
+    out = tmp_path / "q"
+    quantize(str(model_factory("llama-gqa")), out, QuantConfig(bits=4, group_size=32), device="cpu")
+    model = load_quantized(out)
+    q = model.model.layers[0].self_attn.k_proj
+    assert isinstance(q, QuantLinear) and q.out_features == 32  # GQA: 2 kv heads x 16
+    assert not any(n.endswith("k_proj.weight") for n, _ in model.named_parameters())
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert "model.layers.0.self_attn.k_proj.weight" not in f.keys()
+        assert "lm_head.weight" in f.keys()
+
+
+def test_tied_embeddings_and_bias_survive(model_factory, tmp_path):
+    out = tmp_path / "q"
+    quantize(str(model_factory("llama-tied-bias")), out, QuantConfig(bits=4, group_size=32), device="cpu")
+    model = load_quantized(out)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+
+
+def test_gptq_checkpoint_reproduces_in_loop_weights(model_factory, tmp_path):
+    """The weights GPTQ used while calibrating the next blocks are exactly what the checkpoint decodes to."""
+    src = model_factory("llama-gqa")
+    out = tmp_path / "q"
+    config = QuantConfig(method="gptq", bits=3, group_size=32, nsamples=4, seqlen=32)
+    calib = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(1))
+    quantize(str(src), out, config, device="cpu", calibration_ids=calib)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["bits"] == 3 and qc["checkpoint_format"] == "gptq"
+    tensors = checkpoint.read_tensors(out)
+    ref, _ = load_fp_model(str(src), "float32")
+    for name, module in ref.named_modules():
+        if f"{name}.qweight" in tensors:
+            t = {s: tensors[f"{name}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx")}
+            set_weight(module, gptq.dequantize(t, 3, module.in_features, module.out_features))
+    torch.testing.assert_close(logits(load_quantized(out)), logits(ref), rtol=1e-4, atol=1e-4)
+    report = json.loads((out / "quantkit_report.json").read_text())
+    assert all(0 <= r["error"] < 1 for r in report["layers"].values())
+
+
+def test_per_module_overrides(model_factory, tmp_path):
+    out = tmp_path / "q"
+    config = QuantConfig(bits=4, group_size=32, modules=[
+        {"pattern": r"layers\.0\.mlp\.down_proj", "bits": 8},
+        {"pattern": r"o_proj", "skip": True}])
+    quantize(str(model_factory("llama")), out, config, device="cpu")
+    model = load_quantized(out)
+    assert model.model.layers[0].mlp.down_proj.bits == 8
+    assert model.model.layers[1].mlp.down_proj.bits == 4
+    assert isinstance(model.model.layers[0].self_attn.o_proj, torch.nn.Linear)
+    torch.testing.assert_close(logits(model), logits(fake_quant_reference(model_factory("llama"), config)),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_sharded_checkpoint_has_index(model_factory, tmp_path):
+    out = tmp_path / "q"
+    quantize(str(model_factory("llama")), out, QuantConfig(max_shard_size="40KB"), device="cpu")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert not (out / "model.safetensors").exists()
+    load_quantized(out)
+
+
+def test_failed_run_leaves_nothing(model_factory, tmp_path, monkeypatch):
+    out = tmp_path / "q"
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(checkpoint, "save_file", boom)
+    with pytest.raises(RuntimeError):
+        quantize(str(model_factory("llama")), out, QuantConfig(), device="cpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_replaces_only_when_complete(model_factory, tmp_path):
+    out = tmp_path / "q"
+    quantize(str(model_factory("llama")), out, QuantConfig(bits=4), device="cpu")
+    quantize(str(model_factory("llama")), out, QuantConfig(bits=8), device="cpu", overwrite=True)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+
+
+def test_bf16_model(model_factory, tmp_path):
+    src = model_factory("llama-gqa")
+    out = tmp_path / "q"
+    quantize(str(src), out, QuantConfig(bits=4, group_size=32), device="cpu", dtype="bfloat16")
+    model = load_quantized(out, dtype="bfloat16")
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.isfinite(logits(model)).all()

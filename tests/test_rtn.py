@@ -1,0 +1,86 @@
+import pytest
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.methods.grid import Grid
+from quantkit.methods.rtn import rtn
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("in_features,group_size", [(128, 32), (72, 32), (96, -1), (40, 128)])
+def test_rtn_shapes_and_grid_bound(bits, sym, in_features, group_size):
+    torch.manual_seed(bits * 100 + in_features)
+    out = 48
+    w = torch.randn(out, in_features) * torch.linspace(0.1, 3.0, in_features)
+    res = rtn(w, Grid(bits, sym), group_size)
+    size = in_features if group_size == -1 else group_size
+    ng = -(-in_features // size)
+
+    assert res.qweight.shape == (out, in_features) and res.qweight.dtype == torch.int32
+    assert res.scales.shape == (out, ng) and res.scales.dtype == torch.float32
+    assert res.zeros.shape == (out, ng) and res.zeros.dtype == torch.int32
+    assert res.g_idx.dtype == torch.int32
+    assert torch.equal(res.g_idx, (torch.arange(in_features) // size).to(torch.int32))
+    assert (res.bits, res.group_size, res.sym) == (bits, group_size, sym)
+    assert res.qweight.min() >= 0 and res.qweight.max() <= 2**bits - 1
+    assert torch.equal(res.scales, res.scales.half().float())  # fp16-representable
+    if sym:
+        assert (res.zeros == 2 ** (bits - 1)).all()
+    else:
+        assert res.zeros.min() >= 1 and res.zeros.max() <= 2**bits - 1
+
+    w_hat = res.dequantize()
+    assert w_hat.shape == w.shape
+    scale = res.scales[:, res.g_idx.long()]
+    err = (w - w_hat).abs()
+    # round-to-nearest: |w - w_hat| <= scale / 2; the only excess comes from the clamp at the top
+    # code when the fp16 rounding of the scale shrank the grid (<= 2^-11 of the group's span).
+    absmax = torch.stack([w[:, g * size:(g + 1) * size].abs().amax(1) for g in range(ng)], 1)
+    slack = absmax[:, res.g_idx.long()] * 2.0**-10 + 1e-7
+    assert (err <= scale / 2 + slack).all()
+    assert (err <= scale / 2 * (1 + 1e-6)).float().mean() > 0.85  # sym: each group's absmax sits on a half step
+    # every column of a group decodes with that group's scale and zero, groups independent
+    for g in range(ng):
+        c0, c1 = g * size, min((g + 1) * size, in_features)
+        part = rtn(w[:, c0:c1], Grid(bits, sym), -1)
+        assert torch.equal(part.qweight, res.qweight[:, c0:c1])
+        assert torch.equal(part.scales[:, 0], res.scales[:, g])
+
+
+def test_rtn_error_shrinks_with_bits():
+    torch.manual_seed(0)
+    w = torch.randn(64, 128)
+    errs = [((w - rtn(w, Grid(b, False), 32).dequantize()) ** 2).mean().item() for b in (2, 3, 4, 8)]
+    assert errs[0] > errs[1] > errs[2] > errs[3]
+    assert errs[2] / errs[1] < 0.35 and errs[3] < 1e-3 * errs[0]
+
+
+def test_rtn_special_rows():
+    w = torch.zeros(3, 16)
+    w[1] = torch.rand(16) + 0.5   # all positive: asym zero is clamped to 1 (GPTQ v1 layout)
+    w[2, 5] = -2.0                # single nonzero
+    for sym in (True, False):
+        res = rtn(w, Grid(4, sym), -1)
+        w_hat = res.dequantize()
+        assert torch.isfinite(w_hat).all()
+        assert (w_hat[0] == 0).all()
+        assert (w_hat[2, 5] + 2.0).abs() <= res.scales[2, 0] / 2 * (1 + 2e-3)
+        assert (w_hat[2, torch.arange(16) != 5] == 0).all()
+        scale = res.scales[1, 0]
+        assert ((w[1] - w_hat[1]).abs() <= scale * 1.01).all()
+    assert rtn(w, Grid(4, False), -1).zeros[1, 0] == 1
+
+
+def test_rtn_bias_and_dtype_passthrough():
+    w = torch.randn(8, 32, dtype=torch.float16)
+    b = torch.randn(8)
+    res = rtn(w, Grid(4), 16, bias=b)
+    assert res.bias is b
+    assert res.dequantize().dtype == torch.float32
+
+
+@pytest.mark.parametrize("bits,group_size", [(5, 32), (4, 0), (4, -2)])
+def test_rtn_rejects_bad_args(bits, group_size):
+    with pytest.raises(QuantkitError):
+        rtn(torch.randn(4, 32), Grid(bits), group_size)
