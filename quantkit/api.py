@@ -13,7 +13,7 @@ from quantkit.loading import load_quantized  # noqa: F401  (public API)
 from quantkit.methods.grid import Grid
 from quantkit.methods.rtn import rtn
 from quantkit.model.arch import arch_for, block_linears, get_submodule, is_linear, require_scale_groups
-from quantkit.model.loader import load_fp_model
+from quantkit.model.loader import load_fp_model, stored_dtype
 from quantkit.model.sequential import get_weight, run_sequential
 
 REPORT_NAME = "quantkit_report.json"
@@ -73,7 +73,10 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
         raise QuantkitError(f"output folder {out} already exists: choose another -o or pass --overwrite")
     device = resolve_device(device)
     t_start = time.perf_counter()
-    fp_model, tokenizer = load_fp_model(model, dtype)
+    # CPU half-precision matmuls are slow: calibrate in fp32 there, but write the source's dtype.
+    compute_dtype = "float32" if device == "cpu" and dtype == "auto" else dtype
+    fp_model, tokenizer = load_fp_model(model, compute_dtype)
+    save_dtype = stored_dtype(fp_model) if dtype == "auto" else fp_model.dtype
     arch = arch_for(fp_model)
     names = quantizable_linears(fp_model, arch)
     method = None
@@ -97,20 +100,23 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     }
     if method is not None and method.awq_report:
         report["awq"] = method.awq_report
-    _write(fp_model, tokenizer, results, names, config, out, overwrite, report)
+    _write(fp_model, tokenizer, results, names, config, out, overwrite, report, save_dtype)
     return report
 
 
-def _write(model, tokenizer, results, names, config, out, overwrite, report):
+def _write(model, tokenizer, results, names, config, out, overwrite, report, save_dtype):
     qc = gptq.quantization_config(
         config.bits, config.group_size, config.sym, config.act_order, config.checkpoint_format, results, names,
         extra={"true_sequential": config.true_sequential, "damp_percent": config.damp,
                "quantizer": [f"quantkit:{__version__}"], "meta": {"method": config.method}})
-    tensors = gptq.model_tensors(model.state_dict(), results, config.checkpoint_format)
+    state = checkpoint.drop_shared(model.state_dict())  # before casting, which would untie storages
+    state = {k: v.to(save_dtype) if v.is_floating_point() else v for k, v in state.items()}
+    tensors = gptq.model_tensors(state, results, config.checkpoint_format)
     model_config = model.config.to_dict()
+    model_config["dtype"] = str(save_dtype).removeprefix("torch.")
     model_config["quantization_config"] = qc
     with checkpoint.atomic_folder(out, overwrite) as tmp:
-        checkpoint.write_tensors(tmp, checkpoint.drop_shared(tensors), checkpoint.parse_size(config.max_shard_size))
+        checkpoint.write_tensors(tmp, tensors, checkpoint.parse_size(config.max_shard_size))
         checkpoint.write_json(tmp / "config.json", model_config)
         checkpoint.write_json(tmp / "quantize_config.json", qc)
         if getattr(model, "generation_config", None) is not None:

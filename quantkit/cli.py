@@ -82,7 +82,9 @@ def build_config(ctx, params: dict, recipe_path) -> QuantConfig:
 @click.option("--recipe", type=click.Path(), default=None,
               help="YAML/TOML file of options and per-module overrides (command-line options win).")
 @click.option("--device", default="auto", help="Compute device: cpu, cuda, cuda:N or auto (GPU if available).")
-@click.option("--dtype", default="auto", help="Dtype to load the source model in: auto, float32, float16, bfloat16.")
+@click.option("--dtype", default="auto",
+              help="Source model dtype: auto (as stored; calibrated in fp32 on CPU, where half matmuls are slow), "
+                   "float32, float16 or bfloat16. Unquantized tensors are written in it.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new checkpoint is complete).")
 @click.pass_context
 def quantize(ctx, model, out, recipe, device, dtype, overwrite, **params):

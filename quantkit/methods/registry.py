@@ -4,6 +4,8 @@ The loop (quantkit.model.sequential) asks a method for: prepare_block (AWQ resca
 (which linears of a stage it quantizes), observer (accumulates calibration statistics: the Hessian
 X Xᵀ, used by GPTQ and by the error report of every method) and quantize (-> QuantResult).
 """
+from tqdm.auto import tqdm
+
 from quantkit.config import QuantConfig
 from quantkit.methods.gptq import GPTQ, output_error
 from quantkit.methods.grid import Grid
@@ -42,6 +44,8 @@ class CalibratedMethod:
                                     damp=self.config.damp, act_order=self.config.act_order, bias=bias)
         else:
             res = rtn(observer.weight, grid, spec.group_size, bias=bias)
+        if res.stats.get("message"):  # e.g. damping raised after a failed Cholesky
+            tqdm.write(f"{full_name}: {res.stats['message']}")
         res.stats["method"] = self.config.method
         res.stats["error"] = output_error(observer.weight, res.dequantize(), observer.H)
         observer.free()

@@ -23,6 +23,14 @@ def looks_local(source: str) -> bool:
     return os.path.exists(source) or source.startswith((".", "/", "~")) or source.count("/") > 1
 
 
+def stored_dtype(model) -> torch.dtype:
+    """The dtype the source checkpoint declares (what dtype="auto" gives), fp32 when unknown."""
+    from transformers import AutoConfig
+
+    declared = getattr(AutoConfig.from_pretrained(model.name_or_path), "dtype", None)
+    return declared if isinstance(declared, torch.dtype) else torch.float32
+
+
 def load_fp_model(source: str, dtype="auto"):
     """(model, tokenizer) in eval mode on CPU. Errors name the problem and the fix."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,0 +1,110 @@
+"""Perplexity of a causal LM on a token stream, by the protocol of the GPTQ evaluation scripts."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from quantkit.errors import QuantkitError
+
+# Positions per cross-entropy call: bounds the float32 copy of the logits to
+# _LOSS_CHUNK x vocab floats (e.g. 1024 x 152k x 4 B ≈ 0.6 GB for Qwen) however long the window.
+_LOSS_CHUNK = 1024
+
+
+def perplexity(model, input_ids: torch.LongTensor, seqlen: int, batch_size: int = 1, progress: bool = True) -> dict:
+    """Perplexity of `model` on `input_ids` [1, T].
+
+    Protocol (GPTQ / AWQ / most papers): cut the stream into T // seqlen non-overlapping windows of
+    `seqlen` tokens, dropping the last partial window; run each window on its own (no context from
+    the previous one); every window predicts its tokens 1..seqlen-1. With N = windows * (seqlen - 1)
+    predicted tokens, nll = sum of their negative log-likelihoods / N and ppl = exp(nll).
+
+    Logits are computed in the model's dtype on the model's device, the loss in float32. Windows run
+    `batch_size` at a time, so at most one batch of full-vocabulary logits is alive.
+
+    Returns {"ppl": float, "nll": float, "tokens": N, "windows": int, "seqlen": int}.
+    """
+    stream = _as_stream(input_ids)
+    _check_options(stream.numel(), seqlen, batch_size)
+    windows = _windows(stream, seqlen)
+    device = _model_device(model)
+
+    total_nll = 0.0  # python float (double): summing ~1e6 token losses in fp32 would drift
+    tokens_done = 0
+    was_training = model.training
+    model.eval()  # dropout off
+    try:
+        with torch.inference_mode(), tqdm(total=len(windows), desc="perplexity", unit="window", disable=not progress) as bar:
+            for batch in windows.split(batch_size):
+                batch = batch.to(device)
+                total_nll += _batch_nll_sum(_logits(model, batch), batch)
+                tokens_done += batch.shape[0] * (seqlen - 1)
+                bar.update(batch.shape[0])
+                bar.set_postfix(ppl=f"{math.exp(total_nll / tokens_done):.3f}")
+    finally:
+        model.train(was_training)
+
+    nll = total_nll / tokens_done
+    return {"ppl": math.exp(nll), "nll": nll, "tokens": tokens_done, "windows": len(windows), "seqlen": seqlen}
+
+
+def _as_stream(input_ids: torch.Tensor) -> torch.Tensor:
+    if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+        return input_ids[0]
+    if input_ids.dim() == 1:
+        return input_ids
+    raise ValueError(f"input_ids must be one token stream of shape [1, T], got {tuple(input_ids.shape)}")
+
+
+def _check_options(n_tokens: int, seqlen: int, batch_size: int) -> None:
+    if seqlen < 2:
+        raise QuantkitError(f"--seqlen must be at least 2 to predict any token, got {seqlen}")
+    if batch_size < 1:
+        raise QuantkitError(f"--batch-size must be at least 1, got {batch_size}")
+    if n_tokens < seqlen:
+        raise QuantkitError(
+            f"the evaluation text has only {n_tokens} tokens, fewer than one window of --seqlen {seqlen}: "
+            "use a smaller --seqlen or more text (a longer file or a larger --max-tokens)"
+        )
+
+
+def _windows(stream: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """[n_windows, seqlen] non-overlapping windows; the trailing partial window is dropped."""
+    n_windows = stream.numel() // seqlen
+    return stream[: n_windows * seqlen].reshape(n_windows, seqlen)
+
+
+def _model_device(model) -> torch.device:
+    # HF models expose .device (the first parameter's device, where the embedding lives even under
+    # accelerate's device_map dispatch); plain modules fall back to their first parameter.
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def _logits(model, batch: torch.Tensor) -> torch.Tensor:
+    output = model(batch, use_cache=False)  # no KV cache: each window is one forward pass
+    return output.logits if hasattr(output, "logits") else output[0]
+
+
+def _batch_nll_sum(logits: torch.Tensor, batch: torch.Tensor) -> float:
+    """Sum over the batch of -log p(token t | tokens < t) for t = 1..seqlen-1, in float32."""
+    predictions = logits[:, :-1]  # position t predicts token t + 1
+    targets = batch[:, 1:].to(logits.device)
+    total = 0.0
+    for start in range(0, targets.shape[1], _LOSS_CHUNK):
+        chunk_logits = predictions[:, start : start + _LOSS_CHUNK].float()
+        chunk_targets = targets[:, start : start + _LOSS_CHUNK]
+        total += F.cross_entropy(chunk_logits.reshape(-1, chunk_logits.shape[-1]), chunk_targets.reshape(-1), reduction="sum").item()
+    return total
+
+
+__all__ = ["perplexity"]
