@@ -90,7 +90,10 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
         from quantkit.methods.registry import CalibratedMethod
 
         method = CalibratedMethod(config, arch)
-        results = run_sequential(fp_model, arch, calibration_ids, method, device, config.true_sequential)
+        # RTN rounding (awq) ignores the data, so stage-by-stage forwards would only refine the error
+        # report: one observing pass per block is enough there.
+        staged = config.true_sequential and method.use_gptq
+        results = run_sequential(fp_model, arch, calibration_ids, method, device, staged)
     else:
         results = _quantize_rtn(fp_model, names, config)
     report = {

@@ -32,7 +32,7 @@ def pack(codes: torch.Tensor, bits: int, dim: int = 0) -> torch.Tensor:
     kp = padded_len(k, bits)
     if kp != k:
         c = torch.cat([c, c.new_zeros((kp - k, *c.shape[1:]))])
-    bitpos = torch.arange(kp, dtype=torch.int64) * bits
+    bitpos = torch.arange(kp, dtype=torch.int64, device=c.device) * bits
     word, offset = bitpos // 32, bitpos % 32
     view = (-1,) + (1,) * (c.dim() - 1)
     words = c.new_zeros((kp * bits // 32, *c.shape[1:]))
@@ -50,7 +50,7 @@ def unpack(words: torch.Tensor, bits: int, k: int, dim: int = 0) -> torch.Tensor
     """Inverse of `pack`: int32 words along `dim` -> int32 codes, the first `k` of them."""
     w = words.movedim(dim, 0).to(torch.int64) & 0xFFFFFFFF
     kp = w.shape[0] * 32 // bits
-    bitpos = torch.arange(kp, dtype=torch.int64) * bits
+    bitpos = torch.arange(kp, dtype=torch.int64, device=w.device) * bits
     word, offset = bitpos // 32, bitpos % 32
     view = (-1,) + (1,) * (w.dim() - 1)
     mask = 2**bits - 1

@@ -26,6 +26,8 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.methods import grid as qgrid
 from quantkit.methods.grid import Grid
+from quantkit.model.arch import is_linear
+from quantkit.model.sequential import first_tensor, get_weight
 
 # Tokens used for the error of each alpha / clip ratio (mean|x| always uses every token). The search
 # costs n_grid matmuls of [tokens, in] x [in, out] per group; 4096 tokens keep a 7B-sized group at a
@@ -128,22 +130,13 @@ def search_scales(weights: Sequence[torch.Tensor], x: torch.Tensor, grid: Grid, 
     return _scales(x_mean, best / n_grid), best / n_grid, errors
 
 
-def _is_linear(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
-
-
-def _weight(m: nn.Module) -> torch.Tensor:
-    """[out, in] view of a linear's weight (GPT-2 Conv1D stores [in, out])."""
-    return m.weight.data.t() if type(m).__name__ == "Conv1D" else m.weight.data
-
-
 def _in_features(m: nn.Module) -> int:
-    return _weight(m).shape[1]
+    return get_weight(m).shape[1]
 
 
 def fold_reason(prev_op: nn.Module, linears: Sequence[nn.Module], n: Optional[int] = None) -> Optional[str]:
     """Why 1/s cannot be folded from prev_op into linears (None when it can); n = len(s)."""
-    bad = [type(m).__name__ for m in linears if not _is_linear(m)]
+    bad = [type(m).__name__ for m in linears if not is_linear(m)]
     if bad:
         return f"not linear layers: {bad}"
     widths = {_in_features(m) for m in linears}
@@ -152,8 +145,8 @@ def fold_reason(prev_op: nn.Module, linears: Sequence[nn.Module], n: Optional[in
     width = widths.pop()
     if n is not None and n != width:
         return f"scales have {n} entries but the linears read {width} inputs"
-    if _is_linear(prev_op):
-        out = _weight(prev_op).shape[0]
+    if is_linear(prev_op):
+        out = get_weight(prev_op).shape[0]
         if out != width:
             return (f"{type(prev_op).__name__} output dim {out} != linears' input dim {width} "
                     "(e.g. v_proj -> o_proj under grouped-query attention)")
@@ -183,8 +176,8 @@ def fold_scales(prev_op: nn.Module, linears: Sequence[nn.Module], s: torch.Tenso
     if reason:
         return reason
     s = s.detach().float()
-    if _is_linear(prev_op):
-        w = _weight(prev_op)
+    if is_linear(prev_op):
+        w = get_weight(prev_op)
         w.copy_((w.float() / s.to(w.device)[:, None]).to(w.dtype))
     else:
         w = prev_op.weight.data
@@ -193,7 +186,7 @@ def fold_scales(prev_op: nn.Module, linears: Sequence[nn.Module], s: torch.Tenso
     if isinstance(b, torch.Tensor):
         b.data.copy_((b.data.float() / s.to(b.device)).to(b.dtype))
     for m in linears:
-        w = _weight(m)
+        w = get_weight(m)
         w.copy_((w.float() * s.to(w.device)[None, :]).to(w.dtype))
     return None
 
@@ -265,7 +258,7 @@ def clip_search(weight: torch.Tensor, x: torch.Tensor, grid: Grid, group_size: i
 @torch.no_grad()
 def apply_clip(module: nn.Module, bounds: torch.Tensor, group_size: int) -> None:
     """Clamp module's weight [out, in] group by group into bounds [out, n_groups, 2] = (lo, hi)."""
-    w = _weight(module)
+    w = get_weight(module)
     rows, cols = w.shape
     g = qgrid.group_index(cols, group_size).long().to(bounds.device)
     lo, hi = bounds[:, g, 0], bounds[:, g, 1]                       # [out, in]
@@ -280,15 +273,11 @@ def no_clip(name: str) -> bool:
 
 # ---------------------------------------------------------------- the block driver
 
-def _first_tensor(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
 def _forward_first(runner) -> tuple[torch.Tensor, torch.Tensor]:
     """(input, output) of the block for the first calibration sample, as float32."""
     x = runner.inputs[0].to(runner.device)
     with torch.inference_mode():
-        y = _first_tensor(runner.block(x, **runner.kwargs))
+        y = first_tensor(runner.block(x, **runner.kwargs))
     return x.float(), y.float()
 
 
@@ -390,7 +379,7 @@ def awq_prepare_block(runner, block: nn.Module, prefix: str, arch, config) -> di
         spec = specs[active[0]]
         grid = Grid(spec.bits, spec.sym)
         x = xs[names[0]]
-        s, alpha, errors = search_scales([_weight(block.get_submodule(n)) for n in active], x, grid,
+        s, alpha, errors = search_scales([get_weight(block.get_submodule(n)) for n in active], x, grid,
                                          spec.group_size, n_grid=config.awq_grid)
         entry.update(alpha=alpha, error_rtn=errors[0], error_awq=errors[round(alpha * config.awq_grid)])
         if alpha > 0:
@@ -406,8 +395,8 @@ def awq_prepare_block(runner, block: nn.Module, prefix: str, arch, config) -> di
         if n in scales:
             x = x / scales[n].to(x.device)      # the linear now reads x / s (and holds W s)
         module = block.get_submodule(n)
-        lo0, hi0 = _group_bounds(_weight(module), grid, spec.group_size)
-        bounds, e0, e1 = clip_search(_weight(module), x, grid, spec.group_size,
+        lo0, hi0 = _group_bounds(get_weight(module), grid, spec.group_size)
+        bounds, e0, e1 = clip_search(get_weight(module), x, grid, spec.group_size,
                                      n_grid=config.awq_grid, return_errors=True)
         apply_clip(module, bounds, spec.group_size)
         span0 = hi0 - lo0

@@ -44,7 +44,7 @@ def _move_except_blocks(model: nn.Module, blocks_path: str, device) -> None:
                 t.data = t.data.to(device)
 
 
-def _first_tensor(out):
+def first_tensor(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
@@ -102,7 +102,7 @@ class BlockRunner:
         outs = []
         with torch.inference_mode():
             for x in self.inputs:
-                y = _first_tensor(self.block(x.to(self.device), **self.kwargs))
+                y = first_tensor(self.block(x.to(self.device), **self.kwargs))
                 if keep_outputs:
                     outs.append(y.detach().to(store_device))
         return outs

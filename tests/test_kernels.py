@@ -1,0 +1,310 @@
+"""GPTQ dequant-GEMM kernels against the pure-torch reference.
+
+Without a GPU the Triton kernels run under TRITON_INTERPRET=1 on CPU tensors (set below, before
+anything imports the kernel module); shapes stay small because the interpreter is slow. With a GPU
+the same cases run on CUDA with the compiled kernels. The interpreter decides at decoration time,
+so one process runs one flavour: "cpu" cases need the interpreter, "cuda" cases need it off.
+
+Error bound (why `assert_close_to_reference` is fair, not loose), with u the unit roundoff of the
+activation dtype (2^-11 fp16, 2^-8 bf16) and mag = |x| @ |W^T| + |bias| (computed in fp64):
+  * Weights: the dot-product paths decode W with the reference's single rounding (bit-identical
+    weights); the M = 1 FMA path uses W exactly (never rounded to fp16/bf16), which moves each
+    product by at most u * |x_k w_k|: at most u * mag in total.
+  * Accumulation: fp32 in the kernels (fp64 here); order differences, split-K partials and the
+    bias add are bounded by gamma * mag with gamma = 2K * 2^-24 (worst-case summation bound).
+  * Output: rounded once to fp16 / bf16, at most u * |y|, plus half the smallest fp16 subnormal
+    (2^-25) for tiny outputs.
+So |y - ref| <= u * |ref| + (u + 2K * 2^-24) * mag + 2^-25. A wrong code, zero, scale, group or
+mask moves an element by about |x_k * w_k|: with K <= 200 that is ~1/K of mag per term, still far
+above u * mag (u = 2^-8 at worst), so the bound catches every such bug (checked by mutation).
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# The interpreter must be on before triton is first imported (its standard library is decorated at
+# import). In a full test run another module may already have imported it (via transformers): then
+# the CPU cases run in a fresh process instead (test_interpreter_cases_in_fresh_process).
+PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+if not torch.cuda.is_available() and not PREIMPORTED:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+from quantkit.formats import bitpack, gptq  # noqa: E402
+from quantkit.kernels import gptq_linear  # noqa: E402
+from quantkit.kernels.reference import dequantize_weight, gptq_linear_torch, unpack_rows  # noqa: E402
+from quantkit.nn.quant_linear import QuantLinear  # noqa: E402
+
+try:
+    import triton  # noqa: F401
+
+    from quantkit.kernels import triton_gptq_ops
+    from quantkit.kernels.triton_gptq_ops import gptq_matmul
+except Exception as e:  # pragma: no cover - platform without triton
+    triton_gptq_ops, TRITON_ERROR = None, e
+else:
+    TRITON_ERROR = None
+
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def _device_param(device):
+    reasons = []
+    if triton_gptq_ops is None:
+        reasons.append(f"triton unavailable: {TRITON_ERROR}")
+    if device == "cpu" and not INTERPRET:
+        reasons.append("CPU runs of the Triton kernels need TRITON_INTERPRET=1 before triton is imported"
+                       + (" (run in a fresh process instead)" if PREIMPORTED else " (unset on GPU machines)"))
+    if device == "cuda" and (INTERPRET or not torch.cuda.is_available()):
+        reasons.append("needs CUDA with compiled (not interpreted) Triton")
+    return pytest.param(device, marks=pytest.mark.skipif(bool(reasons), reason="; ".join(reasons)))
+
+
+DEVICES = [_device_param("cpu"), _device_param("cuda")]
+# Pinned configs for the GPU cases: autotuning every layout would compile ~14 variants per case.
+GPU_CONFIGS = {True: dict(BLOCK_N=64, BLOCK_K=32, WAVES=2, GROUP_M=8),
+               False: dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, WAVES=1, GROUP_M=8)}
+
+
+def make_layer(k, n, bits, group_size, sym=False, zero_offset=1, act_order=False, bias=False,
+               device="cpu", seed=0):
+    """GPTQ-layout tensors packed with bitpack.pack from random codes (v1 needs zeros >= 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = 1 if group_size == -1 else -(-k // group_size)
+    codes = torch.randint(0, 2**bits, (k, n), generator=gen)
+    if sym:
+        zeros = torch.full((groups, n), 2 ** (bits - 1))
+    else:
+        zeros = torch.randint(zero_offset, 2**bits, (groups, n), generator=gen)
+    g_idx = torch.arange(k) // (k if group_size == -1 else group_size)
+    if act_order:  # arbitrary (non-monotonic) group of each input column
+        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    t = dict(qweight=bitpack.pack(codes, bits, dim=0),
+             qzeros=bitpack.pack(zeros - zero_offset, bits, dim=1),
+             scales=(torch.rand(groups, n, generator=gen) * 0.02 + 0.002).half(),
+             g_idx=g_idx.to(torch.int32).contiguous(),
+             bias=torch.randn(n, generator=gen).half() if bias else None)
+    return {name: v.to(device) if v is not None else None for name, v in t.items()}
+
+
+def reference(x, layer, bits, k, zero_offset):
+    """fp64 x @ W^T (+ bias) with W decoded exactly as the kernels must decode it."""
+    w = dequantize_weight(layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], bits, k,
+                          zero_offset, dtype=x.dtype).double()
+    y = x.double() @ w
+    mag = x.double().abs() @ w.abs()
+    if layer["bias"] is not None:
+        y, mag = y + layer["bias"].double(), mag + layer["bias"].double().abs()
+    return y, mag
+
+
+def assert_close_to_reference(y, x, layer, bits, k, zero_offset):
+    ref, mag = reference(x, layer, bits, k, zero_offset)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    assert torch.isfinite(y).all()
+    u = UNIT_ROUNDOFF[x.dtype]
+    tol = u * ref.abs() + (u + 2 * k * 2.0**-24) * mag + 2.0**-25
+    err = (y.double() - ref).abs()
+    worst = (err / tol).max().item()
+    assert worst <= 1.0, f"max |y - ref| / bound = {worst:.3f} (max abs err {err.max().item():.3e})"
+
+
+def run(x, layer, bits, k, zero_offset, config=None):
+    if config is None and x.is_cuda:
+        config = GPU_CONFIGS[x.shape[0] <= triton_gptq_ops.DECODE_MAX_M]
+    return gptq_matmul(x, layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], bits, k,
+                       layer["bias"], zero_offset, config=config)
+
+
+# Layouts: every (M, bits, group size) crossed; the binary options rotate through all 32
+# combinations so each appears with every M / bits / group size at least once overall.
+# K = 100 / 200 is neither a multiple of the group size nor (for 2-bit) of the pack unit;
+# N = 40 / 70 is not a multiple of any BLOCK_N.
+_BINARY = [(s, zo, a, b, dt) for s in (False, True) for zo in (0, 1) for a in (False, True)
+           for b in (False, True) for dt in (torch.float16, torch.bfloat16)]
+LAYOUTS = []
+for i, (m, bits, gs) in enumerate([(m, b, g) for m in (1, 3, 17) for b in (2, 4, 8) for g in (32, -1, 48)]):
+    sym, zo, act, bias, dt = _BINARY[(i * 7) % len(_BINARY)]
+    k, n = (200, 70) if gs == 48 else (100, 40)
+    LAYOUTS.append(pytest.param(m, k, n, bits, gs, sym, zo, act, bias, dt,
+                                id=f"M{m}-K{k}-N{n}-b{bits}-g{gs}-{'sym' if sym else 'asym'}-zo{zo}"
+                                   f"{'-act' if act else ''}{'-bias' if bias else ''}-{str(dt)[6:]}"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m,k,n,bits,gs,sym,zo,act,bias,dtype", LAYOUTS)
+def test_kernel_matches_reference(device, m, k, n, bits, gs, sym, zo, act, bias, dtype):
+    layer = make_layer(k, n, bits, gs, sym, zo, act, bias, device=device, seed=m * 100 + bits)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, dtype)
+    assert_close_to_reference(run(x, layer, bits, k, zo), x, layer, bits, k, zo)
+
+
+# Launch shapes pinned one by one: M = 1 FMA path, M <= 16 tl.dot path, GEMM; split-K on and off;
+# BLOCK_K = 64 with group size 32 (uniform mode impossible: must fall back to the gather path).
+PATHS = {
+    "decode-m1-split": (1, dict(BLOCK_N=32, BLOCK_K=32, WAVES=4, GROUP_M=1)),
+    "decode-m1-nosplit": (1, dict(BLOCK_N=64, BLOCK_K=64, WAVES=0, GROUP_M=1)),
+    "decode-dot-split": (5, dict(BLOCK_N=16, BLOCK_K=32, WAVES=8, GROUP_M=1)),
+    "decode-dot-bk64": (16, dict(BLOCK_N=32, BLOCK_K=64, WAVES=2, GROUP_M=1)),
+    "gemm-nosplit": (33, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, WAVES=0, GROUP_M=2)),
+    "gemm-split": (17, dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, WAVES=4, GROUP_M=8)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("bits,dtype", [(4, torch.float16), (2, torch.bfloat16), (8, torch.float16)])
+def test_pinned_paths(device, path, bits, dtype):
+    m, config = PATHS[path]
+    k, n = 160, 72
+    layer = make_layer(k, n, bits, 32, zero_offset=1, bias=True, device=device, seed=bits)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(bits)).to(device, dtype)
+    assert_close_to_reference(run(x, layer, bits, k, 1, config), x, layer, bits, k, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_k_is_deterministic_and_counters_reset(device):
+    """The last-arriving slice sums partials in a fixed order; counters must return to zero."""
+    layer = make_layer(96, 40, 4, 32, device=device)
+    config = dict(BLOCK_N=16, BLOCK_K=32, WAVES=8, GROUP_M=1)
+    x = torch.randn(3, 96).to(device, torch.float16)
+    first = run(x, layer, 4, 96, 1, config)
+    other = make_layer(64, 24, 4, 32, device=device, seed=1)  # different tiling in between
+    run(torch.randn(2, 64).to(device, torch.float16), other, 4, 64, 1, config)
+    assert torch.equal(first, run(x, layer, 4, 96, 1, config))
+    for _, locks in triton_gptq_ops._WORKSPACES.values():
+        assert int(locks.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dispatch_triton_backend_batched_input(device):
+    k, n = 64, 48
+    layer = make_layer(k, n, 4, 32, bias=True, device=device)
+    x = torch.randn(2, 3, k).to(device, torch.float16)
+    y = gptq_linear(x, layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], 4, k,
+                    layer["bias"], zero_offset=1, backend="triton")
+    assert y.shape == (2, 3, n)
+    assert_close_to_reference(y.reshape(6, n), x.reshape(6, k), layer, 4, k, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (compiled Triton)")
+def test_cuda_autotuned_awkward_shapes():
+    """The real entry point on GPU: autotuned decode and GEMM, M = 118, SmolLM2-like K = 576."""
+    k, n = 576, 1000
+    for m, gs, act in [(1, 128, False), (7, 128, True), (118, 128, False), (118, 48, False)]:
+        layer = make_layer(k, n, 4, gs, act_order=act, bias=True, device="cuda", seed=m)
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        y = gptq_linear(x, layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], 4, k,
+                        layer["bias"], zero_offset=1)
+        assert_close_to_reference(y, x, layer, 4, k, 1)
+
+
+def test_dispatch_cpu_defaults_to_torch_and_3bit():
+    k, n = 70, 36
+    for bits in (3, 4):
+        layer = make_layer(k, n, bits, 32, bias=True)
+        x = torch.randn(4, k, dtype=torch.bfloat16)
+        args = (layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], bits, k, layer["bias"], 1)
+        assert torch.equal(gptq_linear(x, *args), gptq_linear_torch(x, *args))
+
+
+def test_dispatch_rejects_bad_backend_and_3bit_triton():
+    layer = make_layer(64, 32, 3, 32)
+    args = (layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], 3, 64)
+    with pytest.raises(ValueError, match="backend"):
+        gptq_linear(torch.randn(1, 64).half(), *args, backend="cuda-magic")
+    if triton_gptq_ops is not None and INTERPRET:
+        with pytest.raises(ValueError, match="bits 2, 4, 8"):
+            gptq_linear(torch.randn(1, 64).half(), *args, backend="triton")
+
+
+@pytest.mark.skipif(triton_gptq_ops is None, reason="triton unavailable")
+def test_wrapper_error_messages():
+    layer = make_layer(64, 32, 4, 32)
+    good = (layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], 4, 64)
+    x = torch.randn(2, 64).half()
+    with pytest.raises(ValueError, match=r"x must be \[M, in_features=64\]"):
+        gptq_matmul(torch.randn(2, 63).half(), *good)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        gptq_matmul(x.float(), *good)
+    with pytest.raises(ValueError, match="scales must be float16"):
+        gptq_matmul(x, good[0], good[1], good[2].float(), *good[3:])
+    with pytest.raises(ValueError, match="qweight must be"):
+        gptq_matmul(x, good[0][:-1], *good[1:])
+    with pytest.raises(ValueError, match="zero_offset"):
+        gptq_matmul(x, *good, zero_offset=2)
+    if INTERPRET:
+        bad_g = layer["g_idx"].clone()
+        bad_g[5] = 7
+        with pytest.raises(ValueError, match="g_idx values"):
+            gptq_matmul(x, *good[:3], bad_g, 4, 64)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_reference_decoders_agree(bits):
+    """The fast int32 unpack and the reference dequant agree with the format module's decoders."""
+    k, n = 100, 24
+    layer = make_layer(k, n, bits, 32, zero_offset=1, act_order=True)
+    assert torch.equal(unpack_rows(layer["qweight"], bits, k), bitpack.unpack(layer["qweight"], bits, k))
+    w = dequantize_weight(layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], bits, k, 1,
+                          dtype=torch.float32)
+    expect = gptq.dequantize(layer, bits, k, n, "gptq").t()
+    assert torch.equal(w, expect)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+def test_quant_linear_cpu_matches_reference(dtype, fmt):
+    k, n, bits, gs = 72, 40, 4, 32
+    zo = gptq.V1_ZERO_OFFSET[fmt]
+    layer = make_layer(k, n, bits, gs, zero_offset=zo, bias=True)
+    mod = QuantLinear(k, n, bits, gs, bias=True, checkpoint_format=fmt)
+    for name in ("qweight", "qzeros", "scales", "g_idx", "bias"):
+        getattr(mod, name).copy_(layer[name])
+    x = torch.randn(2, 5, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+    ref = gptq_linear_torch(x, mod.qweight, mod.qzeros, mod.scales, mod.g_idx, bits, k, mod.bias, zo)
+    y = mod(x)
+    assert y.dtype == dtype and y.shape == (2, 5, n)
+    # Same decoded weights; the cached path sums in another order (fp32 GEMM for fp16 on CPU), and
+    # both round twice (matmul, then + bias), so they may differ by an ulp of the output's scale.
+    def tol(r):
+        return dict(rtol=0, atol=2 * UNIT_ROUNDOFF.get(dtype, 2.0**-24) * float(r.abs().max()))
+
+    torch.testing.assert_close(y, ref, **tol(ref))
+    # The cached decode must follow in-place changes of the buffers.
+    mod.scales.mul_(2)
+    ref2 = gptq_linear_torch(x, mod.qweight, mod.qzeros, mod.scales, mod.g_idx, bits, k, mod.bias, zo)
+    torch.testing.assert_close(mod(x), ref2, **tol(ref2))
+    mod.cache_dequantized = False
+    torch.testing.assert_close(mod(x), ref2, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(triton_gptq_ops is None, reason="triton unavailable")
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (7, 28672, 8192), (64, 4096, 14336), (2048, 576, 1536)])
+def test_workspace_covers_every_tuned_config(m, n, k):
+    """The autotuner may pick any config: the cached workspace must fit the largest split-K of all."""
+    from quantkit.kernels.triton_gptq import split_k
+
+    kind = 1 if m == 1 else 16 if m <= triton_gptq_ops.DECODE_MAX_M else 0
+    _, configs = triton_gptq_ops._TUNED[kind]
+    block_m = {1: 1, 16: 16, 0: None}[kind]
+    partials, counters = triton_gptq_ops._workspace_size(m, n, k, configs, block_m, 132)
+    for c in map(dict, configs):
+        bm = block_m or c["BLOCK_M"]
+        splits = split_k(m, n, k, bm, c["BLOCK_N"], c["BLOCK_K"], 132, c["WAVES"])
+        if splits > 1:
+            assert splits * m * n <= partials
+            assert -(-m // bm) * -(-n // c["BLOCK_N"]) <= counters
+
+
+@pytest.mark.skipif(not PREIMPORTED or torch.cuda.is_available(),
+                    reason="the interpreter cases already ran in this process (or a GPU runs the real ones)")
+def test_interpreter_cases_in_fresh_process():
+    """Triton was imported before this module could turn the interpreter on: rerun it in a new one."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run_ = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert run_.returncode == 0, run_.stdout[-4000:] + run_.stderr[-2000:]
