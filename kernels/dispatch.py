@@ -6,14 +6,34 @@ Backend choice ("auto" unless the `backend` argument or the QUANTKIT_BACKEND env
   triton -> always Triton; on CPU tensors this needs TRITON_INTERPRET=1 (how the tests check the
             kernels without a GPU). Unsupported inputs raise ValueError instead of falling back.
   torch  -> always the torch reference.
+
+Within the Triton backend, two paths (the `path` argument; "auto" picks by M = rows of x):
+  fused   (M < PREFILL_MIN_M) -> triton_gptq_ops.gptq_matmul: the weight is decoded in registers
+            inside the GEMM, never written out. This is what wins at decode / small batches, where
+            the op is bound by reading the weights and INT4 reads 4x fewer bytes than fp16.
+  prefill (M >= PREFILL_MIN_M) -> triton_dequant.dequantize_triton writes a *transient* fp16/bf16
+            W^T [K, N] (a new allocation on every call, freed when the call returns: 2 bytes per
+            weight, e.g. 470 MB for a 28672 x 8192 linear), then torch.matmul / addmm (cuBLAS) does
+            the GEMM. At large M the GEMM is compute-bound and cuBLAS runs it at ~2x the fused
+            kernel's speed (docs/BENCHMARKS.md: the fused kernel's decoded tile is shuffled through
+            shared memory on the MMA critical path), while the decode is a bandwidth-bound pass
+            costing ~2.5 bytes of traffic per weight: small against 2*M FLOPs per weight once M is
+            in the hundreds. This is the trade production kernels make for prefill (exllama's
+            large-M path); the extra memory is per call and only as big as one layer's weight.
+PREFILL_MIN_M is the measured crossover on an H100 (docs/BENCHMARKS.md): at M = 128 the two paths
+tie on a 4096 x 4096 linear and the fused kernel is 1.27x-1.69x faster on larger ones; at M = 256
+dequantize + cuBLAS is 5%-25% faster on every Llama-3 8B/70B shape. The weight is decoded in the
+activation dtype with the reference's single rounding, so both paths see identical weights.
 """
 import os
 
 import torch
 
-from quantkit.kernels.reference import gptq_linear_torch
+from quantkit.kernels.reference import gptq_linear_torch, linear_dequantized
 
 BACKENDS = ("auto", "triton", "torch")
+PATHS = ("auto", "fused", "prefill")
+PREFILL_MIN_M = 256   # Triton backend: M >= this decodes to a transient fp16/bf16 weight + cuBLAS
 
 
 def _triton_available():
@@ -36,15 +56,47 @@ def _choose_backend(x, bits, backend):
     return "triton" if fits and _triton_available() else "torch"
 
 
+def choose_path(m, path=None):
+    """'fused' or 'prefill' for a Triton call with m rows of activations."""
+    path = path or "auto"
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if path != "auto":
+        return path
+    return "prefill" if m >= PREFILL_MIN_M else "fused"
+
+
 def gptq_linear(x, qweight, qzeros, scales, g_idx, bits, in_features, bias=None, zero_offset=1, *,
-                backend=None):
-    """y = x @ W^T + bias where W is decoded from GPTQ-layout tensors. x: [..., in_features]."""
+                backend=None, path=None):
+    """y = x @ W^T + bias where W is decoded from GPTQ-layout tensors. x: [..., in_features].
+
+    `path` ("auto", "fused", "prefill") applies to the Triton backend only; see the module docstring."""
+    if path is not None and path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     if _choose_backend(x, bits, backend) == "torch":
         return gptq_linear_torch(x, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
-    from quantkit.kernels.triton_gptq_ops import gptq_matmul
+    from quantkit.kernels.triton_gptq_ops import _check, gptq_matmul
 
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise ValueError(f"x must be [..., in_features={in_features}], got {tuple(x.shape)}")
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = gptq_matmul(x2, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
+    if choose_path(x2.shape[0], path) == "fused":
+        y = gptq_matmul(x2, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
+    else:
+        _check(x2, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
+        y = _prefill(x2, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _prefill(x2, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset):
+    """Decode W^T to a transient x.dtype matrix, then one cuBLAS GEMM (bias in its epilogue)."""
+    from quantkit.kernels.triton_dequant import dequantize_triton
+
+    w = dequantize_triton(qweight, qzeros, scales, g_idx, bits, in_features, zero_offset, x2.dtype)
+    if not x2.is_cuda:  # interpreter runs (tests): CPU fp16 GEMMs go through fp32
+        return linear_dequantized(x2, w, bias)
+    if bias is None:
+        return torch.matmul(x2, w)
+    return torch.addmm(bias.to(x2.dtype), x2, w)

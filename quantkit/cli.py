@@ -43,8 +43,10 @@ _CONFIG_OPTIONS = [
     click.option("--damp", type=float, default=0.01, help="GPTQ damping, as a fraction of the mean Hessian diagonal "
                                                           "(raised automatically if the Cholesky fails)."),
     click.option("--block-size", type=int, default=128, help="GPTQ columns per lazy-update block."),
-    click.option("--act-order/--no-act-order", default=False,
-                 help="GPTQ: quantize columns by descending Hessian diagonal (static groups keep g_idx monotonic)."),
+    click.option("--act-order/--no-act-order", default=True,
+                 help="GPTQ: quantize columns by descending Hessian diagonal, with static groups so g_idx stays "
+                      "i // group_size (no reordering cost at inference). Much better on models with outlier "
+                      "channels (SmolLM2-135M w4 g128: ppl 49.3 vs 57.3 without)."),
     click.option("--true-sequential/--no-true-sequential", default=True,
                  help="Calibrate each stage of a block (q/k/v, o, gate/up, down) on the outputs of the already "
                       "quantized stages before it."),

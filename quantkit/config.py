@@ -59,7 +59,7 @@ class QuantConfig:
     seed: int = 0
     damp: float = 0.01
     block_size: int = 128
-    act_order: bool = False
+    act_order: bool = True
     true_sequential: bool = True
     awq_grid: int = 20
     awq_clip: bool = True

@@ -8,6 +8,11 @@ group size 128, symmetric, v1 zeros; M = tokens per call. Each op is captured in
 with triton.testing.do_bench: L2 flushed before every replay, median of many. The fp16 baseline
 is measured in the same run on the same activations. Bytes counted for the kernel: packed
 weights + scales + zeros + g_idx + activations in + outputs; for fp16: weight + in + out.
+
+`int4` times the real entry point, quantkit.kernels.gptq_linear, so its dispatch decides the path:
+the fused kernel for M < PREFILL_MIN_M, dequantize-to-a-transient-fp16-weight + cuBLAS above
+(kernels/dispatch.py). `--path fused|prefill` forces one path (for finding the crossover), and
+`--dequant` also times the dequantize kernel alone per shape (GB/s = packed bytes read + fp16 written).
 """
 import argparse
 import datetime
@@ -83,19 +88,30 @@ def eager_time_us(fn, iters=200):
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def check(layers, bits, args):
-    """Kernel vs the fp16 reference on this GPU: relative Frobenius error per shape and M."""
+def check(layers, bits, args, args_path=None):
+    """Kernel vs the fp16 reference on this GPU: relative Frobenius error per shape and M.
+
+    M = 1, 7, 118 take the fused kernel's three launch shapes, M = 300 the prefill path."""
     from quantkit.kernels import gptq_linear
 
     ok = True
     for i, (name, (n, k)) in enumerate(layers.items()):
         layer, w16 = args[name]
-        for m in (1, 7, 118):
+        for m in (1, 7, 118, 300):
             for dtype in (torch.float16, torch.bfloat16) if i == 0 else (torch.float16,):
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
-                y = gptq_linear(x, layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], bits, k)
+                y = gptq_linear(x, layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], bits, k,
+                                path=args_path)
                 ref = x.double() @ w16.to(dtype).double().t()
                 err = ((y.double() - ref).norm() / ref.norm()).item()
+                if m == 300:  # the prefill path: its decoded weight must equal the reference's bit for bit
+                    from quantkit.kernels.reference import dequantize_weight
+                    from quantkit.kernels.triton_dequant import dequantize_triton
+
+                    tensors = (layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], bits, k, 1)
+                    same = torch.equal(dequantize_triton(*tensors, dtype), dequantize_weight(*tensors, dtype=dtype))
+                    ok &= same
+                    print(f"check {name} dequantize {str(dtype)[6:]}: {'bit-exact' if same else 'MISMATCH'}")
                 # fp16 / bf16 output rounding: ~u/sqrt(3) relative rms (u = 2^-11 / 2^-8); allow 2u.
                 bound = 2 * (2.0**-11 if dtype == torch.float16 else 2.0**-8)
                 good = err <= bound and torch.isfinite(y).all().item()
@@ -107,12 +123,13 @@ def check(layers, bits, args):
 
 def bench_shape(name, n, k, layer, w16, bits, group_size, ms, args, peak):
     from quantkit.kernels import gptq_linear
+    from quantkit.kernels.dispatch import choose_path
 
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         quant = lambda: gptq_linear(x, layer["qweight"], layer["qzeros"], layer["scales"],  # noqa: E731
-                                    layer["g_idx"], bits, k)
+                                    layer["g_idx"], bits, k, path=args.path)
         dense = lambda: F.linear(x, w16)  # noqa: E731
         t_q = graph_time_us(quant, args.rep)
         t_d = graph_time_us(dense, args.rep)
@@ -124,11 +141,27 @@ def bench_shape(name, n, k, layer, w16, bits, group_size, ms, args, peak):
         flops = 2 * m * n * k
         row = dict(shape=name, N=n, K=k, M=m, int4_us=t_q, fp16_us=t_d, speedup=t_d / t_q,
                    int4_gbs=q_bytes / t_q / 1e3, fp16_gbs=d_bytes / t_d / 1e3,
-                   int4_tflops=flops / t_q / 1e6, fp16_tflops=flops / t_d / 1e6, int4_eager_us=t_eager)
+                   int4_tflops=flops / t_q / 1e6, fp16_tflops=flops / t_d / 1e6, int4_eager_us=t_eager,
+                   path=choose_path(m, args.path))
         row["int4_peak_pct"] = 100 * row["int4_gbs"] / peak if peak else None
         rows.append(row)
         print(format_row(row), flush=True)
     return rows
+
+
+def bench_dequant(name, layer, bits, k, rep_ms, peak):
+    """The prefill path's dequantize kernel alone: W^T [K, N] fp16 from the packed tensors."""
+    from quantkit.kernels.triton_dequant import dequantize_triton
+
+    fn = lambda: dequantize_triton(layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"],  # noqa: E731
+                                   bits, k, 1, torch.float16)
+    t = graph_time_us(fn, rep_ms)
+    n = layer["scales"].shape[1]
+    nbytes = (layer["qweight"].numel() + layer["qzeros"].numel() + k) * 4 + layer["scales"].numel() * 2 + k * n * 2
+    gbs = nbytes / t / 1e3
+    pct = f"{100 * gbs / peak:.0f}%" if peak else "n/a"
+    print(f"dequant {name}: {t:.1f} us, {gbs:.0f} GB/s ({pct} of peak)", flush=True)
+    return dict(shape=name, us=t, gbs=gbs)
 
 
 HEADER = ("| N x K | M | int4 us | fp16 us | speedup | int4 GB/s | % peak BW | fp16 GB/s | int4 TFLOP/s "
@@ -148,8 +181,11 @@ def chosen_configs():
     from quantkit.kernels import triton_gptq
 
     out = {}
-    for label in ("m1_kernel", "decode_kernel", "gemm_kernel"):
-        tuner = getattr(triton_gptq, label)
+    from quantkit.kernels import triton_dequant
+
+    for label, mod in [("m1_kernel", triton_gptq), ("decode_kernel", triton_gptq), ("gemm_kernel", triton_gptq),
+                       ("dequant_kernel", triton_dequant)]:
+        tuner = getattr(mod, label)
         for key, cfg in tuner.cache.items():
             out[f"{label} {key}"] = str(cfg)
     return out
@@ -166,6 +202,9 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="verify kernels against the reference before timing")
     p.add_argument("--eager", action="store_true",
                    help="also time back-to-back eager calls (shows Python launch overhead)")
+    p.add_argument("--path", choices=["auto", "fused", "prefill"], default="auto",
+                   help="gptq_linear path: auto (dispatch by M), or force the fused kernel / dequant + cuBLAS")
+    p.add_argument("--dequant", action="store_true", help="also time the dequantize kernel alone per shape")
     p.add_argument("--out", help="write the markdown table here")
     p.add_argument("--json", help="write raw numbers and autotuner picks here")
     args = p.parse_args(argv)
@@ -179,14 +218,16 @@ def main(argv=None):
     for name, (n, k) in layers.items():
         layer = make_layer(n, k, args.bits, args.group_size, "cuda")
         tensors[name] = (layer, fp16_weight(layer, args.bits, k))
-    if args.check and not check(layers, args.bits, tensors):
+    if args.check and not check(layers, args.bits, tensors, args.path):
         sys.exit("kernel check FAILED")
+    dequant = [bench_dequant(name, tensors[name][0], args.bits, SHAPES[name][1], args.rep, peak)
+               for name in layers] if args.dequant else []
     print(HEADER, flush=True)
     rows = []
     for name, (n, k) in layers.items():
         rows += bench_shape(name, n, k, *tensors[name], args.bits, args.group_size, args.ms, args, peak)
     title = (f"INT{args.bits} g{args.group_size} sym, {gpu}, peak {peak or 'unknown'} GB/s, "
-             f"torch {torch.__version__}, {datetime.date.today().isoformat()}")
+             f"torch {torch.__version__}, {datetime.date.today().isoformat()}, gptq_linear path={args.path}")
     table = "\n".join([title, "", HEADER] + [format_row(r) for r in rows])
     print("\n" + table)
     if args.out:
@@ -194,7 +235,8 @@ def main(argv=None):
             f.write(table + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(gpu=gpu, peak_gbs=peak, rows=rows, configs=chosen_configs(), argv=sys.argv), f, indent=1)
+            json.dump(dict(gpu=gpu, peak_gbs=peak, rows=rows, dequant=dequant, configs=chosen_configs(),
+                           argv=sys.argv), f, indent=1)
 
 
 if __name__ == "__main__":

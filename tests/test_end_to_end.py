@@ -139,3 +139,18 @@ def test_bf16_model(model_factory, tmp_path):
     model = load_quantized(out, dtype="bfloat16")
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert torch.isfinite(logits(model)).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
+def test_calibrated_quantization_on_cuda_matches_cpu_quality(model_factory, tmp_path, method):
+    src = model_factory("llama-gqa")
+    calib = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(1))
+    errors = {}
+    for device in ("cpu", "cuda"):
+        config = QuantConfig(method=method, bits=4, group_size=32, nsamples=4, seqlen=32)
+        report = quantize(str(src), tmp_path / device, config, device=device, calibration_ids=calib)
+        errors[device] = sum(r["error"] for r in report["layers"].values())
+    assert errors["cuda"] == pytest.approx(errors["cpu"], rel=0.05)
+    model = load_quantized(tmp_path / "cuda", device_map="auto")
+    assert torch.isfinite(model(IDS.cuda()).logits).all()

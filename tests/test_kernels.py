@@ -41,7 +41,8 @@ from quantkit.nn.quant_linear import QuantLinear  # noqa: E402
 try:
     import triton  # noqa: F401
 
-    from quantkit.kernels import triton_gptq_ops
+    from quantkit.kernels import dispatch, triton_gptq_ops
+    from quantkit.kernels.triton_dequant import dequantize_triton
     from quantkit.kernels.triton_gptq_ops import gptq_matmul
 except Exception as e:  # pragma: no cover - platform without triton
     triton_gptq_ops, TRITON_ERROR = None, e
@@ -190,11 +191,112 @@ def test_dispatch_triton_backend_batched_input(device):
     assert_close_to_reference(y.reshape(6, n), x.reshape(6, k), layer, 4, k, 1)
 
 
+# Dequantize kernel (prefill path): bits x zero_offset x dtype x group layout, K / N awkward.
+# K = 200 / 100 is not a multiple of BLOCK_K (32, 64), of group size 48, nor (2-bit) of the pack
+# unit 16; N = 70 / 40 is not a multiple of BLOCK_N. gs 32 with BLOCK_K 32 is the uniform mode,
+# gs 32 with BLOCK_K 64 must fall back to gathering, 48 / act-order gather, -1 is one group.
+DEQUANT_CASES = [  # bits, gs, act, zo, dtype, BLOCK_K, BLOCK_N
+    (4, 32, False, 1, torch.float16, 32, 32), (4, 48, False, 0, torch.bfloat16, 32, 64),
+    (4, 32, True, 0, torch.float16, 64, 32), (4, 32, False, 1, torch.bfloat16, 64, 32),
+    (2, 32, False, 0, torch.float16, 32, 32), (2, -1, False, 1, torch.bfloat16, 64, 64),
+    (2, 48, True, 1, torch.float16, 32, 32), (8, 32, False, 0, torch.bfloat16, 32, 32),
+    (8, -1, False, 1, torch.float16, 32, 64), (8, 48, True, 0, torch.float16, 64, 32),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits,gs,act,zo,dtype,block_k,block_n", DEQUANT_CASES,
+                         ids=[f"b{c[0]}-g{c[1]}{'-act' if c[2] else ''}-zo{c[3]}-{str(c[4])[6:]}-bk{c[5]}-bn{c[6]}"
+                              for c in DEQUANT_CASES])
+def test_dequant_kernel_bit_exact(device, bits, gs, act, zo, dtype, block_k, block_n):
+    """W^T from the Triton dequantize kernel equals reference.dequantize_weight bit for bit: both take
+    the exact fp32 product of an fp16 scale and an integer below 2^8 and round it once to `dtype`."""
+    k, n = (200, 70) if gs != 32 else (100, 40)
+    layer = make_layer(k, n, bits, gs, zero_offset=zo, act_order=act, device=device, seed=bits + gs)
+    args = (layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], bits, k, zo)
+    w = dequantize_triton(*args, dtype, config=dict(BLOCK_K=block_k, BLOCK_N=block_n))
+    ref = dequantize_weight(*args, dtype=dtype)
+    assert w.dtype == dtype and w.shape == (k, n)
+    assert torch.equal(w, ref)
+
+
+def _pin_gpu_dequant_config(device, monkeypatch):
+    """GPU cases: one fixed dequantize config instead of autotuning every layout (compile time);
+    test_cuda_autotuned_awkward_shapes covers the autotuned kernel."""
+    if device == "cuda":
+        from quantkit.kernels import triton_dequant
+
+        real = triton_dequant.dequantize_triton
+        monkeypatch.setattr(triton_dequant, "dequantize_triton",
+                            lambda *a, **kw: real(*a, **kw, config=dict(BLOCK_K=32, BLOCK_N=64)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits,gs,act,bias,dtype", [(4, 32, False, True, torch.float16),
+                                                     (2, 48, True, False, torch.bfloat16),
+                                                     (8, -1, False, True, torch.bfloat16)])
+def test_prefill_path_matches_reference(device, bits, gs, act, bias, dtype, monkeypatch):
+    """gptq_linear's large-M path (dequantize + GEMM, forced here at a small M) and the fused path."""
+    _pin_gpu_dequant_config(device, monkeypatch)
+    k, n = 100, 40
+    layer = make_layer(k, n, bits, gs, zero_offset=1, act_order=act, bias=bias, device=device, seed=bits)
+    x = torch.randn(3, 7, k, generator=torch.Generator().manual_seed(bits)).to(device, dtype)
+    args = (layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], bits, k, layer["bias"], 1)
+    for path in ("prefill", "fused"):
+        y = gptq_linear(x, *args, backend="triton", path=path)
+        assert y.shape == (3, 7, n)
+        assert_close_to_reference(y.reshape(-1, n), x.reshape(-1, k), layer, bits, k, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_auto_path_switches_at_prefill_min_m(device, monkeypatch):
+    _pin_gpu_dequant_config(device, monkeypatch)
+    layer = make_layer(64, 32, 4, 32, device=device)
+    args = (layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], 4, 64)
+    calls = []
+    real = dispatch._prefill
+    monkeypatch.setattr(dispatch, "_prefill", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(dispatch, "PREFILL_MIN_M", 6)
+    for m in (5, 6, 9):
+        x = torch.randn(m, 64).to(device, torch.float16)
+        assert_close_to_reference(gptq_linear(x, *args, backend="triton"), x, layer, 4, 64, 1)
+    assert calls == [6, 9]
+    assert dispatch.choose_path(1000, "fused") == "fused" and dispatch.choose_path(1, "prefill") == "prefill"
+
+
+@pytest.mark.skipif(triton_gptq_ops is None, reason="triton unavailable")
+def test_dequant_and_path_error_messages():
+    layer = make_layer(64, 32, 4, 32)
+    good = (layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"])
+    with pytest.raises(ValueError, match="bits 2, 4, 8"):
+        dequantize_triton(*good, 3, 64, 1, torch.float16)
+    with pytest.raises(ValueError, match="dtype must be"):
+        dequantize_triton(*good, 4, 64, 1, torch.float32)
+    with pytest.raises(ValueError, match="zero_offset"):
+        dequantize_triton(*good, 4, 64, 2, torch.float16)
+    with pytest.raises(ValueError, match="qweight must be torch.int32"):
+        dequantize_triton(good[0][:-1], *good[1:], 4, 64, 1, torch.float16)
+    with pytest.raises(ValueError, match="scales must be float16"):
+        dequantize_triton(*good[:2], good[2].float(), good[3], 4, 64, 1, torch.float16)
+    with pytest.raises(ValueError, match="path must be"):
+        gptq_linear(torch.randn(2, 64).half(), *good, 4, 64, path="fast")
+    if INTERPRET:
+        bad_g = layer["g_idx"].clone()
+        bad_g[5] = 7
+        with pytest.raises(ValueError, match="g_idx values"):
+            dequantize_triton(*good[:3], bad_g, 4, 64, 1, torch.float16)
+        with pytest.raises(ValueError, match=r"x must be \[..., in_features=64\]"):
+            gptq_linear(torch.randn(4, 32).half(), *good, 4, 64, backend="triton")
+        with pytest.raises(ValueError, match="float16 or bfloat16"):
+            gptq_linear(torch.randn(200, 64), *good, 4, 64, backend="triton", path="prefill")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (compiled Triton)")
 def test_cuda_autotuned_awkward_shapes():
     """The real entry point on GPU: autotuned decode and GEMM, M = 118, SmolLM2-like K = 576."""
     k, n = 576, 1000
-    for m, gs, act in [(1, 128, False), (7, 128, True), (118, 128, False), (118, 48, False)]:
+    for m, gs, act in [(1, 128, False), (7, 128, True), (118, 128, False), (118, 48, False), (300, 128, False),
+                       (260, 48, True)]:  # the last two: prefill path (autotuned dequantize + cuBLAS)
         layer = make_layer(k, n, 4, gs, act_order=act, bias=True, device="cuda", seed=m)
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         y = gptq_linear(x, layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], 4, k,
