@@ -1,38 +1,13 @@
 """Pure-torch reference for the GPTQ-layout dequant-GEMM (also the CPU forward path)."""
 import torch
 
-from quantkit.formats import bitpack
-
-
-def unpack_rows(qweight, bits, in_features):
-    """int32 codes [in_features, N] from qweight [packed K, N] (same result as bitpack.unpack).
-
-    For 2/4/8 bits no code straddles a word, so one broadcast shift + mask over int32 does it,
-    several times faster than the general int64 path that 3-bit needs."""
-    if 32 % bits:
-        return bitpack.unpack(qweight, bits, in_features, dim=0)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
-    codes = (qweight.unsqueeze(1) >> shifts.view(1, -1, 1)) & (2**bits - 1)
-    return codes.reshape(-1, qweight.shape[1])[:in_features]
-
-
-def _unpack(words, bits, k, dim):
-    """bitpack.unpack that also runs on CUDA tensors (bitpack builds its index tensors on the CPU)."""
-    if 32 % bits == 0:
-        return unpack_rows(words.movedim(dim, 0), bits, k).movedim(0, dim)
-    return bitpack.unpack(words.cpu(), bits, k, dim=dim).to(words.device)
+from quantkit.formats import gptq
 
 
 def dequantize_weight(qweight, qzeros, scales, g_idx, bits, in_features, zero_offset=1, dtype=None):
-    """W^T [in_features, out_features] decoded from packed tensors, in `dtype` (default: scales').
-
-    w = scales[g] * (q - z[g]) computed in float32 (exact: an fp16 scale times an integer below
-    2^8 fits in fp32's mantissa) and rounded once to `dtype`."""
-    n = scales.shape[1]
-    q = _unpack(qweight, bits, in_features, dim=0)
-    z = (_unpack(qzeros, bits, n, dim=1) + zero_offset) & (2**bits - 1)
-    g = g_idx.long()
-    w = (q - z.index_select(0, g)).float().mul_(scales.float().index_select(0, g))
+    """W^T [in_features, out_features] decoded from packed tensors (exactly, in float32) and rounded
+    once to `dtype` (default: scales')."""
+    w = gptq.decode(qweight, qzeros, scales, g_idx, bits, in_features, zero_offset)
     return w.to(dtype or scales.dtype)
 
 

@@ -69,8 +69,7 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     """
     config = config or QuantConfig()
     out = Path(out)
-    if out.exists() and not overwrite:  # fail before any heavy work
-        raise QuantkitError(f"output folder {out} already exists: choose another -o or pass --overwrite")
+    checkpoint.refuse_existing(out, overwrite)  # fail before any heavy work; atomic_folder checks again
     device = resolve_device(device)
     t_start = time.perf_counter()
     # CPU half-precision matmuls are slow: calibrate in fp32 there, but write the source's dtype.

@@ -22,7 +22,7 @@ from typing import Optional
 import yaml
 
 from quantkit.errors import QuantkitError
-from quantkit.methods.grid import SUPPORTED_BITS
+from quantkit.methods.grid import check_bits, check_group_size
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
@@ -35,16 +35,6 @@ class LayerSpec:
     bits: int
     group_size: int
     sym: bool
-
-
-def check_bits(bits, where="--bits"):
-    if bits not in SUPPORTED_BITS:
-        raise QuantkitError(f"{where} {bits} is not supported: choose one of {', '.join(map(str, SUPPORTED_BITS))}")
-
-
-def check_group_size(group_size, where="--group-size"):
-    if not isinstance(group_size, int) or group_size == 0 or group_size < -1:
-        raise QuantkitError(f"{where} {group_size} is invalid: use -1 (one group per row) or a positive size such as 128")
 
 
 @dataclass

@@ -35,7 +35,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 from quantkit.formats import bitpack, gptq  # noqa: E402
 from quantkit.kernels import gptq_linear  # noqa: E402
-from quantkit.kernels.reference import dequantize_weight, gptq_linear_torch, unpack_rows  # noqa: E402
+from quantkit.kernels.reference import dequantize_weight, gptq_linear_torch  # noqa: E402
 from quantkit.nn.quant_linear import QuantLinear  # noqa: E402
 
 try:
@@ -350,7 +350,7 @@ def test_reference_decoders_agree(bits):
     """The fast int32 unpack and the reference dequant agree with the format module's decoders."""
     k, n = 100, 24
     layer = make_layer(k, n, bits, 32, zero_offset=1, act_order=True)
-    assert torch.equal(unpack_rows(layer["qweight"], bits, k), bitpack.unpack(layer["qweight"], bits, k))
+    assert torch.equal(bitpack.unpack(layer["qweight"], bits, k), bitpack.unpack_stream(layer["qweight"], bits, k))
     w = dequantize_weight(layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], bits, k, 1,
                           dtype=torch.float32)
     expect = gptq.dequantize(layer, bits, k, n, "gptq").t()

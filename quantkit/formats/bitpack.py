@@ -48,6 +48,22 @@ def pack(codes: torch.Tensor, bits: int, dim: int = 0) -> torch.Tensor:
 
 def unpack(words: torch.Tensor, bits: int, k: int, dim: int = 0) -> torch.Tensor:
     """Inverse of `pack`: int32 words along `dim` -> int32 codes, the first `k` of them."""
+    if 32 % bits == 0:
+        return _unpack_aligned(words, bits, k, dim)
+    return unpack_stream(words, bits, k, dim)
+
+
+def _unpack_aligned(words: torch.Tensor, bits: int, k: int, dim: int) -> torch.Tensor:
+    """2/4/8 bits: no code straddles a word, so one broadcast shift + mask over int32 does it,
+    several times faster than the general int64 bit-stream path that 3-bit needs."""
+    w = words.movedim(dim, 0)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=w.device)
+    codes = (w.unsqueeze(1) >> shifts.view(1, -1, *([1] * (w.dim() - 1)))) & (2**bits - 1)
+    return codes.reshape(-1, *w.shape[1:])[:k].movedim(0, dim).contiguous()
+
+
+def unpack_stream(words: torch.Tensor, bits: int, k: int, dim: int = 0) -> torch.Tensor:
+    """`unpack` for any bit width, reading the words as one continuous bit stream (int64 math)."""
     w = words.movedim(dim, 0).to(torch.int64) & 0xFFFFFFFF
     kp = w.shape[0] * 32 // bits
     bitpos = torch.arange(kp, dtype=torch.int64, device=w.device) * bits

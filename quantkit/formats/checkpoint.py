@@ -39,12 +39,16 @@ def parse_size(text) -> int:
     return int(float(m.group(1)) * UNITS[unit])
 
 
+def refuse_existing(out: Path, overwrite: bool) -> None:
+    if Path(out).exists() and not overwrite:
+        raise QuantkitError(f"output folder {out} already exists: choose another -o or pass --overwrite")
+
+
 @contextmanager
 def atomic_folder(out: Path, overwrite: bool):
     """Yields a temporary folder; on success it replaces `out`, on failure it is deleted."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise QuantkitError(f"output folder {out} already exists: choose another -o or pass --overwrite")
+    refuse_existing(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

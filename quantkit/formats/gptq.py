@@ -34,24 +34,24 @@ def to_tensors(res: QuantResult, checkpoint_format: str = "gptq", bias_dtype=tor
     return out
 
 
-def unpack_codes(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
-    """qweight [packed K, N] -> int32 codes [K, N]."""
-    return bitpack.unpack(qweight, bits, in_features, dim=0)
+def decode(qweight, qzeros, scales, g_idx, bits: int, in_features: int, zero_offset: int = 1) -> torch.Tensor:
+    """float32 W^T [in_features, out_features] from GPTQ-layout tensors (zero_offset 1 for v1, 0 for v2).
+
+    w = scales[g] * (q - z[g]) in float32 is exact: an fp16 scale times an integer below 2^8 fits in
+    fp32's mantissa; the mask undoes v1's wrap of a stored zero - 1."""
+    q = bitpack.unpack(qweight, bits, in_features, dim=0)
+    z = (bitpack.unpack(qzeros, bits, scales.shape[1], dim=1) + zero_offset) & (2**bits - 1)
+    g = g_idx.long()
+    return (q - z.index_select(0, g)).float().mul_(scales.float().index_select(0, g))
 
 
-def unpack_zeros(qzeros: torch.Tensor, bits: int, out_features: int, checkpoint_format="gptq"):
-    """qzeros [G, packed N] -> int32 true zeros [G, N]."""
-    z = bitpack.unpack(qzeros, bits, out_features, dim=1)
-    return (z + V1_ZERO_OFFSET[checkpoint_format]) & (2**bits - 1) if checkpoint_format == "gptq" else z
-
-
-def dequantize(t: dict, bits: int, in_features: int, out_features: int, checkpoint_format="gptq"):
-    """Full float32 weight [N, K] (nn.Linear orientation) from GPTQ-layout tensors."""
-    q = unpack_codes(t["qweight"], bits, in_features).float()
-    z = unpack_zeros(t["qzeros"], bits, out_features, checkpoint_format).float()
-    g = t["g_idx"].long()
-    w = t["scales"].float()[g] * (q - z[g])
-    return w.t().contiguous()
+def dequantize(t: dict, bits, in_features, out_features, checkpoint_format="gptq"):
+    """Full float32 weight [N, K] (nn.Linear orientation) from one layer's GPTQ-layout tensors."""
+    w_t = decode(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, in_features,
+                 V1_ZERO_OFFSET[checkpoint_format])
+    if w_t.shape[1] != out_features:
+        raise ValueError(f"scales hold {w_t.shape[1]} outputs, not {out_features}")
+    return w_t.t().contiguous()
 
 
 def model_tensors(state_dict: dict, results: dict, checkpoint_format="gptq") -> dict:

@@ -197,12 +197,7 @@ def _group_bounds(w: torch.Tensor, grid: Grid, group_size: int) -> tuple[torch.T
     size = cols if group_size == -1 else group_size
     ng = qgrid.n_groups(cols, group_size)
     wg = torch.nn.functional.pad(w.float(), (0, ng * size - cols)).view(rows, ng, size)
-    lo = wg.amin(dim=-1).clamp(max=0)
-    hi = wg.amax(dim=-1).clamp(min=0)
-    if grid.sym:
-        hi = torch.maximum(hi, -lo)
-        lo = -hi
-    return lo, hi
+    return qgrid.value_range(wg, grid)  # zero padding changes nothing: the range always holds 0
 
 
 @torch.no_grad()

@@ -15,7 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit.errors import QuantkitError
+
 SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+def check_bits(bits, where="--bits"):
+    if bits not in SUPPORTED_BITS:
+        raise QuantkitError(f"{where} {bits} is not supported: choose one of {', '.join(map(str, SUPPORTED_BITS))}")
+
+
+def check_group_size(group_size, where="--group-size"):
+    if not isinstance(group_size, int) or group_size == 0 or group_size < -1:
+        raise QuantkitError(f"{where} {group_size} is invalid: use -1 (one group per row) or a positive size such as 128")
 
 
 @dataclass(frozen=True)
@@ -28,14 +40,20 @@ class Grid:
         return 2**self.bits - 1
 
 
-def fit(w: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row scale and zero for `w` [rows, cols]; returns float32 tensors of shape [rows]."""
+def value_range(w: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
+    """The range a grid covers along the last dim: [min(w, 0), max(w, 0)], or [-absmax, absmax]."""
     w = w.float()
-    xmin = w.min(dim=1).values.clamp(max=0)
-    xmax = w.max(dim=1).values.clamp(min=0)
+    xmin = w.amin(dim=-1).clamp(max=0)
+    xmax = w.amax(dim=-1).clamp(min=0)
     if grid.sym:
         xmax = torch.maximum(xmin.abs(), xmax)
         xmin = -xmax
+    return xmin, xmax
+
+
+def fit(w: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row scale and zero for `w` [rows, cols]; returns float32 tensors of shape [rows]."""
+    xmin, xmax = value_range(w, grid)
     span = xmax - xmin
     scale = torch.where(span > 0, span / grid.maxq, torch.ones_like(span))
     scale = scale.half().float().clamp(min=2**-24)  # stored as fp16; keep it nonzero

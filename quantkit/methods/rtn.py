@@ -12,10 +12,8 @@ from quantkit.methods.result import QuantResult
 
 def check_args(grid: Grid, group_size: int) -> None:
     """Shared argument checks for the integer methods (rtn, gptq)."""
-    if grid.bits not in qgrid.SUPPORTED_BITS:
-        raise QuantkitError(f"bits={grid.bits} is not supported; use one of {qgrid.SUPPORTED_BITS}")
-    if group_size != -1 and group_size < 1:
-        raise QuantkitError(f"group_size={group_size} is invalid; use a positive size or -1 (one group per row)")
+    qgrid.check_bits(grid.bits, "bits")
+    qgrid.check_group_size(group_size, "group_size")
 
 
 def rtn(weight: torch.Tensor, grid: Grid, group_size: int = 128,
