@@ -1,8 +1,8 @@
 """Entry point used by QuantLinear: Triton on CUDA, pure torch on CPU.
 
 Backend choice ("auto" unless the `backend` argument or the QUANTKIT_BACKEND env var says otherwise):
-  auto   -> Triton when x is on CUDA, bits in {2, 4, 8}, x is fp16/bf16 and triton imports;
-            the torch reference otherwise (CPU, 3-bit, fp32 activations).
+  auto   -> Triton when x is on CUDA, x is fp16/bf16 and triton imports;
+            the torch reference otherwise (CPU, fp32 activations).
   triton -> always Triton; on CPU tensors this needs TRITON_INTERPRET=1 (how the tests check the
             kernels without a GPU). Unsupported inputs raise ValueError instead of falling back.
   torch  -> always the torch reference.
@@ -52,7 +52,7 @@ def _choose_backend(x, bits, backend):
         raise ValueError("the Triton backend on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
     if backend != "auto":
         return backend
-    fits = x.is_cuda and bits in (2, 4, 8) and x.dtype in (torch.float16, torch.bfloat16)
+    fits = x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
     return "triton" if fits and _triton_available() else "torch"
 
 

@@ -9,6 +9,8 @@ k = word * (32 / bits) + j is decoded in registers and stored (16-byte stores al
 so the slabs never pass through shared memory. Scales/zeros: one row per tile, loaded as 1-D vectors
 (a [1, BLOCK_N] tile made Triton re-lay-out every slab) when g_idx is `k // group_size` and BLOCK_K
 divides the group size ("uniform"), else gathered per row (act-order, odd group sizes).
+3-bit words do not hold whole codes (32 codes fill 3 words): there each row of the tile gathers its
+word, and the next one where its code spills over, and the tile is decoded and stored at once.
 Decoding is the fused kernel's (triton_gptq._decode): bit-identical to reference.dequantize_weight
 (fp32 product of an fp16 scale and an integer is exact, then one rounding to the dtype).
 """
@@ -17,7 +19,7 @@ import triton
 import triton.language as tl
 
 from quantkit.formats import bitpack
-from quantkit.kernels.triton_gptq import _decode, _group_params, _in_range
+from quantkit.kernels.triton_gptq import _decode, _group_params, _group_row, _in_range, _packed_codes
 from quantkit.kernels.triton_gptq_ops import group_layout
 
 
@@ -26,30 +28,40 @@ def _dequant_kernel(qw_ptr, qz_ptr, s_ptr, g_ptr, w_ptr, N, K, KW, NW, GS,
                     BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, UNIFORM: tl.constexpr, IS_FP16: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                     INTERPRETER: tl.constexpr = False):
-    PW: tl.constexpr = 32 // BITS
     pid_n = tl.program_id(0)   # fastest: neighbouring programs write neighbouring columns of the same rows
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = _in_range(offs_n, N, EVEN_N)
-    offs_kw = pid_k * (BLOCK_K // PW) + tl.arange(0, BLOCK_K // PW)
-    words = tl.load(qw_ptr + offs_kw[:, None] * N + offs_n[None, :],
-                    mask=_in_range(offs_kw, KW, EVEN_K)[:, None] & n_mask[None, :], other=0)
     if UNIFORM:  # the whole tile lies in one group
-        g = (pid_k * BLOCK_K) // GS    # 1-D loads: one layout conversion of a row, not of every slab
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)[None, :]
-        zw = tl.load(qz_ptr + g * NW + offs_n // PW, mask=n_mask, other=0)
-        z = (((zw >> ((offs_n % PW) * BITS)) + ZERO_OFFSET) & ((1 << BITS) - 1))[None, :]
+        s, z = _group_row(s_ptr, qz_ptr, (pid_k * BLOCK_K) // GS, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
     else:
         s, z = 0.0, 0
-    for j in tl.static_range(PW):
-        offs_k = offs_kw * PW + j
-        k_mask = _in_range(offs_k, K, EVEN_K)
-        if not UNIFORM:
-            g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)[:, None]
-            s, z = _group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
-        w = _decode((words >> (j * BITS)) & ((1 << BITS) - 1), z, s, IS_FP16, INTERPRETER)
-        tl.store(w_ptr + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :], w,
-                 mask=k_mask[:, None] & n_mask[None, :])
+    if BITS == 3:  # codes straddle words: the whole tile at once, each row gathering its word(s)
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        q = _packed_codes(qw_ptr + offs_n[None, :], offs_k[:, None], N, n_mask[None, :], KW, BITS)
+        _store_rows(w_ptr, q, offs_k, offs_n, n_mask, s, z, s_ptr, qz_ptr, g_ptr, N, K, NW,
+                    BITS, ZERO_OFFSET, UNIFORM, IS_FP16, EVEN_K, INTERPRETER)
+    else:          # one load per word, then one slab of rows per code position j
+        PW: tl.constexpr = 32 // BITS
+        offs_kw = pid_k * (BLOCK_K // PW) + tl.arange(0, BLOCK_K // PW)
+        words = tl.load(qw_ptr + offs_kw[:, None] * N + offs_n[None, :],
+                        mask=_in_range(offs_kw, KW, EVEN_K)[:, None] & n_mask[None, :], other=0)
+        for j in tl.static_range(PW):
+            _store_rows(w_ptr, (words >> (j * BITS)) & ((1 << BITS) - 1), offs_kw * PW + j, offs_n, n_mask, s, z,
+                        s_ptr, qz_ptr, g_ptr, N, K, NW, BITS, ZERO_OFFSET, UNIFORM, IS_FP16, EVEN_K, INTERPRETER)
+
+
+@triton.jit
+def _store_rows(w_ptr, q, offs_k, offs_n, n_mask, s, z, s_ptr, qz_ptr, g_ptr, N, K, NW, BITS: tl.constexpr,
+                ZERO_OFFSET: tl.constexpr, UNIFORM: tl.constexpr, IS_FP16: tl.constexpr, EVEN_K: tl.constexpr,
+                INTERPRETER: tl.constexpr):
+    """Decode codes q [len(offs_k), BLOCK_N] of rows offs_k and store them as rows of W^T."""
+    k_mask = _in_range(offs_k, K, EVEN_K)
+    if not UNIFORM:
+        g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)[:, None]
+        s, z = _group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
+    w = _decode(q, z, s, IS_FP16, INTERPRETER)
+    tl.store(w_ptr + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :], w, mask=k_mask[:, None] & n_mask[None, :])
 
 
 def _prune(configs, named_args, **kwargs):
@@ -76,8 +88,8 @@ def dequantize_triton(qweight, qzeros, scales, g_idx, bits, in_features, zero_of
 
     `config` pins BLOCK_K / BLOCK_N (and optionally num_warps) instead of autotuning; CPU tensors
     (TRITON_INTERPRET=1) always use a pinned config."""
-    if bits not in (2, 4, 8):
-        raise ValueError(f"the Triton dequantize kernel supports bits 2, 4, 8; got {bits}")
+    if bits not in (2, 3, 4, 8):
+        raise ValueError(f"the Triton dequantize kernel supports bits 2, 3, 4, 8; got {bits}")
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     if zero_offset not in (0, 1):

@@ -3,12 +3,14 @@
 Layout (see quantkit.formats.gptq): qweight int32 [KW = packed_len(K, bits), N], 32/bits codes per
 word along K, LSB first; qzeros int32 [G, packed_len(N, bits)] packed along N (stores zero -
 zero_offset); scales fp16 [G, N]; g_idx int32 [K]. W[n, k] = scales[g, n] * (q[k, n] - z[g, n]),
-g = g_idx[k]. Bits 2, 4 and 8 only (3-bit codes straddle words; dispatch sends them to torch).
+g = g_idx[k]. Bits 2, 4, 8 and 3 (32 codes in 3 words, two of them straddling a word boundary:
+each row of a tile gathers its word and, where its code spills, the next one; see _packed_codes).
 
 One kernel, three launch shapes (Marlin / Triton-tutorial style: kernel + thin wrapper in
 triton_gptq_ops.py + pure-torch reference in reference.py):
   * M = 1 (memory-bound GEMV): BLOCK_M = 1, fp32 FMAs in the packed words' own register layout
     (see _gemv_tile: about three instructions per weight, W used exactly, never rounded).
+    Bits 2, 4, 8 only: 3-bit words do not hold whole codes, so M = 1 takes the next shape.
   * 2 <= M <= 16 (memory-bound decode): BLOCK_M = 16 tl.dot (mma.sync) on the decoded tile.
   * M > 16 (compute-bound GEMM): tiled tl.dot (wgmma on Hopper), grouped tile order for L2 reuse.
 Split-K whenever the output tiles alone do not fill the GPU (always at small M): the K slices of a
@@ -39,6 +41,20 @@ def _load_words(qw_ptr, k0, offs_n, n_mask, N, KW, BITS: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
+def _tile_codes(qw_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """Codes of the K tile [k0, k0 + BLOCK_K) as [BLOCK_K, BLOCK_N] int32, row i = k0 + i (= offs_k)."""
+    if BITS == 3:  # codes straddle words: gather each row's word(s)
+        q = _packed_codes(qw_ptr + offs_n[None, :], offs_k[:, None], N, n_mask[None, :], KW, BITS)
+    else:          # one load per word, its codes shifted out in registers: row = word * PW + code
+        PW: tl.constexpr = 32 // BITS
+        words = _load_words(qw_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, EVEN_K)
+        shifts = tl.arange(0, PW) * BITS
+        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
+    return q
+
+
+@triton.jit
 def _in_range(offs, limit, ALWAYS: tl.constexpr):
     """offs < limit, or a constant-true mask (folded away) when the shapes are known to divide."""
     if ALWAYS:
@@ -47,14 +63,47 @@ def _in_range(offs, limit, ALWAYS: tl.constexpr):
 
 
 @triton.jit
+def _packed_codes(ptr, idx, stride, mask, n_words, BITS: tl.constexpr):
+    """Code number idx of a packed bit stream whose word w is at ptr + w * stride (LSB first).
+
+    Used along K for qweight (stride N) and along N for qzeros (stride 1); ptr, idx and mask
+    broadcast together. 2/4/8 bits: one word per code. 3 bits: code i occupies bits [3i, 3i + 3),
+    which spill into the next word when 3i % 32 > 29; logical (uint32) shifts keep the sign bit
+    out, and the next word is loaded only where a code spills (elsewhere it reads as 0)."""
+    if BITS == 3:
+        bit = idx * 3
+        word, off = bit // 32, bit % 32
+        spill = off > 29
+        lo = tl.load(ptr + word * stride, mask=mask & (word < n_words), other=0).to(tl.uint32, bitcast=True)
+        hi = tl.load(ptr + (word + 1) * stride, mask=mask & spill & (word + 1 < n_words),
+                     other=0).to(tl.uint32, bitcast=True)
+        codes = ((lo >> off.to(tl.uint32)) | (hi << tl.where(spill, 32 - off, 0).to(tl.uint32))) & 7
+        codes = codes.to(tl.int32, bitcast=True)
+    else:
+        PW: tl.constexpr = 32 // BITS
+        word = tl.load(ptr + (idx // PW) * stride, mask=mask, other=0)
+        codes = (word >> ((idx % PW) * BITS)) & ((1 << BITS) - 1)
+    return codes
+
+
+@triton.jit
 def _group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr):
     """Scales and true zeros of group(s) g (a scalar, or [R, 1] for per-row groups) x columns."""
-    PW: tl.constexpr = 32 // BITS
     cols = offs_n[None, :]
     s = tl.load(s_ptr + g * N + cols, mask=n_mask[None, :], other=0.0)
-    zw = tl.load(qz_ptr + g * NW + cols // PW, mask=n_mask[None, :], other=0)
-    z = ((zw >> ((cols % PW) * BITS)) + ZERO_OFFSET) & ((1 << BITS) - 1)
+    z = (_packed_codes(qz_ptr + g * NW, cols, 1, n_mask[None, :], NW, BITS) + ZERO_OFFSET) & ((1 << BITS) - 1)
     return s, z
+
+
+@triton.jit
+def _group_row(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr):
+    """Scales and true zeros of one group g as [1, BLOCK_N] rows, for tiles that lie in one group.
+
+    Loaded as 1-D vectors and expanded afterwards: a [1, BLOCK_N] load would get a layout of its own
+    that Triton then imposes on the tile (a layout conversion of every decoded slab, seen in SASS)."""
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)
+    z = (_packed_codes(qz_ptr + g * NW, offs_n, 1, n_mask, NW, BITS) + ZERO_OFFSET) & ((1 << BITS) - 1)
+    return s[None, :], z[None, :]
 
 
 @triton.jit
@@ -168,28 +217,26 @@ def _gptq_matmul_kernel(
     k_begin = pid_k * tiles_per_split * BLOCK_K
     k_end = tl.minimum(K, k_begin + tiles_per_split * BLOCK_K)
 
-    PW: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     if BLOCK_M == 1:
-        acc2 = tl.zeros((BLOCK_K // PW, BLOCK_N), dtype=tl.float32)   # summed over rows after the loop
+        tl.static_assert(BITS != 3, "3-bit words do not hold whole codes: M = 1 uses the BLOCK_M = 16 shape")
+        acc2 = tl.zeros((BLOCK_K // (32 // BITS), BLOCK_N), dtype=tl.float32)   # summed over rows at the end
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Masking x (not W) handles K past in_features: the zero-padded codes meet x = 0.
     for k0 in range(k_begin, k_end, BLOCK_K):
-        # One int32 load per word; its codes are shifted out in registers. Masking x (not W)
-        # handles K past in_features: the zero-padded codes meet x = 0.
-        words = _load_words(qw_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, EVEN_K)
+        if BLOCK_M == 1:  # one int32 load per word; its codes are shifted out in registers
+            words = _load_words(qw_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, EVEN_K)
         if UNIFORM:  # the whole tile lies in one group
-            s, z = _group_params(s_ptr, qz_ptr, k0 // GS, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
+            s, z = _group_row(s_ptr, qz_ptr, k0 // GS, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
         else:        # per-k groups: loaded inside the tile functions
             s, z = 0.0, 0
         if BLOCK_M == 1:
             acc2 = _gemv_tile(acc2, words, x_ptr + pid_m.to(tl.int64) * stride_xm, k0, K, s, z, g_ptr, s_ptr,
                               qz_ptr, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET, UNIFORM, BLOCK_K, EVEN_K)
         else:
-            shifts = tl.arange(0, PW) * BITS
-            q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
-            offs_k = k0 + tl.arange(0, BLOCK_K)                          # row of q = word * PW + code
+            offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = _in_range(offs_k, K, EVEN_K)
+            q = _tile_codes(qw_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS, BLOCK_K, BLOCK_N, EVEN_K)
             if not UNIFORM:
                 g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)[:, None]
                 s, z = _group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
@@ -248,14 +295,15 @@ def _config(bm, bn, bk, waves, warps, stages, group_m=8):
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
 
-# M = 1 (BLOCK_M = 1, FMA path): 4-16 words per thread per tile, loaded 16 bytes at a time; BLOCK_N
+# M = 1 (BLOCK_M = 1, FMA path): 4-32 words per thread per tile, loaded 16 bytes at a time; BLOCK_N
 # of 128+ with BLOCK_K 64 picks a poor layout (checked in SASS), so it is left out. No tl.dot, so
 # nothing for the software pipeliner: memory-level parallelism comes from resident programs, which
-# WAVES (programs ~ WAVES x SMs through split-K) sets.
+# WAVES (programs ~ WAVES x SMs through split-K) sets. The last two tiles give each thread 32 words
+# (5.3-5.6 instructions per weight in SASS against 6.2 for 64 x 128; not yet timed on a GPU).
 M1_CONFIGS = [
     _config(None, bn, bk, waves, warps, 2)
     for bn, bk, warps in [(64, 128, 4), (32, 128, 4), (128, 128, 8), (64, 256, 8), (32, 256, 4), (64, 512, 8),
-                          (64, 32, 4)]
+                          (64, 32, 4), (128, 256, 8), (128, 512, 8)]
     for waves in (4, 8, 16)
 ]
 # 2 <= M <= 16 (BLOCK_M = 16, tl.dot on mma.sync): pipelined cp.async word loads.
@@ -276,10 +324,18 @@ GEMM_CONFIGS = [
 ]
 
 
+def fits_bits(config, bits):
+    """3-bit tiles gather two words per weight; past 64 weights per thread they spill registers
+    (sm_90 SASS, scripts/sass_stats.py), so 3-bit is offered the smaller tiles only."""
+    return bits != 3 or config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] <= 64 * 32 * config.num_warps
+
+
 def _prune(configs, named_args, **kwargs):
-    """Uniform-group mode needs every K tile inside one group: BLOCK_K must divide the group size."""
+    """Uniform-group mode needs every K tile inside one group (BLOCK_K must divide the group size);
+    3-bit takes the tiles that do not spill."""
     a = {**named_args, **kwargs}
-    keep = [c for c in configs if not a["UNIFORM"] or a["GS"] % c.kwargs["BLOCK_K"] == 0]
+    keep = [c for c in configs
+            if (not a["UNIFORM"] or a["GS"] % c.kwargs["BLOCK_K"] == 0) and fits_bits(c, a["BITS"])]
     return keep or configs[:1]
 
 

@@ -51,8 +51,8 @@ def _inspect_g_idx(g_idx, n_groups):
 
 
 def _check(x, qweight, qzeros, scales, g_idx, bits, k, bias, zero_offset):
-    if bits not in (2, 4, 8):
-        raise ValueError(f"Triton GPTQ kernels support bits 2, 4, 8; got {bits} (3-bit uses the torch path)")
+    if bits not in (2, 3, 4, 8):
+        raise ValueError(f"Triton GPTQ kernels support bits 2, 3, 4, 8; got {bits}")
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, in_features={k}], got {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16):
@@ -127,10 +127,11 @@ def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, in_features, bias=None,
         return y
     uniform, gs = group_layout(g_idx, groups)
     decode = m <= DECODE_MAX_M
+    gemv = m == 1 and bits != 3   # the M = 1 FMA shape reads whole codes from single words
     meta = dict(BITS=bits, ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None,
                 IS_FP16=x.dtype == torch.float16)
     if decode:
-        meta["BLOCK_M"] = 1 if m == 1 else 16    # tl.dot needs 16 rows; M = 1 uses plain FMAs
+        meta["BLOCK_M"] = 1 if gemv else 16    # tl.dot needs 16 rows; M = 1 uses plain FMAs
     if x.device.type != "cuda":
         config = config or _interpreter_config(decode)
         meta["INTERPRETER"] = True
@@ -140,7 +141,7 @@ def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, in_features, bias=None,
         uniform = uniform and gs % config["BLOCK_K"] == 0
         sizes = _workspace_size(m, n, k, (tuple(config.items()),), meta.get("BLOCK_M"), num_sms)
     else:
-        kernel, configs = _TUNED[1 if m == 1 else 16 if decode else 0]
+        kernel, configs = _TUNED[1 if gemv else 16 if decode else 0]
         sizes = _workspace_size(m, n, k, configs, meta.get("BLOCK_M"), num_sms)
     meta["UNIFORM"] = uniform
     ws, locks = _workspace(x.device, *sizes)

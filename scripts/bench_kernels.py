@@ -195,7 +195,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--ms", nargs="+", type=int, default=MS)
-    p.add_argument("--bits", type=int, default=4, choices=[2, 4, 8])
+    p.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 8])
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--peak-gbs", type=float, default=None, help="peak memory bandwidth, GB/s (default: by GPU name)")
     p.add_argument("--rep", type=int, default=200, help="ms of timed replays per measurement")

@@ -122,12 +122,12 @@ def run(x, layer, bits, k, zero_offset, config=None):
 
 # Layouts: every (M, bits, group size) crossed; the binary options rotate through all 32
 # combinations so each appears with every M / bits / group size at least once overall.
-# K = 100 / 200 is neither a multiple of the group size nor (for 2-bit) of the pack unit;
+# K = 100 / 200 is neither a multiple of the group size nor (2- and 3-bit) of the pack unit;
 # N = 40 / 70 is not a multiple of any BLOCK_N.
 _BINARY = [(s, zo, a, b, dt) for s in (False, True) for zo in (0, 1) for a in (False, True)
            for b in (False, True) for dt in (torch.float16, torch.bfloat16)]
 LAYOUTS = []
-for i, (m, bits, gs) in enumerate([(m, b, g) for m in (1, 3, 17) for b in (2, 4, 8) for g in (32, -1, 48)]):
+for i, (m, bits, gs) in enumerate([(m, b, g) for m in (1, 3, 17) for b in (2, 3, 4, 8) for g in (32, -1, 48)]):
     sym, zo, act, bias, dt = _BINARY[(i * 7) % len(_BINARY)]
     k, n = (200, 70) if gs == 48 else (100, 40)
     LAYOUTS.append(pytest.param(m, k, n, bits, gs, sym, zo, act, bias, dt,
@@ -157,7 +157,8 @@ PATHS = {
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("bits,dtype", [(4, torch.float16), (2, torch.bfloat16), (8, torch.float16)])
+@pytest.mark.parametrize("bits,dtype", [(4, torch.float16), (2, torch.bfloat16), (8, torch.float16),
+                                        (3, torch.bfloat16)])
 def test_pinned_paths(device, path, bits, dtype):
     m, config = PATHS[path]
     k, n = 160, 72
@@ -201,6 +202,8 @@ DEQUANT_CASES = [  # bits, gs, act, zo, dtype, BLOCK_K, BLOCK_N
     (2, 32, False, 0, torch.float16, 32, 32), (2, -1, False, 1, torch.bfloat16, 64, 64),
     (2, 48, True, 1, torch.float16, 32, 32), (8, 32, False, 0, torch.bfloat16, 32, 32),
     (8, -1, False, 1, torch.float16, 32, 64), (8, 48, True, 0, torch.float16, 64, 32),
+    (3, 32, False, 1, torch.float16, 32, 32), (3, 48, True, 0, torch.bfloat16, 64, 32),
+    (3, -1, False, 0, torch.float16, 64, 64),
 ]
 
 
@@ -234,7 +237,8 @@ def _pin_gpu_dequant_config(device, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits,gs,act,bias,dtype", [(4, 32, False, True, torch.float16),
                                                      (2, 48, True, False, torch.bfloat16),
-                                                     (8, -1, False, True, torch.bfloat16)])
+                                                     (8, -1, False, True, torch.bfloat16),
+                                                     (3, 32, False, True, torch.float16)])
 def test_prefill_path_matches_reference(device, bits, gs, act, bias, dtype, monkeypatch):
     """gptq_linear's large-M path (dequantize + GEMM, forced here at a small M) and the fused path."""
     _pin_gpu_dequant_config(device, monkeypatch)
@@ -268,8 +272,8 @@ def test_auto_path_switches_at_prefill_min_m(device, monkeypatch):
 def test_dequant_and_path_error_messages():
     layer = make_layer(64, 32, 4, 32)
     good = (layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"])
-    with pytest.raises(ValueError, match="bits 2, 4, 8"):
-        dequantize_triton(*good, 3, 64, 1, torch.float16)
+    with pytest.raises(ValueError, match="bits 2, 3, 4, 8"):
+        dequantize_triton(*good, 5, 64, 1, torch.float16)
     with pytest.raises(ValueError, match="dtype must be"):
         dequantize_triton(*good, 4, 64, 1, torch.float32)
     with pytest.raises(ValueError, match="zero_offset"):
@@ -295,13 +299,14 @@ def test_dequant_and_path_error_messages():
 def test_cuda_autotuned_awkward_shapes():
     """The real entry point on GPU: autotuned decode and GEMM, M = 118, SmolLM2-like K = 576."""
     k, n = 576, 1000
-    for m, gs, act in [(1, 128, False), (7, 128, True), (118, 128, False), (118, 48, False), (300, 128, False),
-                       (260, 48, True)]:  # the last two: prefill path (autotuned dequantize + cuBLAS)
-        layer = make_layer(k, n, 4, gs, act_order=act, bias=True, device="cuda", seed=m)
+    for m, gs, act, bits in [(1, 128, False, 4), (7, 128, True, 4), (118, 128, False, 4), (118, 48, False, 4),
+                             (300, 128, False, 4), (260, 48, True, 4),  # these two: prefill path
+                             (1, 128, False, 3), (300, 128, False, 3)]:
+        layer = make_layer(k, n, bits, gs, act_order=act, bias=True, device="cuda", seed=m)
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        y = gptq_linear(x, layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], 4, k,
+        y = gptq_linear(x, layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], bits, k,
                         layer["bias"], zero_offset=1)
-        assert_close_to_reference(y, x, layer, 4, k, 1)
+        assert_close_to_reference(y, x, layer, bits, k, 1)
 
 
 def test_dispatch_cpu_defaults_to_torch_and_3bit():
@@ -313,14 +318,14 @@ def test_dispatch_cpu_defaults_to_torch_and_3bit():
         assert torch.equal(gptq_linear(x, *args), gptq_linear_torch(x, *args))
 
 
-def test_dispatch_rejects_bad_backend_and_3bit_triton():
+def test_dispatch_rejects_bad_backend_and_bits():
     layer = make_layer(64, 32, 3, 32)
     args = (layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], 3, 64)
     with pytest.raises(ValueError, match="backend"):
         gptq_linear(torch.randn(1, 64).half(), *args, backend="cuda-magic")
     if triton_gptq_ops is not None and INTERPRET:
-        with pytest.raises(ValueError, match="bits 2, 4, 8"):
-            gptq_linear(torch.randn(1, 64).half(), *args, backend="triton")
+        with pytest.raises(ValueError, match="bits 2, 3, 4, 8"):
+            gptq_linear(torch.randn(1, 64).half(), *args[:4], 5, 64, backend="triton")
 
 
 @pytest.mark.skipif(triton_gptq_ops is None, reason="triton unavailable")

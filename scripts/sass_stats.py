@@ -1,0 +1,198 @@
+"""Instruction statistics of the GPTQ Triton kernels' inner loops, compiled offline (no GPU needed).
+
+Compiles each autotune config of a launch kind for a real NVIDIA target (default sm_90, H100) with
+the ptxas/cuobjdump that ship inside the triton wheel, finds the K loop (the longest backward
+branch) in the SASS and counts its instructions per weight. This is how docs/BENCHMARKS.md reasons
+about the kernels between GPU sessions: the M = 1 path is issue-bound, so instructions per weight
+bound its bandwidth; shared-memory traffic (STS/LDS/BAR) in the loop means Triton inserted a layout
+conversion; STL/LDL means register spills; I2F means the slow integer-to-float conversion is back.
+
+    python scripts/sass_stats.py                      # every kind, every config, sm_90
+    python scripts/sass_stats.py --kind m1 --arch 80  # M = 1 configs on A100
+    python scripts/sass_stats.py --kind m1 --dump out/   # also write the SASS files
+    python scripts/sass_stats.py --bits 3 --check     # fail on spills, layout conversions, I2F, no MMA
+
+Int arguments are compiled as multiples of 16 (what Triton specialises on for real shapes such as
+4096 or 14336); uniform groups (g128), symmetric v1 zeros, fp16, no bias; `--bits` picks the width.
+"""
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from quantkit.kernels import triton_dequant, triton_gptq  # noqa: E402
+
+KINDS = ("m1", "decode", "gemm", "dequant")
+_INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_TARGET = re.compile(r"0x([0-9a-f]+)")
+_PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+SHARED = ("STS", "LDS", "STSM", "LDSM", "BAR")
+SPILLS = ("STL", "LDL")
+
+
+def _tool(name):
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def tools_available():
+    """True when the triton wheel carries the NVIDIA compiler tools this script needs."""
+    return all(os.path.exists(_tool(n)) for n in ("ptxas", "cuobjdump"))
+
+
+def compile_sass(fn, signature, constexprs, aligned, num_warps, num_stages, arch=90):
+    """SASS text of `fn` compiled for sm_<arch>; `aligned` args get Triton's divisible-by-16 hint."""
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def _instructions(sass):
+    """(address, instruction without its predicate) for every instruction in a cuobjdump listing."""
+    return [(int(m.group(1), 16), _PREDICATE.sub("", m.group(2))) for m in map(_INSTR.match, sass.splitlines()) if m]
+
+
+def main_loop(sass):
+    """Instructions of the longest loop: the body of the longest branch back to a lower address."""
+    instrs = _instructions(sass)
+    best = []
+    for addr, ins in instrs:
+        target = _TARGET.search(ins) if ins.startswith("BRA") else None
+        if target and int(target.group(1), 16) < addr:
+            best = max(best, [i for a, i in instrs if int(target.group(1), 16) <= a <= addr], key=len)
+    return best
+
+
+def whole_kernel(sass):
+    return [i for _, i in _instructions(sass) if not i.startswith(("NOP", "EXIT", "BRA"))]
+
+
+def opcode_counts(instrs):
+    return collections.Counter(i.split()[0].split(".")[0] for i in instrs)
+
+
+def _matmul_launch(config, block_m, bits):
+    sig = {n: "*fp16" for n in ("x_ptr", "s_ptr", "b_ptr", "y_ptr")}
+    sig.update({n: "*i32" for n in ("qw_ptr", "qz_ptr", "g_ptr", "lock_ptr")}, ws_ptr="*fp32")
+    ints = ("M", "N", "K", "KW", "NW", "GS", "stride_xm", "stride_ym", "SPLIT_K", "M_BUCKET", "NUM_SMS", "WAVES")
+    sig.update({n: "i32" for n in ints})
+    kw = config.kwargs
+    const = dict(BITS=bits, ZERO_OFFSET=1, UNIFORM=True, HAS_BIAS=False, IS_FP16=True,
+                 BLOCK_M=block_m or kw["BLOCK_M"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
+                 GROUP_M=kw["GROUP_M"], EVEN_K=True, EVEN_N=True, INTERPRETER=False)
+    aligned = [n for n in sig if n.endswith("_ptr")] + ["N", "K", "KW", "NW", "GS", "stride_xm", "stride_ym"]
+    return triton_gptq._gptq_matmul_kernel, sig, const, aligned
+
+
+def _dequant_launch(config, _, bits):
+    sig = {"qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp16", "g_ptr": "*i32", "w_ptr": "*fp16"}
+    sig.update({n: "i32" for n in ("N", "K", "KW", "NW", "GS")})
+    kw = config.kwargs
+    const = dict(BITS=bits, ZERO_OFFSET=1, UNIFORM=True, IS_FP16=True, BLOCK_K=kw["BLOCK_K"], BLOCK_N=kw["BLOCK_N"],
+                 EVEN_K=True, EVEN_N=True, INTERPRETER=False)
+    return triton_dequant._dequant_kernel, sig, const, list(sig)
+
+
+# kind -> (configs, how to build the launch, BLOCK_M fixed by the launch kind or None)
+LAUNCHES = {
+    "m1": (triton_gptq.M1_CONFIGS, _matmul_launch, 1),
+    "decode": (triton_gptq.DECODE_CONFIGS, _matmul_launch, 16),
+    "gemm": (triton_gptq.GEMM_CONFIGS, _matmul_launch, None),
+    "dequant": (triton_dequant.DEQUANT_CONFIGS, _dequant_launch, None),
+}
+
+
+def unique_configs(kind, bits=4):
+    """The kind's configs for `bits`, once per compiled variant (WAVES only changes the launch grid)."""
+    seen = {}
+    for c in LAUNCHES[kind][0]:
+        if kind != "dequant" and not triton_gptq.fits_bits(c, bits):
+            continue
+        key = (c.kwargs.get("BLOCK_M"), c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+        seen.setdefault(key, c)
+    return list(seen.values())
+
+
+def loop_stats(kind, config, arch=90, bits=4, dump=None):
+    """Counts for one config's K loop: instructions per weight and the opcodes that signal trouble."""
+    _, build, block_m = LAUNCHES[kind]
+    fn, sig, const, aligned = build(config, block_m, bits)
+    sig = {**sig, **{k: "constexpr" for k in const}}
+    sass = compile_sass(fn, sig, const, aligned, config.num_warps, config.num_stages, arch)
+    name = f"{kind}_b{bits}_m{const.get('BLOCK_M', '')}_n{const['BLOCK_N']}_k{const['BLOCK_K']}_w{config.num_warps}"
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        with open(os.path.join(dump, name + f"_sm{arch}.sass"), "w") as f:
+            f.write(sass)
+    loop = main_loop(sass) or whole_kernel(sass)   # the dequantize kernel has no loop: one tile per program
+    ops = opcode_counts(loop)
+    per_thread = const["BLOCK_N"] * const["BLOCK_K"] / (32 * config.num_warps)   # weights per thread per trip
+    return dict(name=name, instructions=len(loop), weights_per_thread=per_thread,
+                per_weight=len(loop) / per_thread, ldg=ops["LDG"], shared=sum(ops[o] for o in SHARED),
+                spills=sum(ops[o] for o in SPILLS), i2f=ops["I2F"], mma=ops["HMMA"] + ops["HGMMA"])
+
+
+def problems(kind, stats):
+    """What --check rejects: spills anywhere; in the M = 1 loop any shared-memory traffic (a layout
+    conversion) or I2F; a tl.dot launch whose loop has no MMA instruction."""
+    found = []
+    if stats["spills"]:
+        found.append(f"{stats['spills']} spill instructions")
+    if kind == "m1" and stats["shared"]:
+        found.append(f"{stats['shared']} shared-memory instructions (a layout conversion)")
+    if kind == "m1" and stats["i2f"]:
+        found.append(f"{stats['i2f']} I2F conversions")
+    if kind in ("decode", "gemm") and not stats["mma"]:
+        found.append("no tensor-core MMA")
+    return [f"{stats['name']}: {p}" for p in found]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kind", choices=KINDS, nargs="+", default=list(KINDS), help="launch kinds to compile")
+    p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100, 80: A100)")
+    p.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=4,
+                   help="code width (3-bit has no M = 1 shape: it runs the decode shape)")
+    p.add_argument("--dump", help="folder to write each config's SASS into")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 if a loop spills, the M = 1 loop converts layouts or uses I2F, or a tl.dot "
+                        "launch has no MMA (the CI codegen test runs this)")
+    args = p.parse_args()
+    if not tools_available():
+        sys.exit("error: this triton wheel has no NVIDIA ptxas/cuobjdump; install the standard triton wheel")
+    print(f"K-loop SASS statistics, sm_{args.arch}, {args.bits}-bit g128 sym fp16 (triton {triton.__version__})\n")
+    print("| kind | BLOCK M x N x K | warps | stages | loop instr | weights/thread | instr/weight | LDG |"
+          " shared mem ops | spills | I2F | MMA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    failures = []
+    for kind in args.kind:
+        if kind == "m1" and args.bits == 3:   # no such launch: 3-bit M = 1 runs the decode shape
+            continue
+        block_m = LAUNCHES[kind][2]
+        for c in unique_configs(kind, args.bits):
+            s = loop_stats(kind, c, args.arch, args.bits, args.dump)
+            bm = block_m or c.kwargs.get("BLOCK_M", "-")
+            print(f"| {kind} | {bm} x {c.kwargs['BLOCK_N']} x {c.kwargs['BLOCK_K']} | {c.num_warps} | "
+                  f"{c.num_stages} | {s['instructions']} | {s['weights_per_thread']:.0f} | {s['per_weight']:.2f} | "
+                  f"{s['ldg']} | {s['shared']} | {s['spills']} | {s['i2f']} | {s['mma']} |", flush=True)
+            failures += problems(kind, s)
+    if args.check and failures:
+        sys.exit("check failed:\n  " + "\n  ".join(failures))
+
+
+if __name__ == "__main__":
+    main()
