@@ -20,12 +20,17 @@ Within the Triton backend, two paths (the `path` argument; "auto" picks by M = r
             costing ~2.5 bytes of traffic per weight: small against 2*M FLOPs per weight once M is
             in the hundreds. This is the trade production kernels make for prefill (exllama's
             large-M path); the extra memory is per call and only as big as one layer's weight.
+torch.ops.quantkit.gptq_linear wraps the automatic choice as one opaque custom op with a fake
+(shape-only) implementation: QuantLinear calls it, so torch.compile traces a quantized model without
+graph breaks and CUDA graphs (torch.compile mode="reduce-overhead") capture it, which removes the
+Python launch cost of each call from decode loops.
 PREFILL_MIN_M is the measured crossover on an H100 (docs/BENCHMARKS.md): at M = 128 the two paths
 tie on a 4096 x 4096 linear and the fused kernel is 1.27x-1.69x faster on larger ones; at M = 256
 dequantize + cuBLAS is 5%-25% faster on every Llama-3 8B/70B shape. The weight is decoded in the
 activation dtype with the reference's single rounding, so both paths see identical weights.
 """
 import os
+from typing import Optional
 
 import torch
 
@@ -88,6 +93,19 @@ def gptq_linear(x, qweight, qzeros, scales, g_idx, bits, in_features, bias=None,
         _check(x2, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
         y = _prefill(x2, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+@torch.library.custom_op("quantkit::gptq_linear", mutates_args=())
+def gptq_linear_op(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   g_idx: torch.Tensor, bits: int, in_features: int, bias: Optional[torch.Tensor],
+                   zero_offset: int) -> torch.Tensor:
+    """gptq_linear with the automatic backend and path (Triton on CUDA, torch elsewhere)."""
+    return gptq_linear(x, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
+
+
+@gptq_linear_op.register_fake
+def _gptq_linear_fake(x, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset):
+    return x.new_empty((*x.shape[:-1], scales.shape[1]))
 
 
 def _prefill(x2, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset):

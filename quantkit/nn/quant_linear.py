@@ -1,13 +1,15 @@
 """QuantLinear: an nn.Linear replacement that holds GPTQ-layout packed tensors.
 
 Buffers mirror the checkpoint (see quantkit.formats.gptq): qweight, qzeros, scales, g_idx, bias.
-forward() calls quantkit.kernels.gptq_linear, which picks the Triton fused kernel on CUDA and a
-pure-torch path on CPU.
+forward() calls the custom op torch.ops.quantkit.gptq_linear (kernels.dispatch), which picks the
+Triton kernels on CUDA and a pure-torch path elsewhere; on CPU the decoded weight is cached instead
+(see below).
 """
 import torch
 from torch import nn
 
 from quantkit.formats import bitpack
+from quantkit.kernels.dispatch import gptq_linear_op
 
 
 class QuantLinear(nn.Module):
@@ -42,14 +44,12 @@ class QuantLinear(nn.Module):
     cache_dequantized = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from quantkit.kernels import gptq_linear
-
         if x.device.type == "cpu" and self.cache_dequantized:
             from quantkit.kernels.reference import linear_dequantized
 
             return linear_dequantized(x, self._cached_weight(x.dtype), self.bias)
-        return gptq_linear(x, self.qweight, self.qzeros, self.scales, self.g_idx, self.bits,
-                           self.in_features, self.bias, zero_offset=self._zero_offset())
+        return gptq_linear_op(x, self.qweight, self.qzeros, self.scales, self.g_idx, self.bits,
+                              self.in_features, self.bias, self._zero_offset())
 
     def _zero_offset(self):
         return 1 if self.checkpoint_format == "gptq" else 0
