@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from quantkit.formats import bitpack
-from quantkit.kernels.triton_gptq import _decode, _group_params, _group_row, _in_range, _packed_codes
+from quantkit.kernels.triton_decode import _decode, _group_params, _group_row, _in_range, _packed_codes
 from quantkit.kernels.triton_gptq_ops import group_layout
 
 
