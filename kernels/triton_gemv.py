@@ -58,3 +58,72 @@ def _gemv_code(part, j: tl.constexpr, words, hi, x_row, k0, K, s, z, g_ptr, s_pt
     else:
         part += (qf - zf) * (x * s.to(tl.float32))
     return part
+
+
+@triton.jit
+def _gemv_tile_half2(acc, words, x_row, k0, K, s, z, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     INTERPRETER: tl.constexpr):
+    """M = 1, 4-bit, one group per tile, fp16 x: two weights per instruction in packed fp16 math.
+
+    Codes j and j + 4 of a word sit 16 bits apart, so a shift and one LOP3 put both into the two
+    halves under the fp16 exponent of 1024: ((w >> 4j) & 0x000F000F) | 0x64006400 is the fp16 pair
+    (1024 + q_j, 1024 + q_j+4). One HADD2 removes 1024 + z exactly and one HFMA2 multiplies by the
+    x pair (x_k, x_k+4) and accumulates: 4 instructions per 2 weights, about 4 per weight with x,
+    zeros and the fp32 widening, against 5.4-6.2 for the fp32 FMA path (_gemv_tile; sm_90 SASS,
+    docs/BENCHMARKS.md). The pairs travel as int32 (Triton has no packed-half type); only
+    _fma_f16x2 reads them as numbers.
+    Range and rounding: x is scaled by 2^-6 first, so a word's partial sum, at most
+    4 * 15 * 65504 / 64 < 65504 in magnitude, cannot overflow for any finite fp16 x. Each product
+    and sum rounds to fp16 (relative u = 2^-11; 2^-25 absolute where x * 2^-6 is subnormal), so
+    the four-term partial of each half is within about 4u of exact; partials are widened to fp32
+    per word, summed and scaled in fp32."""
+    offs_k = k0 + tl.arange(0, BLOCK_K // 8) * 8             # first k of each row of words
+    minus_z = -_f16_bits(z | 0x6400)                         # [1, C]: removes 1024 + z
+    part = tl.zeros(words.shape, dtype=tl.int32)             # the fp16 pair (0, 0)
+    for j in tl.static_range(4):
+        codes = ((words >> (4 * j)) & 0x000F000F) | 0x64006400
+        part = _fma_f16x2(codes, minus_z, _x_pair(x_row, offs_k + j, K, EVEN_K), part, INTERPRETER)
+    lo, hi = _unpack_f16x2(part)
+    return acc + (lo.to(tl.float32) + hi.to(tl.float32)) * (s.to(tl.float32) * 64.0)
+
+
+@triton.jit
+def _x_pair(x_row, k, K, EVEN_K: tl.constexpr):
+    """[rows, 1] int32 holding the fp16 pair (x_k, x_k+4) * 2^-6 (exact unless subnormal)."""
+    lo = tl.load(x_row + k, mask=_in_range(k, K, EVEN_K), other=0.0) * 0.015625
+    hi = tl.load(x_row + k + 4, mask=_in_range(k + 4, K, EVEN_K), other=0.0) * 0.015625
+    return _pack_f16x2(lo, hi)[:, None]
+
+
+@triton.jit
+def _fma_f16x2(codes, offset, x2, acc, INTERPRETER: tl.constexpr):
+    """(codes + offset) * x2 + acc per fp16 half: codes, x2 and acc are fp16 pairs carried in int32,
+    offset an fp16 tensor (the same in both halves). On the GPU PTX add.f16x2 + fma.rn.f16x2. The
+    interpreter cannot run inline PTX, so it computes the same formula per half in fp16 (rounding
+    the product before the add where the GPU's fma rounds once; both within the stated bound)."""
+    offset2 = _pack_f16x2(offset, offset)
+    if INTERPRETER:
+        c_lo, c_hi = _unpack_f16x2(codes)
+        x_lo, x_hi = _unpack_f16x2(x2)
+        a_lo, a_hi = _unpack_f16x2(acc)
+        return _pack_f16x2((c_lo + offset) * x_lo + a_lo, (c_hi + offset) * x_hi + a_hi)
+    args = [tl.broadcast_to(v, acc.shape) for v in (codes, offset2, x2)]
+    return tl.inline_asm_elementwise("{ .reg .b32 d; add.f16x2 d, $1, $2; fma.rn.f16x2 $0, d, $3, $4; }",
+                                     "=r,r,r,r,r", args + [acc], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _pack_f16x2(lo, hi):
+    """Two fp16 tensors -> int32 with lo in bits 0-15 and hi in bits 16-31 (PTX's f16x2 order)."""
+    return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _f16_bits(v):
+    """int32 holding an fp16 bit pattern in its low half -> that fp16 value."""
+    return v.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _unpack_f16x2(v):
+    return _f16_bits(v), _f16_bits(v >> 16)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from quantkit.kernels.triton_decode import (_decode, _group_params, _group_row, _in_range, _load_words, _round,
                                             _tile_codes)
-from quantkit.kernels.triton_gemv import _gemv_tile
+from quantkit.kernels.triton_gemv import _gemv_tile, _gemv_tile_half2
 
 
 @triton.jit
@@ -40,7 +40,7 @@ def _gptq_matmul_kernel(
         BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr,
         IS_FP16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-        INTERPRETER: tl.constexpr = False):
+        INTERPRETER: tl.constexpr = False, HALF2: tl.constexpr = False):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -76,7 +76,10 @@ def _gptq_matmul_kernel(
             s, z = _group_row(s_ptr, qz_ptr, k0 // GS, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
         else:        # per-k groups: loaded inside the tile functions
             s, z = 0.0, 0
-        if BLOCK_M == 1:
+        if BLOCK_M == 1 and HALF2 and BITS == 4 and UNIFORM and IS_FP16:   # packed fp16 math (triton_gemv)
+            acc2 = _gemv_tile_half2(acc2, words, x_ptr + pid_m.to(tl.int64) * stride_xm, k0, K, s, z, BLOCK_K,
+                                    EVEN_K, INTERPRETER)
+        elif BLOCK_M == 1:
             acc2 = _gemv_tile(acc2, words, x_ptr + pid_m.to(tl.int64) * stride_xm, k0, K, s, z, g_ptr, s_ptr,
                               qz_ptr, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET, UNIFORM, BLOCK_K, EVEN_K)
         else:
@@ -134,22 +137,35 @@ def _split_heuristic(a):
                    a["WAVES"])
 
 
-def _config(bm, bn, bk, waves, warps, stages, group_m=8):
+def _config(bm, bn, bk, waves, warps, stages, group_m=8, half2=False):
     kw = dict(BLOCK_N=bn, BLOCK_K=bk, WAVES=waves, GROUP_M=group_m)
     if bm is not None:
         kw["BLOCK_M"] = bm
+    if half2:
+        kw["HALF2"] = True
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
 
 # M = 1 (BLOCK_M = 1, FMA path): 4-32 words per thread per tile, loaded 16 bytes at a time; BLOCK_N
 # of 128+ with BLOCK_K 64 picks a poor layout (checked in SASS), so it is left out. No tl.dot, so
 # nothing for the software pipeliner: memory-level parallelism comes from resident programs, which
-# WAVES (programs ~ WAVES x SMs through split-K) sets. The last two tiles give each thread 32 words
-# (5.3-5.6 instructions per weight in SASS against 6.2 for 64 x 128; not yet timed on a GPU).
+# WAVES (programs ~ WAVES x SMs through split-K) sets. Uniform groups need BLOCK_K | group size, so
+# g128 runs the BLOCK_K <= 128 tiles; the 256 x 128 and 128 x 128 tiles with 4 warps (5.4 and 5.6
+# instructions per weight in sm_90 SASS against 6.2 for 64 x 128) are not yet timed on a GPU.
 M1_CONFIGS = [
     _config(None, bn, bk, waves, warps, 2)
     for bn, bk, warps in [(64, 128, 4), (32, 128, 4), (128, 128, 8), (64, 256, 8), (32, 256, 4), (64, 512, 8),
-                          (64, 32, 4), (128, 256, 8), (128, 512, 8)]
+                          (64, 32, 4), (256, 128, 4), (128, 128, 4)]
+    for waves in (4, 8, 16)
+]
+# M = 1 in packed fp16 math (triton_gemv._gemv_tile_half2; INT4, uniform groups, fp16 x; other inputs
+# run the FMA path): 4.0-4.8 instructions per weight in sm_90 SASS. Checked under the interpreter and
+# compiled for sm_90 (scripts/sass_stats.py --kind m1h2), but its inline PTX has not run on a GPU yet,
+# so it is not in the autotune list until it has: tests/test_kernels.py pins it on CUDA and
+# scripts/bench_kernels.py --m1-half2 offers it to the autotuner.
+M1_HALF2_CONFIGS = [
+    _config(None, bn, bk, waves, warps, 2, half2=True)
+    for bn, bk, warps in [(64, 128, 4), (256, 128, 4), (256, 128, 8), (512, 128, 8), (256, 64, 4)]
     for waves in (4, 8, 16)
 ]
 # 2 <= M <= 16 (BLOCK_M = 16, tl.dot on mma.sync): pipelined cp.async word loads.
@@ -177,11 +193,14 @@ def fits_bits(config, bits):
 
 
 def _prune(configs, named_args, **kwargs):
-    """Uniform-group mode needs every K tile inside one group (BLOCK_K must divide the group size);
-    3-bit takes the tiles that do not spill."""
+    """Configs that fit the call: uniform-group mode needs every K tile inside one group (BLOCK_K
+    must divide the group size); 3-bit takes the tiles that do not spill; HALF2 tiles are timed
+    only where they change the code (4-bit, uniform groups, fp16)."""
     a = {**named_args, **kwargs}
+    half2_applies = a["BITS"] == 4 and a["UNIFORM"] and a["IS_FP16"]
     keep = [c for c in configs
-            if (not a["UNIFORM"] or a["GS"] % c.kwargs["BLOCK_K"] == 0) and fits_bits(c, a["BITS"])]
+            if (not a["UNIFORM"] or a["GS"] % c.kwargs["BLOCK_K"] == 0) and fits_bits(c, a["BITS"])
+            and (half2_applies or not c.kwargs.get("HALF2"))]
     return keep or configs[:1]
 
 

@@ -175,3 +175,11 @@ def _items(configs):
 # Launch kind (0: GEMM, 1: M = 1, 16: 2 <= M <= 16) -> (autotuned kernel, hashable configs).
 _TUNED = {0: (gemm_kernel, _items(GEMM_CONFIGS)), 1: (m1_kernel, _items(M1_CONFIGS)),
           16: (decode_kernel, _items(DECODE_CONFIGS))}
+
+
+def use_m1_configs(configs):
+    """Replace the M = 1 autotune candidates, e.g. M1_CONFIGS + M1_HALF2_CONFIGS (benchmarks): the
+    autotuner forgets its picks and the split-K workspace is sized for the new tiles."""
+    m1_kernel.configs = list(configs)
+    m1_kernel.cache.clear()
+    _TUNED[1] = (m1_kernel, _items(configs))

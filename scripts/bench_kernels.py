@@ -88,10 +88,12 @@ def eager_time_us(fn, iters=200):
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def check(layers, bits, args, args_path=None):
+def check(layers, bits, args, args_path=None, half2=False):
     """Kernel vs the fp16 reference on this GPU: relative Frobenius error per shape and M.
 
-    M = 1, 7, 118 take the fused kernel's three launch shapes, M = 300 the prefill path."""
+    M = 1, 7, 118 take the fused kernel's three launch shapes, M = 300 the prefill path. With the
+    packed-fp16 M = 1 tiles offered (`half2`), M = 1 fp16 may sum in fp16: allowed 6u (its
+    worst-case bound is about 5u, tests/test_kernels.py)."""
     from quantkit.kernels import gptq_linear
 
     ok = True
@@ -114,6 +116,8 @@ def check(layers, bits, args, args_path=None):
                     print(f"check {name} dequantize {str(dtype)[6:]}: {'bit-exact' if same else 'MISMATCH'}")
                 # fp16 / bf16 output rounding: ~u/sqrt(3) relative rms (u = 2^-11 / 2^-8); allow 2u.
                 bound = 2 * (2.0**-11 if dtype == torch.float16 else 2.0**-8)
+                if half2 and m == 1 and dtype == torch.float16:
+                    bound = 6 * 2.0**-11
                 good = err <= bound and torch.isfinite(y).all().item()
                 ok &= good
                 print(f"check {name} M={m} {str(dtype)[6:]}: rel err {err:.2e} (bound {bound:.1e}) "
@@ -205,6 +209,9 @@ def main(argv=None):
     p.add_argument("--path", choices=["auto", "fused", "prefill"], default="auto",
                    help="gptq_linear path: auto (dispatch by M), or force the fused kernel / dequant + cuBLAS")
     p.add_argument("--dequant", action="store_true", help="also time the dequantize kernel alone per shape")
+    p.add_argument("--m1-half2", choices=["add", "only"],
+                   help="offer the packed-fp16 M = 1 tiles (triton_gptq.M1_HALF2_CONFIGS, not yet in the default "
+                        "autotune list) to the autotuner: with the FMA tiles (add) or alone (only)")
     p.add_argument("--out", help="write the markdown table here")
     p.add_argument("--json", help="write raw numbers and autotuner picks here")
     args = p.parse_args(argv)
@@ -218,7 +225,12 @@ def main(argv=None):
     for name, (n, k) in layers.items():
         layer = make_layer(n, k, args.bits, args.group_size, "cuda")
         tensors[name] = (layer, fp16_weight(layer, args.bits, k))
-    if args.check and not check(layers, args.bits, tensors, args.path):
+    if args.m1_half2:
+        from quantkit.kernels import triton_gptq, triton_gptq_ops
+
+        half2 = triton_gptq.M1_HALF2_CONFIGS
+        triton_gptq_ops.use_m1_configs(half2 if args.m1_half2 == "only" else triton_gptq.M1_CONFIGS + half2)
+    if args.check and not check(layers, args.bits, tensors, args.path, half2=bool(args.m1_half2)):
         sys.exit("kernel check FAILED")
     dequant = [bench_dequant(name, tensors[name][0], args.bits, SHAPES[name][1], args.rep, peak)
                for name in layers] if args.dequant else []

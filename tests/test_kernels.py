@@ -17,6 +17,12 @@ activation dtype (2^-11 fp16, 2^-8 bf16) and mag = |x| @ |W^T| + |bias| (compute
 So |y - ref| <= u * |ref| + (u + 2K * 2^-24) * mag + 2^-25. A wrong code, zero, scale, group or
 mask moves an element by about |x_k * w_k|: with K <= 200 that is ~1/K of mag per term, still far
 above u * mag (u = 2^-8 at worst), so the bound catches every such bug (checked by mutation).
+The packed-fp16 M = 1 path (HALF2 configs; 4-bit, uniform groups, fp16) multiplies and sums in fp16:
+x is scaled by 2^-6 (exact unless subnormal), each product and each of the 3 sums of a word's
+four-term partial rounds once: at most gamma_4 ~ 4 * 2^-11 of sum|p| relative, i.e. 4 * 2^-11 * mag
+after the fp32 rescale by 64 * s, plus 2^-25 absolute per fp16 operation where values are subnormal,
+i.e. 3 * 2^-19 * |s| per term: its bound adds 4 * 2^-11 * mag + 3K * 2^-19 * max|s|. A wrong code still
+moves an element by ~mag/K >= 10 * 2^-11 * mag (K <= 200), above the ~6 * 2^-11 * mag allowed here.
 """
 import os
 import subprocess
@@ -102,12 +108,14 @@ def reference(x, layer, bits, k, zero_offset):
     return y, mag
 
 
-def assert_close_to_reference(y, x, layer, bits, k, zero_offset):
+def assert_close_to_reference(y, x, layer, bits, k, zero_offset, half2=False):
     ref, mag = reference(x, layer, bits, k, zero_offset)
     assert y.dtype == x.dtype and y.shape == ref.shape
     assert torch.isfinite(y).all()
     u = UNIT_ROUNDOFF[x.dtype]
     tol = u * ref.abs() + (u + 2 * k * 2.0**-24) * mag + 2.0**-25
+    if half2:  # the packed-fp16 M = 1 path (module docstring)
+        tol = tol + 4 * 2.0**-11 * mag + 3 * k * 2.0**-19 * layer["scales"].abs().max().item()
     err = (y.double() - ref).abs()
     worst = (err / tol).max().item()
     assert worst <= 1.0, f"max |y - ref| / bound = {worst:.3f} (max abs err {err.max().item():.3e})"
@@ -148,6 +156,8 @@ def test_kernel_matches_reference(device, m, k, n, bits, gs, sym, zo, act, bias,
 PATHS = {
     "decode-m1-split": (1, dict(BLOCK_N=32, BLOCK_K=32, WAVES=4, GROUP_M=1)),
     "decode-m1-nosplit": (1, dict(BLOCK_N=64, BLOCK_K=64, WAVES=0, GROUP_M=1)),
+    "decode-m1-half2-split": (1, dict(BLOCK_N=32, BLOCK_K=32, WAVES=4, GROUP_M=1, HALF2=True)),
+    "decode-m1-half2-nosplit": (1, dict(BLOCK_N=64, BLOCK_K=32, WAVES=0, GROUP_M=1, HALF2=True)),
     "decode-dot-split": (5, dict(BLOCK_N=16, BLOCK_K=32, WAVES=8, GROUP_M=1)),
     "decode-dot-bk64": (16, dict(BLOCK_N=32, BLOCK_K=64, WAVES=2, GROUP_M=1)),
     "gemm-nosplit": (33, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, WAVES=0, GROUP_M=2)),
@@ -164,7 +174,24 @@ def test_pinned_paths(device, path, bits, dtype):
     k, n = 160, 72
     layer = make_layer(k, n, bits, 32, zero_offset=1, bias=True, device=device, seed=bits)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(bits)).to(device, dtype)
-    assert_close_to_reference(run(x, layer, bits, k, 1, config), x, layer, bits, k, 1)
+    half2 = config.get("HALF2", False) and bits == 4 and dtype == torch.float16
+    assert_close_to_reference(run(x, layer, bits, k, 1, config), x, layer, bits, k, 1, half2=half2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k,n,gs,sym,zo,bias,x_max", [
+    (100, 40, 32, False, 1, True, 3.0), (200, 70, 32, True, 0, False, 3.0), (96, 40, -1, False, 0, True, 3.0),
+    (100, 40, 32, False, 1, False, 60000.0),   # |x| near fp16's max: the 2^-6 prescale must prevent overflow
+    (200, 70, 48, False, 1, True, 3.0),        # not uniform: HALF2 falls back to the FMA path
+])
+def test_m1_half2_path(device, k, n, gs, sym, zo, bias, x_max):
+    layer = make_layer(k, n, 4, gs, sym, zo, bias=bias, device=device, seed=k + n)
+    if x_max > 100:  # keep the outputs themselves finite in fp16
+        layer["scales"] = (layer["scales"].float() * 1e-4).half()
+    gen = torch.Generator().manual_seed(k)
+    x = ((torch.rand(1, k, generator=gen) * 2 - 1) * x_max).to(device, torch.float16)
+    config = dict(BLOCK_N=32, BLOCK_K=32, WAVES=4, GROUP_M=1, HALF2=True)
+    assert_close_to_reference(run(x, layer, 4, k, zo, config), x, layer, 4, k, zo, half2=gs != 48)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -405,6 +432,25 @@ def test_workspace_covers_every_tuned_config(m, n, k):
         if splits > 1:
             assert splits * m * n <= partials
             assert -(-m // bm) * -(-n // c["BLOCK_N"]) <= counters
+
+
+@pytest.mark.skipif(triton_gptq_ops is None, reason="triton unavailable")
+def test_use_m1_configs_swaps_candidates_and_resizes_the_workspace():
+    from quantkit.kernels import triton_gptq
+
+    before = list(triton_gptq.m1_kernel.configs)
+    wider = triton_gptq.M1_CONFIGS + triton_gptq.M1_HALF2_CONFIGS
+    try:
+        triton_gptq_ops.use_m1_configs(wider)
+        _, configs = triton_gptq_ops._TUNED[1]
+        assert triton_gptq.m1_kernel.configs == wider and len(configs) == len(wider)
+        partials, _ = triton_gptq_ops._workspace_size(1, 4096, 4096, configs, 1, 132)
+        for c in triton_gptq.M1_HALF2_CONFIGS:
+            assert triton_gptq.split_k(1, 4096, 4096, 1, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], 132,
+                                       c.kwargs["WAVES"]) * 4096 <= partials
+    finally:
+        triton_gptq_ops.use_m1_configs(before)
+    assert triton_gptq_ops._TUNED[1][1] == triton_gptq_ops._items(before)
 
 
 @pytest.mark.skipif(not PREIMPORTED or torch.cuda.is_available(),
