@@ -40,11 +40,12 @@ class QuantLinear(nn.Module):
     # Fine for CPU evaluation of small models; set `cache_dequantized = False` (class or instance)
     # when RAM matters more. The copy lives outside state_dict, is rebuilt when a buffer is replaced
     # or changed in place (data_ptr / _version), and dropped when the module moves (_apply).
-    # On CUDA nothing is cached: the Triton kernel decodes in registers.
+    # On CUDA nothing is cached: the Triton kernel decodes in registers. Under torch.compile the cache
+    # (eager Python state) is bypassed for the op, which the compiled graph calls like any other.
     cache_dequantized = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and self.cache_dequantized:
+        if x.device.type == "cpu" and self.cache_dequantized and not torch.compiler.is_compiling():
             from quantkit.kernels.reference import linear_dequantized
 
             return linear_dequantized(x, self._cached_weight(x.dtype), self.bias)
