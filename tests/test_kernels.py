@@ -162,6 +162,7 @@ PATHS = {
     "decode-dot-bk64": (16, dict(BLOCK_N=32, BLOCK_K=64, WAVES=2, GROUP_M=1)),
     "gemm-nosplit": (33, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, WAVES=0, GROUP_M=2)),
     "gemm-split": (17, dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, WAVES=4, GROUP_M=8)),
+    "gemm-m118": (118, dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, WAVES=1, GROUP_M=2)),  # ragged last row tile
 }
 
 
