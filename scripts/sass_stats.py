@@ -166,7 +166,8 @@ def problems(kind, stats):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kind", choices=KINDS, nargs="+", default=list(KINDS), help="launch kinds to compile")
+    p.add_argument("--kind", choices=KINDS, nargs="+", default=list(KINDS),
+                   help="launch kinds to compile (m1h2: the packed-fp16 M = 1 tiles, not yet autotuned)")
     p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100, 80: A100)")
     p.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=4,
                    help="code width (3-bit has no M = 1 shape: it runs the decode shape)")
