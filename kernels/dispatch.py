@@ -110,9 +110,9 @@ def _gptq_linear_fake(x, qweight, qzeros, scales, g_idx, bits, in_features, bias
 
 def _prefill(x2, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset):
     """Decode W^T to a transient x.dtype matrix, then one cuBLAS GEMM (bias in its epilogue)."""
-    from quantkit.kernels.triton_dequant import dequantize_triton
+    from quantkit.kernels.triton_dequant import dequantize_checked
 
-    w = dequantize_triton(qweight, qzeros, scales, g_idx, bits, in_features, zero_offset, x2.dtype)
+    w = dequantize_checked(qweight, qzeros, scales, g_idx, bits, in_features, zero_offset, x2.dtype)
     if not x2.is_cuda:  # interpreter runs (tests): CPU fp16 GEMMs go through fp32
         return linear_dequantized(x2, w, bias)
     if bias is None:

@@ -93,8 +93,8 @@ def _decode(q, z, s, IS_FP16: tl.constexpr, INTERPRETER: tl.constexpr):
     0x6400) gives the fp16 number 1024 + c, and (1024 + q) - (1024 + z) = q - z exactly. bf16
     activations use the fp32 version (2^23 = 0x4B000000) so the product is rounded only once."""
     if IS_FP16:
-        qf = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        zf = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        qf = _f16_bits(q | 0x6400)
+        zf = _f16_bits(z | 0x6400)
         w = (qf - zf) * s                           # exact difference, one fp16 rounding
     else:
         qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
@@ -112,3 +112,9 @@ def _round(v, dtype: tl.constexpr, INTERPRETER: tl.constexpr):
         u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
         return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return v.to(dtype)
+
+
+@triton.jit
+def _f16_bits(v):
+    """int32 holding an fp16 bit pattern in its low half -> that fp16 value."""
+    return v.to(tl.int16).to(tl.float16, bitcast=True)

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.formats import bitpack
 from quantkit.kernels.triton_decode import _decode, _group_params, _group_row, _in_range, _packed_codes
-from quantkit.kernels.triton_gptq_ops import group_layout
+from quantkit.kernels.triton_gptq import fits_groups
+from quantkit.kernels.triton_gptq_ops import check_packed, group_layout
 
 
 @triton.jit
@@ -65,9 +65,7 @@ def _store_rows(w_ptr, q, offs_k, offs_n, n_mask, s, z, s_ptr, qz_ptr, g_ptr, N,
 
 
 def _prune(configs, named_args, **kwargs):
-    """Uniform mode needs every K tile inside one group: BLOCK_K must divide the group size."""
-    a = {**named_args, **kwargs}
-    keep = [c for c in configs if not a["UNIFORM"] or a["GS"] % c.kwargs["BLOCK_K"] == 0]
+    keep = [c for c in configs if fits_groups(c, {**named_args, **kwargs})]
     return keep or configs[:1]
 
 
@@ -88,27 +86,16 @@ def dequantize_triton(qweight, qzeros, scales, g_idx, bits, in_features, zero_of
 
     `config` pins BLOCK_K / BLOCK_N (and optionally num_warps) instead of autotuning; CPU tensors
     (TRITON_INTERPRET=1) always use a pinned config."""
-    if bits not in (2, 3, 4, 8):
-        raise ValueError(f"the Triton dequantize kernel supports bits 2, 3, 4, 8; got {bits}")
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
-    if zero_offset not in (0, 1):
-        raise ValueError(f"zero_offset must be 0 (gptq_v2) or 1 (gptq v1), got {zero_offset}")
-    if scales.dim() != 2 or scales.dtype != torch.float16:
-        raise ValueError(f"scales must be float16 [groups, out_features], got {scales.dtype} {tuple(scales.shape)}")
+    check_packed(qweight, qzeros, scales, g_idx, bits, in_features, zero_offset)
+    return dequantize_checked(qweight, qzeros, scales, g_idx, bits, in_features, zero_offset, dtype, config)
+
+
+def dequantize_checked(qweight, qzeros, scales, g_idx, bits, in_features, zero_offset, dtype, config=None):
+    """dequantize_triton without the argument checks, for callers that made them (the prefill path)."""
     k = in_features
     groups, n = scales.shape
-    expect = {"qweight": (qweight, (bitpack.packed_len(k, bits), n)),
-              "qzeros": (qzeros, (groups, bitpack.packed_len(n, bits))), "g_idx": (g_idx, (k,))}
-    for name, (t, shape) in expect.items():
-        if t.dtype != torch.int32 or tuple(t.shape) != shape:
-            raise ValueError(f"{name} must be torch.int32 {shape} for in_features={k}, out_features={n}, "
-                             f"bits={bits}; got {t.dtype} {tuple(t.shape)}")
-    for name, t in [("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("g_idx", g_idx)]:
-        if t.device != qweight.device:
-            raise ValueError(f"{name} is on {t.device} but qweight is on {qweight.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
     w = torch.empty((k, n), dtype=dtype, device=qweight.device)
     if k == 0 or n == 0:
         return w

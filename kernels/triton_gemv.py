@@ -7,7 +7,7 @@ the packed words' own register layout, with no reshape and no cross-thread reduc
 import triton
 import triton.language as tl
 
-from quantkit.kernels.triton_decode import _group_params, _in_range
+from quantkit.kernels.triton_decode import _f16_bits, _group_params, _in_range
 
 
 @triton.jit
@@ -116,12 +116,6 @@ def _fma_f16x2(codes, offset, x2, acc, INTERPRETER: tl.constexpr):
 def _pack_f16x2(lo, hi):
     """Two fp16 tensors -> int32 with lo in bits 0-15 and hi in bits 16-31 (PTX's f16x2 order)."""
     return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
-
-
-@triton.jit
-def _f16_bits(v):
-    """int32 holding an fp16 bit pattern in its low half -> that fp16 value."""
-    return v.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit

@@ -192,14 +192,17 @@ def fits_bits(config, bits):
     return bits != 3 or config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] <= 64 * 32 * config.num_warps
 
 
+def fits_groups(config, args):
+    """Uniform-group mode needs every K tile inside one group: BLOCK_K must divide the group size."""
+    return not args["UNIFORM"] or args["GS"] % config.kwargs["BLOCK_K"] == 0
+
+
 def _prune(configs, named_args, **kwargs):
-    """Configs that fit the call: uniform-group mode needs every K tile inside one group (BLOCK_K
-    must divide the group size); 3-bit takes the tiles that do not spill; HALF2 tiles are timed
-    only where they change the code (4-bit, uniform groups, fp16)."""
+    """Configs that fit the call: whole groups per tile (fits_groups); 3-bit takes the tiles that do
+    not spill; HALF2 tiles are timed only where they change the code (4-bit, uniform groups, fp16)."""
     a = {**named_args, **kwargs}
     half2_applies = a["BITS"] == 4 and a["UNIFORM"] and a["IS_FP16"]
-    keep = [c for c in configs
-            if (not a["UNIFORM"] or a["GS"] % c.kwargs["BLOCK_K"] == 0) and fits_bits(c, a["BITS"])
+    keep = [c for c in configs if fits_groups(c, a) and fits_bits(c, a["BITS"])
             and (half2_applies or not c.kwargs.get("HALF2"))]
     return keep or configs[:1]
 

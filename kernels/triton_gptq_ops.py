@@ -50,15 +50,12 @@ def _inspect_g_idx(g_idx, n_groups):
     return False, 0
 
 
-def _check(x, qweight, qzeros, scales, g_idx, bits, k, bias, zero_offset):
+def check_packed(qweight, qzeros, scales, g_idx, bits, k, zero_offset, bias=None, device=None, device_of="qweight"):
+    """ValueError unless the GPTQ-layout tensors fit the Triton kernels: bits, zero offset, dtypes,
+    shapes for in_features = k, contiguity, and all on `device` (default: qweight's, named
+    `device_of` in the message)."""
     if bits not in (2, 3, 4, 8):
         raise ValueError(f"Triton GPTQ kernels support bits 2, 3, 4, 8; got {bits}")
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [M, in_features={k}], got {tuple(x.shape)}")
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"x must be float16 or bfloat16, got {x.dtype}")
-    if x.stride(1) != 1:
-        raise ValueError("x must be contiguous along in_features")
     if scales.dim() != 2 or scales.dtype != torch.float16:
         raise ValueError(f"scales must be float16 [groups, out_features], got {scales.dtype} {tuple(scales.shape)}")
     groups, n = scales.shape
@@ -71,16 +68,27 @@ def _check(x, qweight, qzeros, scales, g_idx, bits, k, bias, zero_offset):
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise ValueError(f"{name} must be {dtype} {shape} for in_features={k}, out_features={n}, "
                              f"bits={bits}; got {t.dtype} {tuple(t.shape)}")
+    device = device or qweight.device
     for name, t in [("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("g_idx", g_idx),
                     ("bias", bias)]:
         if t is None:
             continue
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {device_of} is on {device}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     if zero_offset not in (0, 1):
         raise ValueError(f"zero_offset must be 0 (gptq_v2) or 1 (gptq v1), got {zero_offset}")
+
+
+def _check(x, qweight, qzeros, scales, g_idx, bits, k, bias, zero_offset):
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, in_features={k}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be float16 or bfloat16, got {x.dtype}")
+    if x.stride(1) != 1:
+        raise ValueError("x must be contiguous along in_features")
+    check_packed(qweight, qzeros, scales, g_idx, bits, k, zero_offset, bias, x.device, "x")
 
 
 def _num_sms(device):

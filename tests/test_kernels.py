@@ -257,8 +257,8 @@ def _pin_gpu_dequant_config(device, monkeypatch):
     if device == "cuda":
         from quantkit.kernels import triton_dequant
 
-        real = triton_dequant.dequantize_triton
-        monkeypatch.setattr(triton_dequant, "dequantize_triton",
+        real = triton_dequant.dequantize_checked
+        monkeypatch.setattr(triton_dequant, "dequantize_checked",
                             lambda *a, **kw: real(*a, **kw, config=dict(BLOCK_K=32, BLOCK_N=64)))
 
 
