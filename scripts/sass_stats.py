@@ -35,6 +35,7 @@ _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
 _PREDICATE = re.compile(r"^@!?U?P\w+\s+")
 SHARED = ("STS", "LDS", "STSM", "LDSM", "BAR")
+NO_TOOLS = 77  # exit status without ptxas/cuobjdump ("skipped", as test harnesses read it)
 SPILLS = ("STL", "LDL")
 
 
@@ -177,7 +178,9 @@ def main():
                         "launch has no MMA (the CI codegen test runs this)")
     args = p.parse_args()
     if not tools_available():
-        sys.exit("error: this triton wheel has no NVIDIA ptxas/cuobjdump; install the standard triton wheel")
+        print("error: this triton wheel has no NVIDIA ptxas/cuobjdump; install the standard triton wheel",
+              file=sys.stderr)
+        sys.exit(NO_TOOLS)
     print(f"K-loop SASS statistics, sm_{args.arch}, {args.bits}-bit g128 sym fp16 (triton {triton.__version__})\n")
     print("| kind | BLOCK M x N x K | warps | stages | loop instr | weights/thread | instr/weight | LDG |"
           " shared mem ops | spills | I2F | MMA |")

@@ -5,8 +5,9 @@ The interpreter tests (test_kernels.py) check what the kernels compute, not what
 to: a kernel can pass every interpreter test and still fail to compile for a GPU, spill registers,
 or gain a layout conversion in its hot loop. scripts/sass_stats.py compiles every autotune config
 with the ptxas shipped in the triton wheel and `--check` rejects spills, shared-memory traffic or
-I2F in the M = 1 loop, and tl.dot launches without tensor-core MMAs. It runs in a fresh process:
-compiling needs the real @triton.jit functions, which this process may have in interpreter mode.
+I2F in the M = 1 loop, and tl.dot launches without tensor-core MMAs. It runs in a fresh process
+(without importing triton here: compiling needs the real @triton.jit functions, and test_kernels.py
+must be the first to import triton in this process, in interpreter mode).
 """
 import importlib.util
 import os
@@ -19,22 +20,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "sass_stats.py")
 
 
-def _tools_available():
-    """Without importing triton here: test_kernels.py must be first to import it (interpreter mode)."""
-    spec = importlib.util.find_spec("triton")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    nvidia_bin = os.path.join(spec.submodule_search_locations[0], "backends", "nvidia", "bin")
-    return all(os.path.exists(os.path.join(nvidia_bin, tool)) for tool in ("ptxas", "cuobjdump"))
-
-
-@pytest.mark.skipif(not _tools_available(), reason="this triton wheel has no NVIDIA ptxas/cuobjdump")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton unavailable")
 @pytest.mark.parametrize("bits", [4, 3])
 def test_kernels_compile_for_sm90_without_spills_or_conversions(bits):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default the kernels were tuned with
     run = subprocess.run([sys.executable, SCRIPT, "--bits", str(bits), "--check"], env=env,
                          capture_output=True, text=True, timeout=600)
+    if run.returncode == 77:  # sass_stats.NO_TOOLS: a triton wheel without ptxas/cuobjdump
+        pytest.skip(run.stderr.strip())
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| m1 ") or line.startswith("| decode ")]
     assert rows, run.stdout  # the table really lists compiled configs
