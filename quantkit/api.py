@@ -57,7 +57,7 @@ def _quantize_rtn(model, names, config):
 
 def _layer_report(results) -> dict:
     return {name: {"bits": r.bits, "group_size": r.group_size, "sym": r.sym,
-                   "shape": list(r.shape), **{k: v for k, v in r.stats.items()}}
+                   "shape": list(r.shape), **r.stats}
             for name, r in results.items()}
 
 

@@ -12,6 +12,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import bitpack, checkpoint
 from quantkit.formats.gptq import module_settings
 from quantkit.model.loader import parse_dtype
+from quantkit.model.sequential import get_weight
 from quantkit.nn.quant_linear import QuantLinear
 
 
@@ -45,12 +46,6 @@ def _skeleton(folder, dtype):
     return model, qc
 
 
-def _in_out(module):
-    if type(module).__name__ == "Conv1D":
-        return module.weight.shape[0], module.weight.shape[1]
-    return module.in_features, module.out_features
-
-
 def _swap_quantized(model, tensors, qc, dtype):
     names = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
     if not names:
@@ -61,7 +56,7 @@ def _swap_quantized(model, tensors, qc, dtype):
         except AttributeError as e:
             raise QuantkitError(f"checkpoint layer {name} does not exist in the model built from config.json") from e
         bits, group_size, _ = module_settings(qc, name)
-        k, n = _in_out(module)
+        n, k = get_weight(module).shape   # also meta tensors: only the shape is read
         if tuple(tensors[f"{name}.qweight"].shape) != (bitpack.packed_len(k, bits), n):
             raise QuantkitError(f"{name}.qweight has shape {tuple(tensors[f'{name}.qweight'].shape)}, not the "
                                 f"{bits}-bit layout of a {k}->{n} linear: the checkpoint and its config disagree")

@@ -82,9 +82,14 @@ ARCHS: dict[str, Arch] = {
 }
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's Conv1D: a linear layer whose weight is stored [in, out]."""
+    return type(module).__name__ == "Conv1D"
+
+
 def is_linear(module: nn.Module) -> bool:
-    """nn.Linear or GPT-2's Conv1D (weight stored [in, out])."""
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+    """nn.Linear or GPT-2's Conv1D."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def get_submodule(root: nn.Module, path: str) -> nn.Module:

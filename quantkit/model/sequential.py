@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quantkit.model.arch import Arch, get_submodule
+from quantkit.model.arch import Arch, get_submodule, is_conv1d
 
 
 class _StopForward(Exception):
@@ -26,11 +26,11 @@ class _StopForward(Exception):
 def get_weight(module: nn.Module) -> torch.Tensor:
     """Weight as [out, in] (GPT-2's Conv1D stores [in, out])."""
     w = module.weight.data
-    return w.t() if type(module).__name__ == "Conv1D" else w
+    return w.t() if is_conv1d(module) else w
 
 
 def set_weight(module: nn.Module, w: torch.Tensor) -> None:
-    w = w.t() if type(module).__name__ == "Conv1D" else w
+    w = w.t() if is_conv1d(module) else w
     module.weight.data.copy_(w.to(module.weight.dtype))
 
 
