@@ -1,6 +1,6 @@
 """Python API: quantize() a model into a checkpoint folder; load_quantized() it back."""
+import math
 import time
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 from quantkit import __version__
 from quantkit.config import QuantConfig, write_recipe
 from quantkit.errors import QuantkitError
-from quantkit.formats import checkpoint, gptq
+from quantkit.formats import checkpoint, gptq, output
 from quantkit.loading import load_quantized  # noqa: F401  (public API)
 from quantkit.methods.grid import Grid
 from quantkit.methods.rtn import rtn
@@ -16,8 +16,8 @@ from quantkit.model.arch import arch_for, block_linears, get_submodule, is_linea
 from quantkit.model.loader import load_fp_model, stored_dtype
 from quantkit.model.sequential import get_weight, run_sequential
 
-REPORT_NAME = "quantkit_report.json"
-RECIPE_NAME = "quantkit_recipe.yaml"
+REPORT_NAME = output.REPORT_NAME
+RECIPE_NAME = checkpoint.RECIPE_NAME
 
 
 def resolve_device(device: str) -> str:
@@ -55,6 +55,14 @@ def _quantize_rtn(model, names, config):
     return results
 
 
+def _check_finite_results(results) -> None:
+    """A guard behind the input checks: a NaN scale or error must never reach a checkpoint."""
+    for name, res in results.items():
+        if not torch.isfinite(res.scales).all() or not math.isfinite(res.stats.get("error") or 0.0):
+            raise QuantkitError(f"quantizing {name} gave NaN/Inf values although its inputs were finite: "
+                                "try a larger --damp (e.g. 0.1) or --method rtn, and please report it")
+
+
 def _layer_report(results) -> dict:
     return {name: {"bits": r.bits, "group_size": r.group_size, "sym": r.sym,
                    "shape": list(r.shape), **r.stats}
@@ -68,8 +76,7 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     calibration_ids: optional LongTensor [nsamples, seqlen] used instead of loading config.dataset.
     """
     config = config or QuantConfig()
-    out = Path(out)
-    checkpoint.refuse_existing(out, overwrite)  # fail before any heavy work; atomic_folder checks again
+    output.check_output(out, overwrite, sources=[model])  # fail before any heavy work; the writer checks again
     device = resolve_device(device)
     t_start = time.perf_counter()
     # CPU half-precision matmuls are slow: calibrate in fp32 there, but write the source's dtype.
@@ -78,6 +85,9 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     save_dtype = stored_dtype(fp_model) if dtype == "auto" else fp_model.dtype
     arch = arch_for(fp_model)
     names = quantizable_linears(fp_model, arch)
+    if all(config.spec_for(n) is None for n in names):
+        raise QuantkitError(f"the recipe's module overrides skip all {len(names)} quantizable linears: nothing to "
+                            "quantize; remove a skip: true or narrow its pattern")
     method = None
     if config.needs_calibration:
         if config.method in ("awq", "awq+gptq"):
@@ -95,6 +105,7 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
         results = run_sequential(fp_model, arch, calibration_ids, method, device, staged)
     else:
         results = _quantize_rtn(fp_model, names, config)
+    _check_finite_results(results)
     report = {
         "quantkit_version": __version__, "model": str(model), "method": config.method,
         "seconds": round(time.perf_counter() - t_start, 2), "device": device,
@@ -102,11 +113,12 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     }
     if method is not None and method.awq_report:
         report["awq"] = method.awq_report
-    _write(fp_model, tokenizer, results, names, config, out, overwrite, report, save_dtype)
+    _write(fp_model, tokenizer, results, names, config, report, save_dtype,
+           output.staged_folder(out, overwrite, sources=[model]))
     return report
 
 
-def _write(model, tokenizer, results, names, config, out, overwrite, report, save_dtype):
+def _write(model, tokenizer, results, names, config, report, save_dtype, staged):
     qc = gptq.quantization_config(
         config.bits, config.group_size, config.sym, config.act_order, config.checkpoint_format, results, names,
         extra={"true_sequential": config.true_sequential, "damp_percent": config.damp,
@@ -117,7 +129,7 @@ def _write(model, tokenizer, results, names, config, out, overwrite, report, sav
     model_config = model.config.to_dict()
     model_config["dtype"] = str(save_dtype).removeprefix("torch.")
     model_config["quantization_config"] = qc
-    with checkpoint.atomic_folder(out, overwrite) as tmp:
+    with staged as tmp:
         checkpoint.write_tensors(tmp, tensors, checkpoint.parse_size(config.max_shard_size))
         checkpoint.write_json(tmp / "config.json", model_config)
         checkpoint.write_json(tmp / "quantize_config.json", qc)
@@ -126,4 +138,5 @@ def _write(model, tokenizer, results, names, config, out, overwrite, report, sav
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         write_recipe(config, tmp / RECIPE_NAME)
+        report["files"] = output.file_list(tmp)  # what lets a later --overwrite recognise the folder as ours
         checkpoint.write_json(tmp / REPORT_NAME, report)

@@ -87,7 +87,9 @@ def build_config(ctx, params: dict, recipe_path) -> QuantConfig:
 @click.option("--dtype", default="auto",
               help="Source model dtype: auto (as stored; calibrated in fp32 on CPU, where half matmuls are slow), "
                    "float32, float16 or bfloat16. Unquantized tensors are written in it.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once the new checkpoint is complete).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT if it holds a checkpoint quantkit wrote, once the new one is complete. A folder with "
+                   "other files, the source model folder or the current directory is never replaced.")
 @click.pass_context
 def quantize(ctx, model, out, recipe, device, dtype, overwrite, **params):
     """Quantize MODEL (hub id or local folder) into the checkpoint folder OUT."""
@@ -142,12 +144,15 @@ def inspect(path, as_json):
 @click.option("--bits", type=int, default=4, help="Bits per weight.")
 @click.option("--group-size", type=int, default=32, help="Group size (the bundled model is 64 wide).")
 @click.option("--method", type=click.Choice(METHODS), default="rtn", help="Quantization method.")
-@click.option("--tokens", type=int, default=16384, help="Self-generated evaluation/calibration tokens.")
-def demo(out, bits, group_size, method, tokens):
+@click.option("--tokens", type=click.IntRange(min=512), default=16384,
+              help="Self-generated evaluation/calibration tokens (at least one 512-token window).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace -o if it holds a checkpoint quantkit wrote (never a folder with other files).")
+def demo(out, bits, group_size, method, tokens, overwrite):
     """Quantize the bundled tiny Llama (stories260k) offline and print fp vs quantized perplexity."""
     from quantkit.demo import run_demo
 
-    click.echo(run_demo(out, bits, group_size, method, tokens))
+    click.echo(run_demo(out, bits, group_size, method, tokens, overwrite))
 
 
 if __name__ == "__main__":

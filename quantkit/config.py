@@ -13,6 +13,7 @@ A recipe is a YAML or TOML file whose keys mirror the CLI options (dashes or und
         skip: true                                       # leave this one in floating point
 """
 import dataclasses
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -22,11 +23,22 @@ from typing import Optional
 import yaml
 
 from quantkit.errors import QuantkitError
-from quantkit.methods.grid import check_bits, check_group_size
+from quantkit.formats.gptq import CHECKPOINT_FORMATS
+from quantkit.methods.grid import check_bits, check_group_size, is_int
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
-CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
-OVERRIDE_KEYS = {"pattern", "bits", "group_size", "sym", "skip"}
+OVERRIDE_TYPES = {"pattern": str, "bits": int, "group_size": int, "sym": bool, "skip": bool}
+_TYPE_WORDS = {bool: "true or false, without quotes", int: "a whole number, without quotes",
+               float: "a number, without quotes", str: "a string (in quotes)", list: "a list of '- pattern: ...' items"}
+
+
+def check_type(value, expected, key: str, where: str = "recipe"):
+    """`value` as `expected` (an int is fine for a float), or a QuantkitError: a quoted 'false' is no boolean."""
+    if expected is float and is_int(value):
+        return float(value)
+    if not (is_int(value) if expected is int else isinstance(value, expected)):
+        raise QuantkitError(f"{where} {key} must be {_TYPE_WORDS[expected]}; got {value!r} ({type(value).__name__})")
+    return value
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,13 @@ class QuantConfig:
     modules: list = field(default_factory=list)
 
     def __post_init__(self):
+        if isinstance(self.dataset, os.PathLike):
+            self.dataset = str(self.dataset)
+        for f in dataclasses.fields(self):
+            if f.name == "max_shard_size" and is_int(self.max_shard_size):
+                continue  # a byte count is as good as "4GB"
+            expected = list if f.name == "modules" else f.type
+            setattr(self, f.name, check_type(getattr(self, f.name), expected, f.name, "option"))
         if self.method not in METHODS:
             raise QuantkitError(f"unknown method '{self.method}': choose one of {', '.join(METHODS)}")
         check_bits(self.bits)
@@ -76,9 +95,11 @@ class QuantConfig:
         where = f"recipe modules[{i}]"
         if not isinstance(o, dict) or "pattern" not in o:
             raise QuantkitError(f"{where} needs a 'pattern' (regex on module names) and settings such as bits: 8 or skip: true")
-        unknown = set(o) - OVERRIDE_KEYS
+        unknown = set(o) - set(OVERRIDE_TYPES)
         if unknown:
-            raise QuantkitError(f"{where} has unknown keys {sorted(unknown)}: allowed are {sorted(OVERRIDE_KEYS)}")
+            raise QuantkitError(f"{where} has unknown keys {sorted(unknown)}: allowed are {sorted(OVERRIDE_TYPES)}")
+        for key, value in o.items():
+            check_type(value, OVERRIDE_TYPES[key], key, where)
         try:
             re.compile(o["pattern"])
         except re.error as e:

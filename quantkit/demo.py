@@ -31,14 +31,17 @@ def sample_text_ids(model, n_tokens: int, seed: int, seqlen: int = SEQLEN) -> to
     return out[:, :seqlen]
 
 
-def run_demo(out, bits, group_size, method, n_tokens) -> str:
+def run_demo(out, bits, group_size, method, n_tokens, overwrite=False) -> str:
     from quantkit.api import quantize
     from quantkit.config import QuantConfig
     from quantkit.eval import perplexity
+    from quantkit.formats.output import check_output
     from quantkit.loading import load_quantized
     from quantkit.model.loader import load_fp_model
 
     src = bundled_model_path()
+    if out is not None:
+        check_output(out, overwrite, sources=[src])  # before the sampling: refuse a bad -o at once
     fp_model, _ = load_fp_model(str(src), "float32")
     eval_rows = sample_text_ids(fp_model, n_tokens, seed=0)
     config = QuantConfig(method=method, bits=bits, group_size=group_size, nsamples=32, seqlen=SEQLEN)
@@ -46,7 +49,7 @@ def run_demo(out, bits, group_size, method, n_tokens) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(out) if out else Path(tmp) / "stories260k-quantized"
         t0 = time.perf_counter()
-        quantize(str(src), target, config, device="cpu", overwrite=out is not None, calibration_ids=calib_rows)
+        quantize(str(src), target, config, device="cpu", overwrite=overwrite, calibration_ids=calib_rows)
         seconds = time.perf_counter() - t0
         q_model = load_quantized(target)
         stream = eval_rows.reshape(1, -1)
@@ -55,7 +58,7 @@ def run_demo(out, bits, group_size, method, n_tokens) -> str:
         size = sum(f.stat().st_size for f in target.glob("*.safetensors"))
     return "\n".join([
         f"stories260k, {method} w{bits} g{group_size}: quantized in {seconds:.1f} s, checkpoint {size / 1024:.0f} KiB"
-        + (f" at {out}" if out else ""),
+        + (f", written to {out}" if out else " (deleted afterwards; keep it with -o DIR)"),
         f"perplexity on {fp['tokens']} self-generated tokens (seqlen {SEQLEN}):",
         "| model | perplexity |", "|---|---|",
         f"| fp32 | {fp['ppl']:.3f} |",

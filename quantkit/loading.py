@@ -9,8 +9,7 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import bitpack, checkpoint
-from quantkit.formats.gptq import module_settings
+from quantkit.formats import checkpoint
 from quantkit.model.loader import parse_dtype
 from quantkit.model.sequential import get_weight
 from quantkit.nn.quant_linear import QuantLinear
@@ -37,7 +36,11 @@ def _skeleton(folder, dtype):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise QuantkitError(f"{folder}/config.json does not describe a model transformers knows ({e}): "
+                            "restore it from the source model") from e
     qc = config.quantization_config
     del config.quantization_config  # keep transformers from looking for a GPTQ backend
     with init_empty_weights(include_buffers=False):
@@ -46,22 +49,18 @@ def _skeleton(folder, dtype):
     return model, qc
 
 
-def _swap_quantized(model, tensors, qc, dtype):
-    names = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
-    if not names:
-        raise QuantkitError("the checkpoint holds no quantized layers (.qweight tensors): quantize the model again")
-    for name in names:
+def _swap_quantized(model, layers, qc, dtype):
+    for layer in layers:
+        name = layer.name
         try:
             module = model.get_submodule(name)
         except AttributeError as e:
             raise QuantkitError(f"checkpoint layer {name} does not exist in the model built from config.json") from e
-        bits, group_size, _ = module_settings(qc, name)
         n, k = get_weight(module).shape   # also meta tensors: only the shape is read
-        if tuple(tensors[f"{name}.qweight"].shape) != (bitpack.packed_len(k, bits), n):
-            raise QuantkitError(f"{name}.qweight has shape {tuple(tensors[f'{name}.qweight'].shape)}, not the "
-                                f"{bits}-bit layout of a {k}->{n} linear: the checkpoint and its config disagree")
-        q = QuantLinear(k, n, bits, group_size, f"{name}.bias" in tensors, qc.get("checkpoint_format", "gptq"),
-                        dtype=dtype, device="meta")
+        if (layer.in_features, layer.out_features) != (k, n):
+            raise QuantkitError(f"checkpoint layer {name} is {layer.in_features}->{layer.out_features} but the model "
+                                f"built from config.json has a {k}->{n} linear there: the checkpoint and its config disagree")
+        q = QuantLinear(k, n, layer.bits, layer.group_size, layer.bias, qc.get("checkpoint_format", "gptq"), dtype=dtype, device="meta")
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, q)
 
@@ -73,16 +72,20 @@ def load_quantized(path, device_map=None, dtype=None):
     dtype: activation/float-parameter dtype; default fp32 on CPU, fp16/bf16 on GPU.
     """
     folder = Path(path)
-    config = checkpoint.read_config(folder)
+    config, tensors, layers = checkpoint.read_checkpoint(folder)
     device = _device(device_map)
     dtype = parse_dtype(dtype) or _default_dtype(parse_dtype(config.get("dtype") or config.get("torch_dtype")), device)
-    tensors = checkpoint.read_tensors(folder)
     model, qc = _skeleton(folder, dtype)
-    _swap_quantized(model, tensors, qc, dtype)
+    _swap_quantized(model, layers, qc, dtype)
     for name, t in tensors.items():
         if t.is_floating_point() and not name.endswith(".scales"):
             tensors[name] = t.to(dtype)
-    result = model.load_state_dict(tensors, strict=False, assign=True)
+    try:
+        result = model.load_state_dict(tensors, strict=False, assign=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[-1].strip()
+        raise QuantkitError(f"the tensors of {folder} do not fit the model its config.json describes ({first}): "
+                            "the checkpoint is damaged, quantize again") from e
     if result.unexpected_keys:
         raise QuantkitError(f"checkpoint has tensors the model does not: {result.unexpected_keys[:5]}")
     model.tie_weights()

@@ -1,9 +1,9 @@
 """What the CLI prints: the per-layer quantization table, inspect output, perplexity of a path."""
-import json
 from pathlib import Path
 
+from quantkit.errors import QuantkitError
 from quantkit.formats import checkpoint
-from quantkit.formats.gptq import module_settings
+from quantkit.formats.output import REPORT_NAME
 
 
 def _fmt(v, spec):
@@ -19,31 +19,26 @@ def layer_table(report: dict) -> str:
     return "\n".join(rows)
 
 
-def _layer_sizes(tensors: dict, qc: dict) -> dict:
-    layers = {}
-    for key in tensors:
-        if not key.endswith(".qweight"):
-            continue
-        name = key[: -len(".qweight")]
-        bits, group_size, sym = module_settings(qc, name)
-        k, n = tensors[f"{name}.g_idx"].numel(), tensors[f"{name}.scales"].shape[1]
+def _layer_sizes(tensors: dict, layers) -> dict:
+    sizes = {}
+    for layer in layers:
+        k, n = layer.in_features, layer.out_features
         # bits per weight counts qweight, qzeros and scales; g_idx (32 bits per input column) is not
         # needed to decode a checkpoint without act-order and is left out, as in the literature.
-        nbytes = sum(tensors[f"{name}.{s}"].numel() * tensors[f"{name}.{s}"].element_size()
+        nbytes = sum(tensors[f"{layer.name}.{s}"].numel() * tensors[f"{layer.name}.{s}"].element_size()
                      for s in ("qweight", "qzeros", "scales"))
-        layers[name] = {"bits": bits, "group_size": group_size, "sym": sym, "shape": [n, k],
-                        "bits_per_weight": round(nbytes * 8 / (k * n), 4)}
-    return layers
+        sizes[layer.name] = {"bits": layer.bits, "group_size": layer.group_size, "sym": layer.sym, "shape": [n, k],
+                             "bits_per_weight": round(nbytes * 8 / (k * n), 4)}
+    return sizes
 
 
 def inspect_checkpoint(path) -> dict:
     folder = Path(path)
-    config = checkpoint.read_config(folder)
+    config, tensors, packed = checkpoint.read_checkpoint(folder)
     qc = config["quantization_config"]
-    tensors = checkpoint.read_tensors(folder)
-    layers = _layer_sizes(tensors, qc)
-    report_path = folder / "quantkit_report.json"
-    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    layers = _layer_sizes(tensors, packed)
+    report_path = folder / REPORT_NAME
+    report = checkpoint.read_json(report_path) if report_path.is_file() else {}
     for name, info in layers.items():
         stats = report.get("layers", {}).get(name, {})
         info["method"] = stats.get("method", qc.get("meta", {}).get("method", "gptq"))
@@ -68,7 +63,7 @@ def inspect_table(info: dict) -> str:
 
 def is_quantized_folder(path) -> bool:
     cfg = Path(path) / "config.json"
-    return cfg.is_file() and "quantization_config" in json.loads(cfg.read_text())
+    return cfg.is_file() and "quantization_config" in checkpoint.read_json(cfg)
 
 
 def load_any(path, device="auto", dtype=None):
@@ -81,7 +76,12 @@ def load_any(path, device="auto", dtype=None):
 
     device = resolve_device(device)
     if is_quantized_folder(path):
-        return load_quantized(path, device_map=device, dtype=dtype), AutoTokenizer.from_pretrained(path)
+        model = load_quantized(path, device_map=device, dtype=dtype)
+        try:
+            return model, AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise QuantkitError(f"{path} has no usable tokenizer ({type(e).__name__}): copy the tokenizer files of "
+                                "the source model into it") from e
     model, tokenizer = load_fp_model(path, dtype or ("float32" if device == "cpu" else "auto"))
     return model.to(device), tokenizer
 

@@ -88,6 +88,7 @@ def test_bad_inputs(model_factory, tmp_path, text_file):
     assert_user_error(run("quantize", src, "-o", tmp_path / "o", "--group-size", -2), "--group-size -2")
     existing = tmp_path / "exists"
     existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
     assert_user_error(run("quantize", src, "-o", existing), "already exists", "--overwrite")
     empty = tmp_path / "empty.txt"
     empty.write_text("")

@@ -8,24 +8,24 @@ Folder layout (readable by GPTQ-aware tools):
   tokenizer files, generation_config.json
   quantkit_recipe.yaml        the effective options, to repeat the run (quantkit quantize --recipe)
   quantkit_report.json        per-layer method, bits, error, damping, time (quantkit inspect shows it)
-Everything is written into a hidden temporary sibling folder and renamed into place at the end, so a
-failed or interrupted run never leaves a half checkpoint at OUT.
+Where the folder may be written and how it is staged and renamed into place: quantkit.formats.output.
 """
 import json
 import os
 import re
-import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from quantkit.errors import QuantkitError
+from quantkit.formats import validate
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+RECIPE_NAME = "quantkit_recipe.yaml"
 UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
 
@@ -37,34 +37,6 @@ def parse_size(text) -> int:
     if not m or unit not in UNITS:
         raise QuantkitError(f"shard size '{text}' is not understood: use a size like 500MB or 4GB")
     return int(float(m.group(1)) * UNITS[unit])
-
-
-def refuse_existing(out: Path, overwrite: bool) -> None:
-    if Path(out).exists() and not overwrite:
-        raise QuantkitError(f"output folder {out} already exists: choose another -o or pass --overwrite")
-
-
-@contextmanager
-def atomic_folder(out: Path, overwrite: bool):
-    """Yields a temporary folder; on success it replaces `out`, on failure it is deleted."""
-    out = Path(out)
-    refuse_existing(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
 
 
 def drop_shared(tensors: dict) -> dict:
@@ -92,12 +64,12 @@ def write_tensors(folder: Path, tensors: dict, max_shard_bytes: int) -> None:
         size += nbytes
     shards.append(current)
     if len(shards) == 1:
-        save_file(shards[0], folder / SINGLE_NAME, metadata={"format": "pt"})
+        _save(shards[0], folder / SINGLE_NAME)
         return
     weight_map, total = {}, 0
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / fname, metadata={"format": "pt"})
+        _save(shard, folder / fname)
         for name, t in shard.items():
             weight_map[name] = fname
             total += t.numel() * t.element_size()
@@ -105,30 +77,68 @@ def write_tensors(folder: Path, tensors: dict, max_shard_bytes: int) -> None:
     (folder / INDEX_NAME).write_text(json.dumps(index, indent=2))
 
 
+def _save(tensors: dict, path: Path) -> None:
+    """save_file, with its I/O failures (e.g. disk full) raised as the OSError they are."""
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
+
+
 def write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise QuantkitError(f"{path} is not valid JSON ({e}): the file is damaged; restore it or quantize again") from e
+    if not isinstance(data, dict):
+        raise QuantkitError(f"{path} must hold a JSON object: the file is damaged; restore it or quantize again")
+    return data
+
+
 def read_config(folder) -> dict:
-    """config.json of a quantized folder, checked: clear errors for the common mistakes."""
+    """config.json of a quantized folder, its quantization_config checked field by field."""
     folder = Path(folder)
     if not folder.is_dir():
         raise QuantkitError(f"quantized model folder {folder} not found: pass the -o folder of `quantkit quantize`")
     path = folder / "config.json"
     if not path.is_file():
         raise QuantkitError(f"{folder} has no config.json: pass a folder written by `quantkit quantize`")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise QuantkitError(f"{path} is not valid JSON ({e}): the checkpoint is damaged, quantize again") from e
+    config = read_json(path)
     qc = config.get("quantization_config")
     if not qc:
         raise QuantkitError(f"{folder} has no quantization_config in config.json: it is not a quantized checkpoint "
                             "(evaluate it as a floating-point model, or quantize it first with `quantkit quantize`)")
-    if qc.get("quant_method") != "gptq":
-        raise QuantkitError(f"{folder} uses quant_method '{qc.get('quant_method')}', which this version cannot load: "
-                            "only GPTQ-layout checkpoints (rtn, gptq, awq, awq+gptq) are supported")
+    validate.check_quantization_config(qc, str(path))
+    _check_recipe_agrees(folder, qc)
     return config
+
+
+def _check_recipe_agrees(folder: Path, qc: dict) -> None:
+    """The zero-point convention cannot be read off asymmetric tensors; quantkit's own recipe records it."""
+    recipe = folder / RECIPE_NAME
+    try:
+        written = yaml.safe_load(recipe.read_text()).get("checkpoint_format") if recipe.is_file() else None
+    except (yaml.YAMLError, AttributeError, UnicodeDecodeError):
+        written = None
+    declared = qc.get("checkpoint_format", "gptq")
+    if written is not None and written != declared:
+        raise QuantkitError(f"{folder}/config.json says checkpoint_format {declared!r} but the checkpoint was written "
+                            f"as {written!r} ({RECIPE_NAME}): restore checkpoint_format {written!r} in config.json")
+
+
+def read_checkpoint(folder):
+    """(config, tensors, packed layers) of a quantized folder, validated as a whole before any model is built."""
+    config = read_config(folder)
+    tensors = read_tensors(folder)
+    layers = validate.check_packed_layers(tensors, config["quantization_config"], str(folder))
+    return config, tensors, layers
 
 
 def shard_files(folder: Path) -> list[Path]:

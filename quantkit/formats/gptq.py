@@ -18,6 +18,7 @@ from quantkit.formats import bitpack
 from quantkit.methods.result import QuantResult
 
 V1_ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
+CHECKPOINT_FORMATS = tuple(V1_ZERO_OFFSET)
 
 
 def to_tensors(res: QuantResult, checkpoint_format: str = "gptq", bias_dtype=torch.float16) -> dict:
@@ -99,11 +100,18 @@ def quantization_config(bits, group_size, sym, act_order, checkpoint_format, res
     return qc
 
 
+def parse_dynamic_key(key: str) -> tuple[str, str]:
+    """("+" or "-", regex) of a "dynamic" key; GPTQModel reads a key without a sign as "+"."""
+    if key[:2] in ("+:", "-:"):
+        return key[0], key[2:]
+    return "+", key
+
+
 def module_settings(qc: dict, name: str) -> tuple[int, int, bool]:
     """(bits, group_size, sym) of module `name` under a quantization_config (with "dynamic")."""
     settings = {"bits": qc["bits"], "group_size": qc["group_size"], "sym": qc.get("sym", True)}
     for key, override in (qc.get("dynamic") or {}).items():
-        sign, _, pattern = key.partition(":")
+        sign, pattern = parse_dynamic_key(key)
         if sign == "+" and re.match(pattern, name):
             settings.update({k: override[k] for k in settings if k in override})
     return settings["bits"], settings["group_size"], settings["sym"]

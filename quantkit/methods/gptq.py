@@ -104,7 +104,8 @@ class GPTQ:
         if not (damp >= 0 and math.isfinite(damp)):
             raise QuantkitError(f"damp={damp} is invalid; use a fraction >= 0 such as 0.01")
         if not torch.isfinite(self.H).all():
-            raise QuantkitError("GPTQ Hessian has inf/nan: the calibration activations of this layer are not finite")
+            raise QuantkitError("the calibration activations of this layer are NaN/Inf (its GPTQ Hessian is not "
+                                "finite): the model overflows on this data; try --dtype float32")
         t0 = time.perf_counter()
         H, W = self.H, self.weight.clone()
         rows, cols = W.shape

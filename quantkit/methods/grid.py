@@ -20,14 +20,19 @@ from quantkit.errors import QuantkitError
 SUPPORTED_BITS = (2, 3, 4, 8)
 
 
+def is_int(value) -> bool:
+    """An integer that is not a bool (YAML/JSON booleans are ints to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_bits(bits, where="--bits"):
-    if bits not in SUPPORTED_BITS:
-        raise QuantkitError(f"{where} {bits} is not supported: choose one of {', '.join(map(str, SUPPORTED_BITS))}")
+    if not is_int(bits) or bits not in SUPPORTED_BITS:
+        raise QuantkitError(f"{where} {bits!r} is not supported: choose one of {', '.join(map(str, SUPPORTED_BITS))}")
 
 
 def check_group_size(group_size, where="--group-size"):
-    if not isinstance(group_size, int) or group_size == 0 or group_size < -1:
-        raise QuantkitError(f"{where} {group_size} is invalid: use -1 (one group per row) or a positive size such as 128")
+    if not is_int(group_size) or group_size == 0 or group_size < -1:
+        raise QuantkitError(f"{where} {group_size!r} is invalid: use -1 (one group per row) or a positive size such as 128")
 
 
 @dataclass(frozen=True)

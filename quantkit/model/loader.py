@@ -32,8 +32,9 @@ def stored_dtype(model) -> torch.dtype:
 
 
 def load_fp_model(source: str, dtype="auto"):
-    """(model, tokenizer) in eval mode on CPU. Errors name the problem and the fix."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer) in eval mode on CPU, checked complete and finite. Errors name the problem and the fix."""
+    from safetensors import SafetensorError
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = str(source)
     if looks_local(source):
@@ -43,11 +44,53 @@ def load_fp_model(source: str, dtype="auto"):
         if not (path / "config.json").is_file():
             raise QuantkitError(f"{source} has no config.json: pass a Hugging Face model folder (save_pretrained output)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=parse_dtype(dtype))
+        config = AutoConfig.from_pretrained(source)
+        _refuse_quantized(source, config)
+        model, info = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=parse_dtype(dtype),
+                                                           output_loading_info=True)
         tokenizer = AutoTokenizer.from_pretrained(source)
+    except SafetensorError as e:
+        raise QuantkitError(f"a safetensors file of model '{source}' is truncated or corrupted ({e}): "
+                            "download or copy the model again") from e
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise QuantkitError(f"could not load model '{source}' ({first}): check the id or path, "
                             "or download the model and pass its folder") from e
+    _check_complete(source, info)
+    check_finite(model, f"model '{source}'")
     model.eval()
     return model, tokenizer
+
+
+def _refuse_quantized(source, config) -> None:
+    qc = getattr(config, "quantization_config", None)
+    if qc:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "?")
+        raise QuantkitError(f"model '{source}' is already quantized (quant_method {method}): pass its "
+                            "floating-point source to quantize, or `quantkit eval perplexity` to evaluate it")
+
+
+def _check_complete(source, info: dict) -> None:
+    """transformers fills missing tensors with random values: that must never be quantized or evaluated."""
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if any(k.endswith(".qweight") for k in unexpected):
+        raise QuantkitError(f"model '{source}' holds packed quantized tensors ({unexpected[0]}) but its config.json "
+                            "has no quantization_config: restore it (quantize_config.json holds a copy) or quantize "
+                            "the floating-point model again")
+    problems = [(k, "missing") for k in sorted(info.get("missing_keys") or ())]
+    problems += [(k[0] if isinstance(k, tuple) else k, "has the wrong shape")
+                 for k in sorted(info.get("mismatched_keys") or ())]
+    if problems:
+        name, what = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise QuantkitError(f"model '{source}' is incomplete: tensor {name} {what}{more}; transformers would fill "
+                            "it with random values. Download or copy the model again")
+
+
+def check_finite(model, what: str) -> None:
+    """Every parameter finite: one Inf weight turns every logit of a quantized model into NaN."""
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not torch.isfinite(p).all():
+            bad = int((~torch.isfinite(p)).sum())
+            raise QuantkitError(f"{what}: tensor {name} has {bad} NaN/Inf value(s) of {p.numel()}: the weights are "
+                                "damaged (or overflowed when cast to a half type: try --dtype float32); fix the model first")

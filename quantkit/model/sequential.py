@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from quantkit.errors import QuantkitError
 from quantkit.model.arch import Arch, get_submodule, is_conv1d
 
 
@@ -55,7 +56,7 @@ def capture_block_inputs(model, arch: Arch, input_ids: torch.Tensor, device, sto
 
     def grab(module, args, kwargs):
         hidden = args[0] if args else kwargs.pop("hidden_states")
-        inputs.append(hidden.detach().to(store_device))
+        inputs.append(check_activations(hidden.detach(), "the inputs of block 0").to(store_device))
         kwargs_box.update({k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")})
         raise _StopForward
 
@@ -98,13 +99,14 @@ class BlockRunner:
         self.block, self.inputs, self.device = block, inputs, device
         self.kwargs = {k: _to(v, device) for k, v in kwargs.items()}
 
-    def forward_all(self, keep_outputs=False, store_device="cpu"):
+    def forward_all(self, keep_outputs=False, store_device="cpu", name="block"):
+        """Outputs (when kept) checked finite: `name` says which block overflowed."""
         outs = []
         with torch.inference_mode():
             for x in self.inputs:
                 y = first_tensor(self.block(x.to(self.device), **self.kwargs))
                 if keep_outputs:
-                    outs.append(y.detach().to(store_device))
+                    outs.append(check_activations(y.detach(), f"the outputs of {name}").to(store_device))
         return outs
 
     def capture(self, names) -> dict[str, torch.Tensor]:
@@ -113,6 +115,13 @@ class BlockRunner:
         with input_hooks(self.block, names, lambda n, x: got[n].append(x.reshape(-1, x.shape[-1]))):
             self.forward_all()
         return {n: torch.cat(v) for n, v in got.items()}
+
+
+def check_activations(x: torch.Tensor, where: str) -> torch.Tensor:
+    if not torch.isfinite(x).all():
+        raise QuantkitError(f"calibration activations are NaN/Inf at {where} ({x.dtype}): the model overflows on "
+                            "this data; quantize with --dtype float32, or check the calibration text")
+    return x
 
 
 def _to(v, device):
@@ -150,11 +159,14 @@ def run_sequential(model, arch: Arch, input_ids, method, device, true_sequential
             for n in names:
                 module = block.get_submodule(n)
                 t0 = time.perf_counter()
-                res = method.quantize(f"{prefix}.{n}", observers.pop(n), module)
+                try:
+                    res = method.quantize(f"{prefix}.{n}", observers.pop(n), module)
+                except QuantkitError as e:
+                    raise QuantkitError(f"{prefix}.{n}: {e}") from e
                 res.stats.setdefault("seconds", time.perf_counter() - t0)
                 set_weight(module, res.dequantize())
                 results[f"{prefix}.{n}"] = res
-        inputs = runner.forward_all(keep_outputs=True, store_device=store_device)
+        inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)
         block.to("cpu")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -1,0 +1,254 @@
+"""Where quantkit may write: one rule for every command that writes a checkpoint folder.
+
+The rule (`check_output`, applied before any heavy work and again just before the final rename):
+- OUT must be a folder path: an existing file or symbolic link at OUT is refused, with or without
+  --overwrite (replacing a link would replace whatever it points to).
+- OUT may not be, contain or sit inside a source folder (the model being quantized), nor be or
+  contain the current working directory.
+- An existing OUT is left alone unless it is empty, or --overwrite is given AND OUT is a checkpoint
+  that quantkit wrote: quantkit_report.json lists every file quantkit put there (`files`), and OUT
+  holds nothing else. A folder holding anything else (user files, sub-folders, a checkpoint made
+  by another tool or an older quantkit) is never deleted; the error names what is in the way.
+
+Writing (`staged_folder`): everything goes into a hidden staging folder next to OUT
+(`.OUT.tmp-PID`, marked with STAGING_MARKER) that is renamed to OUT at the end; an existing OUT is
+first renamed to `.OUT.old-PID` and deleted only once the new folder is in place. A failure or
+Ctrl-C deletes the staging folder and leaves OUT as it was. A run that was killed outright cannot
+clean up, so every write first looks for staging folders of OUT left by dead quantkit processes on
+this host: it deletes a dead run's `.tmp` folder, deletes its `.old` folder when OUT exists, or
+renames it back to OUT when OUT is missing (the kill fell between the two renames). Anything it
+cannot prove to be a dead run's is reported and left alone.
+"""
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from quantkit.errors import QuantkitError
+
+REPORT_NAME = "quantkit_report.json"
+STAGING_MARKER = ".quantkit-staging.json"
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """Names in `folder` that quantkit did not write there (all of them when it has no file list)."""
+    entries = sorted(p.name for p in folder.iterdir())
+    try:
+        listed = set(json.loads((folder / REPORT_NAME).read_text()).get("files", []))
+    except (OSError, ValueError, AttributeError):
+        listed = set()
+    ours = listed | {REPORT_NAME, STAGING_MARKER} if listed else set()
+    return [n for n in entries if n not in ours or not (folder / n).is_file() or (folder / n).is_symlink()]
+
+
+def file_list(staging: Path) -> list[str]:
+    """What goes in the report's `files`: every file written so far plus the report itself."""
+    return sorted({p.name for p in staging.iterdir()} - {STAGING_MARKER} | {REPORT_NAME})
+
+
+def _contains(parent: Path, child: Path) -> bool:
+    return parent == child or parent in child.parents
+
+
+def _relation(out: Path, src: Path):
+    if out == src:
+        return "is"
+    return "contains" if _contains(out, src) else "lies inside" if _contains(src, out) else None
+
+
+def _local_folders(sources) -> list[Path]:
+    return [Path(os.path.realpath(Path(s).expanduser())) for s in sources if s is not None and Path(s).expanduser().exists()]
+
+
+def check_output(out, overwrite: bool, sources=()) -> Path:
+    """OUT as an absolute path (symlinks in its parents resolved), or a QuantkitError saying why not."""
+    given = Path(out).expanduser()
+    if str(out).strip() == "":
+        raise QuantkitError("the output folder is empty: pass -o with a folder name")
+    if given.is_symlink():
+        raise QuantkitError(f"-o {out} is a symbolic link: pass the real folder path (quantkit never replaces a link)")
+    path = Path(os.path.realpath(given))
+    if path.exists() and not path.is_dir():
+        raise QuantkitError(f"-o {out} is a file, not a folder: choose a folder path for the checkpoint")
+    for src in _local_folders(sources):
+        relation = _relation(path, src)
+        if relation:
+            raise QuantkitError(f"-o {out} {relation} the source model folder {src}: "
+                                "write the checkpoint to a separate folder")
+    if _contains(path, Path.cwd().resolve()):
+        raise QuantkitError(f"-o {out} is the current directory or one of its parents: "
+                            "write the checkpoint to a new folder, e.g. -o ./quantized")
+    if path.is_dir() and any(path.iterdir()):
+        if not overwrite:
+            raise QuantkitError(f"output folder {out} already exists: choose another -o or pass --overwrite")
+        foreign = foreign_entries(path)
+        if foreign:
+            shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+            raise QuantkitError(f"output folder {out} holds files that quantkit did not write ({shown}); --overwrite "
+                                "only replaces a checkpoint written by quantkit: choose another -o, or move them away")
+    return path
+
+
+# --------------------------------------------------------------------------- staging
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _staging_owner(folder: Path):
+    """(host, pid) from a staging marker, or None when the folder carries none."""
+    try:
+        marker = json.loads((folder / STAGING_MARKER).read_text())
+        return str(marker["host"]), int(marker["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _dead_run_of_this_host(folder: Path, pid_text: str) -> bool:
+    """True only when provably left by a quantkit run of this host that no longer exists."""
+    if not pid_text.isdigit():
+        return False
+    owner = _staging_owner(folder)
+    if owner is None or owner != (socket.gethostname(), int(pid_text)):
+        return False
+    return owner[1] == os.getpid() or not _pid_alive(owner[1])  # our own pid: a previous holder's
+
+
+def _say(message: str) -> None:
+    tqdm.write(message, file=sys.stderr)
+
+
+def recover_stale(out: Path) -> None:
+    """Clean up (or report) the staging folders that interrupted runs left next to OUT."""
+    if not out.parent.is_dir():
+        return
+    for kind in ("tmp", "old"):
+        for stale in sorted(out.parent.glob(f".{out.name}.{kind}-*")):
+            pid_text = stale.name.rsplit("-", 1)[1]
+            if not _dead_run_of_this_host(stale, pid_text):
+                _say(f"note: {stale} was left by another or a still-running quantkit process "
+                     "(or is not quantkit's): it is left alone; delete it yourself if it is not in use")
+            elif kind == "old" and not out.exists():
+                stale.rename(out)
+                (out / STAGING_MARKER).unlink(missing_ok=True)
+                _say(f"note: restored {out} from {stale.name}, left by an interrupted --overwrite run")
+            else:
+                shutil.rmtree(stale)
+                _say(f"note: removed {stale.name}, left by an interrupted quantkit run (pid {pid_text})")
+
+
+def _mark(folder: Path) -> None:
+    (folder / STAGING_MARKER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+
+
+def _normal_permissions(folder: Path) -> None:
+    """Some writers (safetensors) create files 0600; give every file the mode the umask implies."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (kill, timeouts) runs the same cleanup as Ctrl-C, instead of dying mid-write."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _write_error(out: Path, e: OSError) -> QuantkitError:
+    if e.errno == errno.ENOSPC:
+        hint = "no space left on the device: free some space or write to another disk with -o"
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = "no permission to write there: choose another -o"
+    else:
+        hint = "check the path and the disk, then run again"
+    return QuantkitError(f"could not write {out} ({e.strerror or e}); nothing was written: {hint}")
+
+
+@contextmanager
+def staged_folder(out, overwrite: bool, sources=()):
+    """Yields an empty staging folder; on success its files replace OUT, on any failure it is deleted.
+
+    The caller writes files (no sub-folders) into it and lists them in quantkit_report.json's
+    `files`: that list is what lets a later --overwrite recognise the folder as quantkit's.
+    """
+    out = check_output(out, overwrite, sources)
+    recover_stale(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]  # removed again on failure
+    staging = None  # set once this run has made tmp: never delete a folder someone else made
+    try:
+        with _sigterm_as_interrupt():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+            staging = tmp
+            _mark(tmp)
+            yield tmp
+            (tmp / STAGING_MARKER).unlink()
+            _normal_permissions(tmp)
+            check_output(out, overwrite, sources)  # the world may have changed during a long run
+            _replace(out, tmp)
+    except OSError as e:
+        _discard(staging, created)
+        raise _write_error(out, e) from e
+    except BaseException:
+        _discard(staging, created)
+        raise
+
+
+def _discard(staging, created: list[Path]) -> None:
+    """Delete the staging folder and the parents this run created; never anything that was there before."""
+    if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+    for folder in created:  # innermost first; only if still empty
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
+def _replace(out: Path, tmp: Path) -> None:
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    _mark(out)  # so that a run killed between the renames can be recovered by the next one
+    try:
+        out.rename(old)
+    except OSError:
+        (out / STAGING_MARKER).unlink(missing_ok=True)
+        raise
+    try:
+        tmp.rename(out)
+    except OSError:
+        old.rename(out)
+        (out / STAGING_MARKER).unlink(missing_ok=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,125 @@
+"""A quantized checkpoint checked as a whole before any model is built: its config, then its tensors.
+
+A checkpoint edited by hand, written by another tool or damaged on the way must fail with one line
+that names the file, the field or the tensor, never decode to garbage: every value read from
+`quantization_config` is type- and range-checked, every quantized layer's tensors are checked
+against each other and against that config (dtypes, shapes, g_idx range, finite scales), and the
+zero points of a symmetric checkpoint must be the symmetric zero, which catches a
+`checkpoint_format` that says v1 for a v2 checkpoint or the other way round.
+"""
+import re
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.formats import bitpack
+from quantkit.formats.gptq import CHECKPOINT_FORMATS, V1_ZERO_OFFSET, module_settings, parse_dynamic_key
+from quantkit.methods.grid import check_bits, check_group_size, n_groups
+
+PACKED = ("qweight", "qzeros", "scales", "g_idx")
+DTYPES = {"qweight": torch.int32, "qzeros": torch.int32, "scales": torch.float16, "g_idx": torch.int32}
+
+
+@dataclass(frozen=True)
+class PackedLayer:
+    """One quantized linear as the checkpoint describes it (shapes already checked)."""
+    name: str
+    in_features: int
+    out_features: int
+    bits: int
+    group_size: int
+    sym: bool
+    bias: bool
+
+
+def check_quantization_config(qc, where: str) -> None:
+    """Every field quantkit reads from a quantization_config: present, of the right type, in range."""
+    if not isinstance(qc, dict):
+        raise QuantkitError(f"{where} quantization_config must be a JSON object: the checkpoint is damaged")
+    if qc.get("quant_method") != "gptq":
+        raise QuantkitError(f"{where} uses quant_method {qc.get('quant_method')!r}, which this version cannot load: "
+                            "only GPTQ-layout checkpoints (rtn, gptq, awq, awq+gptq) are supported")
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in CHECKPOINT_FORMATS:
+        raise QuantkitError(f"{where} has checkpoint_format {fmt!r}, which quantkit cannot decode: "
+                            f"it reads {' and '.join(CHECKPOINT_FORMATS)} only")
+    for key in ("bits", "group_size"):
+        if key not in qc:
+            raise QuantkitError(f"{where} quantization_config has no {key!r}: the checkpoint is damaged, quantize again")
+    _check_settings(qc, f"{where} quantization_config")
+    dynamic = qc.get("dynamic") or {}
+    if not isinstance(dynamic, dict):
+        raise QuantkitError(f"{where} quantization_config 'dynamic' must be an object of pattern -> settings")
+    for key, override in dynamic.items():
+        _, pattern = parse_dynamic_key(key)
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise QuantkitError(f"{where} dynamic pattern {key!r} is not a valid regex ({e}): fix or remove it") from e
+        if not isinstance(override, dict):
+            raise QuantkitError(f"{where} dynamic {key!r} must map to an object such as {{\"bits\": 8}}")
+        _check_settings(override, f"{where} dynamic {key!r}")
+
+
+def _check_settings(settings: dict, where: str) -> None:
+    if "bits" in settings:
+        check_bits(settings["bits"], f"{where} bits")
+    if "group_size" in settings:
+        check_group_size(settings["group_size"], f"{where} group_size")
+    for flag in ("sym", "desc_act"):
+        if flag in settings and not isinstance(settings[flag], bool):
+            raise QuantkitError(f"{where} {flag} must be true or false, got {settings[flag]!r}")
+
+
+def check_packed_layers(tensors: dict, qc: dict, where: str) -> list[PackedLayer]:
+    """Each quantized layer's tensors consistent with each other and with the config."""
+    prefixes = {k.rsplit(".", 1)[0] for k in tensors if k.rsplit(".", 1)[-1] in PACKED}
+    if not prefixes:
+        raise QuantkitError(f"{where} holds no quantized layers (.qweight tensors): quantize the model again")
+    offset = V1_ZERO_OFFSET[qc.get("checkpoint_format", "gptq")]
+    return [_check_layer(name, tensors, qc, offset, where) for name in sorted(prefixes)]
+
+
+def _check_layer(name, tensors, qc, zero_offset, where) -> PackedLayer:
+    missing = [s for s in PACKED if f"{name}.{s}" not in tensors]
+    if missing:
+        raise QuantkitError(f"{where}: layer {name} lacks {', '.join(missing)}: the checkpoint is incomplete, "
+                            "quantize again")
+    t = {s: tensors[f"{name}.{s}"] for s in PACKED}
+    for s, dtype in DTYPES.items():
+        if t[s].dtype != dtype:
+            raise QuantkitError(f"{where}: {name}.{s} is {t[s].dtype}, the GPTQ layout stores {dtype}")
+    if t["scales"].dim() != 2 or t["g_idx"].dim() != 1:
+        raise QuantkitError(f"{where}: {name}.scales must be 2-D and .g_idx 1-D: the checkpoint is damaged")
+    bits, group_size, sym = module_settings(qc, name)
+    k, n = t["g_idx"].numel(), t["scales"].shape[1]
+    groups = n_groups(k, group_size)
+    expected = {"qweight": (bitpack.packed_len(k, bits), n), "qzeros": (groups, bitpack.packed_len(n, bits)),
+                "scales": (groups, n)}
+    for s, shape in expected.items():
+        if tuple(t[s].shape) != shape:
+            raise QuantkitError(f"{where}: {name}.{s} has shape {tuple(t[s].shape)}, not {shape} as {bits}-bit, "
+                                f"group size {group_size} and {k} inputs imply: the tensors and the config disagree")
+    bias = tensors.get(f"{name}.bias")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise QuantkitError(f"{where}: {name}.bias has shape {tuple(bias.shape)}, not ({n},)")
+    g = t["g_idx"]
+    if k and (int(g.min()) < 0 or int(g.max()) >= groups):
+        raise QuantkitError(f"{where}: {name}.g_idx holds groups {int(g.min())}..{int(g.max())}, outside 0..{groups - 1}")
+    if not torch.isfinite(t["scales"]).all():
+        raise QuantkitError(f"{where}: {name}.scales holds NaN/Inf: the checkpoint is damaged, quantize again")
+    if sym:
+        _check_symmetric_zeros(name, t["qzeros"], bits, n, zero_offset, qc, where)
+    return PackedLayer(name, k, n, bits, group_size, sym, bias is not None)
+
+
+def _check_symmetric_zeros(name, qzeros, bits, n, zero_offset, qc, where):
+    zeros = (bitpack.unpack(qzeros, bits, n, dim=1) + zero_offset) & (2**bits - 1)
+    wrong = zeros != 2 ** (bits - 1)
+    if wrong.any():
+        found = int(zeros[wrong][0])
+        raise QuantkitError(
+            f"{where}: {name} is declared symmetric, but its zero points decode to {found}, not {2 ** (bits - 1)}, "
+            f"under checkpoint_format {qc.get('checkpoint_format', 'gptq')!r}: the format (v1 'gptq' stores zero - 1, "
+            "'gptq_v2' the zero itself) or 'sym' in quantization_config is wrong; restore them")

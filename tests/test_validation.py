@@ -1,0 +1,241 @@
+"""Input validation at the boundary: damaged sources, tampered checkpoints and mistyped recipes give one
+`error:` line naming the problem, exit code 2 and nothing written — never a traceback or a silent wrong result."""
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from quantkit.cli import main
+from quantkit.config import QuantConfig
+from quantkit.errors import QuantkitError
+from quantkit.loading import load_quantized
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_user_error(result, *words):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("error: "), result.output
+    for w in words:
+        assert w in last, last
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "calib.txt"
+    path.write_text("\n".join(f"Once upon a time a little dog number {i} ran home." for i in range(200)))
+    return path
+
+
+def edit_tensors(folder, edit):
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def edit_json(path, edit):
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+# --------------------------------------------------------------------------- the source model
+
+
+@pytest.fixture
+def source(tmp_path, model_factory):
+    folder = tmp_path / "src"
+    shutil.copytree(model_factory("llama"), folder)
+    return folder
+
+
+def quantize_refused(tmp_path, src, *extra, words=()):
+    result = run("quantize", src, "-o", tmp_path / "out", "--group-size", 32, *extra)
+    assert_user_error(result, *words)
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_non_finite_source_weight(tmp_path, source, text_file, value, method):
+    def poison(t):
+        t["model.layers.1.mlp.up_proj.weight"][3, 5] = value
+
+    edit_tensors(source, poison)
+    quantize_refused(tmp_path, source, "--method", method, "--dataset", text_file, "--nsamples", 2, "--seqlen", 32,
+                     words=["model.layers.1.mlp.up_proj.weight", "NaN/Inf"])
+
+
+def test_missing_source_tensor(tmp_path, source):
+    edit_tensors(source, lambda t: t.pop("model.layers.1.self_attn.q_proj.weight"))
+    quantize_refused(tmp_path, source, words=["incomplete", "model.layers.1.self_attn.q_proj.weight"])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupted_source_safetensors(tmp_path, source, damage):
+    path = source / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\xff" * 64)
+    quantize_refused(tmp_path, source, words=["truncated or corrupted"])
+
+
+def test_overflowing_activations_name_the_layer(tmp_path, source, text_file):
+    # finite weights whose activations overflow float32 inside block 0
+    edit_tensors(source, lambda t: t["model.layers.0.post_attention_layernorm.weight"].fill_(3e38))
+    quantize_refused(tmp_path, source, "--method", "gptq", "--dataset", text_file, "--nsamples", 2, "--seqlen", 32,
+                     words=["model.layers.0", "NaN/Inf"])
+
+
+def test_quantizing_a_quantized_checkpoint(tmp_path, checkpoint_dir):
+    quantize_refused(tmp_path, checkpoint_dir, words=["already quantized"])
+
+
+# --------------------------------------------------------------------------- recipes
+
+
+@pytest.mark.parametrize("recipe,words", [
+    ("modules:\n  - pattern: 'down_proj'\n    skip: 'false'\n", ["skip", "true or false"]),
+    ("sym: 'no'\n", ["sym", "true or false"]),
+    ("bits: '4'\n", ["bits", "whole number"]),
+    ("bits: 4.0\n", ["bits", "whole number"]),
+    ("nsamples: true\n", ["nsamples", "whole number"]),
+    ("damp: 'high'\n", ["damp", "number"]),
+    ("modules:\n  - pattern: 7\n    bits: 8\n", ["pattern", "string"]),
+    ("modules: down_proj\n", ["modules", "list"]),
+    ("modules:\n  - pattern: 'proj'\n    skip: true\n", ["skip all", "nothing to quantize"]),
+])
+def test_recipe_values_are_typed_strictly(tmp_path, source, recipe, words):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe)
+    quantize_refused(tmp_path, source, "--recipe", path, words=words)
+
+
+def test_api_config_accepts_real_types_only():
+    assert QuantConfig(damp=1).damp == 1.0 and QuantConfig(sym=False).sym is False
+    with pytest.raises(QuantkitError, match="sym must be true or false"):
+        QuantConfig(sym="false")
+
+
+# --------------------------------------------------------------------------- quantized checkpoints
+
+
+@pytest.fixture(scope="module")
+def pristine_checkpoint(tmp_path_factory, model_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "q"
+    result = run("quantize", model_factory("llama"), "-o", out, "--bits", 4, "--group-size", 32)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture
+def checkpoint_dir(tmp_path, pristine_checkpoint):
+    folder = tmp_path / "q"
+    shutil.copytree(pristine_checkpoint, folder)
+    return folder
+
+
+LAYER = "model.layers.0.mlp.down_proj"  # 96 -> 64 with group size 32: 3 groups
+
+
+def set_qc(**changes):
+    def edit(config):
+        qc = config["quantization_config"]
+        for key, value in changes.items():
+            if value is None:
+                qc.pop(key, None)
+            else:
+                qc[key] = value
+    return edit
+
+
+def tensor_edit(fn):
+    return lambda folder: edit_tensors(folder, fn)
+
+
+def config_edit(fn):
+    return lambda folder: edit_json(folder / "config.json", fn)
+
+
+def _put(name, value):
+    def edit(t):
+        t[name] = value
+    return edit
+
+
+def _nan_scale(t):
+    t[f"{LAYER}.scales"][1, 2] = float("nan")
+
+
+TAMPERED = {
+    "no quantization_config": (config_edit(lambda c: c.pop("quantization_config")), ["quantization_config"]),
+    "unknown format": (config_edit(set_qc(checkpoint_format="gptq_p")), ["checkpoint_format", "gptq_p"]),
+    "v1 read as v2": (config_edit(set_qc(checkpoint_format="gptq_v2")), ["checkpoint_format", "written as 'gptq'"]),
+    "v1 read as v2, no recipe": (lambda folder: (config_edit(set_qc(checkpoint_format="gptq_v2"))(folder),
+                                                 (folder / "quantkit_recipe.yaml").unlink()),
+                                 ["symmetric", "zero points decode to 7"]),
+    "no bits": (config_edit(set_qc(bits=None)), ["no 'bits'"]),
+    "no group_size": (config_edit(set_qc(group_size=None)), ["no 'group_size'"]),
+    "bits 5": (config_edit(set_qc(bits=5)), ["bits 5"]),
+    "bits as a string": (config_edit(set_qc(bits="4")), ["bits '4'"]),
+    "group size 0": (config_edit(set_qc(group_size=0)), ["group_size 0"]),
+    "group size -5": (config_edit(set_qc(group_size=-5)), ["group_size -5"]),
+    "wrong group size": (config_edit(set_qc(group_size=64)), ["group size 64", "shape"]),
+    "sym as a string": (config_edit(set_qc(sym="yes")), ["sym"]),
+    "bad dynamic regex": (config_edit(set_qc(dynamic={"+:^model.(": {"bits": 8}})), ["not a valid regex"]),
+    "dynamic bits 5": (config_edit(set_qc(dynamic={f"+:^{LAYER}$": {"bits": 5}})), ["bits 5"]),
+    "NaN scale": (tensor_edit(_nan_scale), [f"{LAYER}.scales", "NaN"]),
+    "scales wrong shape": (tensor_edit(_put(f"{LAYER}.scales", torch.ones(2, 64, dtype=torch.float16))),
+                           [f"{LAYER}.scales", "shape"]),
+    "scales wrong dtype": (tensor_edit(_put(f"{LAYER}.scales", torch.ones(3, 64))), [f"{LAYER}.scales", "float16"]),
+    "qzeros wrong shape": (tensor_edit(_put(f"{LAYER}.qzeros", torch.zeros(3, 4, dtype=torch.int32))),
+                           [f"{LAYER}.qzeros", "shape"]),
+    "g_idx wrong length": (tensor_edit(_put(f"{LAYER}.g_idx", torch.zeros(64, dtype=torch.int32))), [f"{LAYER}"]),
+    "g_idx out of range": (tensor_edit(_put(f"{LAYER}.g_idx", torch.full((96,), 7, dtype=torch.int32))),
+                           [f"{LAYER}.g_idx", "outside 0..2"]),
+    "qzeros missing": (tensor_edit(lambda t: t.pop(f"{LAYER}.qzeros")), [LAYER, "qzeros"]),
+    "config not JSON": (lambda folder: (folder / "config.json").write_text("{not json"), ["not valid JSON"]),
+}
+
+
+@pytest.mark.parametrize("case", TAMPERED)
+@pytest.mark.parametrize("command", ["eval", "inspect", "load_quantized"])
+def test_tampered_checkpoint_is_refused(checkpoint_dir, text_file, case, command):
+    tamper, words = TAMPERED[case]
+    tamper(checkpoint_dir)
+    if command == "load_quantized":
+        with pytest.raises(QuantkitError) as err:
+            load_quantized(checkpoint_dir)
+        for w in words:
+            assert w in str(err.value), str(err.value)
+        return
+    if command == "inspect":
+        result = run("inspect", checkpoint_dir)
+    else:
+        result = run("eval", "perplexity", checkpoint_dir, "--dataset", text_file, "--seqlen", 32,
+                     "--max-tokens", 64, "--device", "cpu")
+    if case == "no quantization_config" and command == "eval":
+        words = ["packed quantized tensors", "quantization_config"]  # eval would take it for an fp model
+    assert_user_error(result, *words)
+
+
+def test_asymmetric_format_swap_is_caught_by_the_recipe(tmp_path, model_factory):
+    out = tmp_path / "q"
+    assert run("quantize", model_factory("llama"), "-o", out, "--asym", "--group-size", 32).exit_code == 0
+    edit_json(out / "config.json", set_qc(checkpoint_format="gptq_v2"))
+    assert_user_error(run("inspect", out), "checkpoint_format", "'gptq'")
+
+
+def test_pristine_checkpoint_passes(checkpoint_dir, text_file):
+    assert run("inspect", checkpoint_dir).exit_code == 0
+    result = run("eval", "perplexity", checkpoint_dir, "--dataset", text_file, "--seqlen", 32, "--max-tokens", 64,
+                 "--device", "cpu", "--json")
+    assert result.exit_code == 0, result.output
