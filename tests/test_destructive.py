@@ -225,28 +225,23 @@ def test_run_killed_between_the_renames_is_restored(world):
     old = world / f".out.old-{pid}"
     (world / "out").rename(old)  # what a kill between `out -> old` and `tmp -> out` leaves
     (old / output.STAGING_MARKER).write_text(json.dumps({"host": socket.gethostname(), "pid": pid}))
-    output.recover_stale(world / "out")
-    assert (world / "out" / "config.json").is_file() and not old.exists()
-    assert not (world / "out" / output.STAGING_MARKER).exists()
+    result = WRITERS["quantize"]("out")  # puts the old checkpoint back, then refuses to replace it
+    assert_refused(result, "already exists")
+    assert "restored" in result.output and not old.exists()
+    assert (world / "out" / "config.json").is_file() and not (world / "out" / output.STAGING_MARKER).exists()
 
 
-def test_permission_error_is_one_line(world, monkeypatch):
-    def denied(*args, **kwargs):
-        raise PermissionError(errno.EACCES, "Permission denied")
+@pytest.mark.parametrize("code,target,words", [
+    (errno.EACCES, "out", ["no permission"]),
+    (errno.EIO, "new/deeper/out", ["could not write"]),  # and the parents it made are removed again
+])
+def test_write_errors_are_one_line_and_leave_nothing(world, monkeypatch, code, target, words):
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(checkpoint, "write_tensors", denied)
+    monkeypatch.setattr(checkpoint, "write_tensors", fail)
     before = snapshot(world)
-    assert_refused(WRITERS["quantize"]("out"), "no permission")
-    assert snapshot(world) == before
-
-
-def test_failed_run_removes_the_parent_folders_it_created(world, monkeypatch):
-    def boom(*args, **kwargs):
-        raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr(checkpoint, "write_tensors", boom)
-    before = snapshot(world)
-    assert_refused(WRITERS["quantize"]("new/deeper/out"), "could not write")
+    assert_refused(WRITERS["quantize"](target), *words)
     assert snapshot(world) == before
 
 

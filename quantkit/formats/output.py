@@ -65,11 +65,15 @@ def _relation(out: Path, src: Path):
 
 
 def _local_folders(sources) -> list[Path]:
-    return [Path(os.path.realpath(Path(s).expanduser())) for s in sources if s is not None and Path(s).expanduser().exists()]
+    paths = [Path(s).expanduser() for s in sources if s is not None]
+    return [Path(os.path.realpath(p)) for p in paths if p.exists()]
 
 
 def check_output(out, overwrite: bool, sources=()) -> Path:
-    """OUT as an absolute path (symlinks in its parents resolved), or a QuantkitError saying why not."""
+    """OUT as an absolute path (symlinks in its parents resolved), or a QuantkitError saying why not.
+
+    Staging folders that dead runs left next to OUT are dealt with first (see recover_stale): one of
+    them may be the user's previous checkpoint, to be put back before OUT is judged."""
     given = Path(out).expanduser()
     if str(out).strip() == "":
         raise QuantkitError("the output folder is empty: pass -o with a folder name")
@@ -86,6 +90,7 @@ def check_output(out, overwrite: bool, sources=()) -> Path:
     if _contains(path, Path.cwd().resolve()):
         raise QuantkitError(f"-o {out} is the current directory or one of its parents: "
                             "write the checkpoint to a new folder, e.g. -o ./quantized")
+    recover_stale(path)
     if path.is_dir() and any(path.iterdir()):
         if not overwrite:
             raise QuantkitError(f"output folder {out} already exists: choose another -o or pass --overwrite")
@@ -200,7 +205,6 @@ def staged_folder(out, overwrite: bool, sources=()):
     `files`: that list is what lets a later --overwrite recognise the folder as quantkit's.
     """
     out = check_output(out, overwrite, sources)
-    recover_stale(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]  # removed again on failure
     staging = None  # set once this run has made tmp: never delete a folder someone else made
