@@ -8,24 +8,15 @@ from tqdm.auto import tqdm
 from quantkit import __version__
 from quantkit.config import QuantConfig, write_recipe
 from quantkit.errors import QuantkitError
-from quantkit.formats import checkpoint, gptq, output
+from quantkit.formats import checkpoint, codecs, output
 from quantkit.loading import load_quantized  # noqa: F401  (public API)
-from quantkit.methods.grid import Grid
-from quantkit.methods.rtn import rtn
+from quantkit.methods.registry import Method
 from quantkit.model.arch import arch_for, block_linears, get_submodule, is_linear, require_scale_groups
-from quantkit.model.loader import load_fp_model, stored_dtype
-from quantkit.model.sequential import get_weight, run_sequential
+from quantkit.model.loader import load_fp_model, resolve_device, stored_dtype
+from quantkit.model.sequential import run_sequential
 
 REPORT_NAME = output.REPORT_NAME
 RECIPE_NAME = checkpoint.RECIPE_NAME
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise QuantkitError(f"--device {device} was asked for but no CUDA GPU is visible: use --device cpu or auto")
-    return device
 
 
 def quantizable_linears(model, arch) -> list[str]:
@@ -41,31 +32,19 @@ def quantizable_linears(model, arch) -> list[str]:
     return names
 
 
-def _quantize_rtn(model, names, config):
-    results = {}
-    for name in tqdm(names, desc="rtn", unit="linear"):
-        spec = config.spec_for(name)
-        if spec is None:
-            continue
-        module = model.get_submodule(name)
-        t0 = time.perf_counter()
-        res = rtn(get_weight(module), Grid(spec.bits, spec.sym), spec.group_size, bias=getattr(module, "bias", None))
-        res.stats.update(method="rtn", seconds=time.perf_counter() - t0)
-        results[name] = res
-    return results
-
-
 def _check_finite_results(results) -> None:
     """A guard behind the input checks: a NaN scale or error must never reach a checkpoint."""
     for name, res in results.items():
-        if not torch.isfinite(res.scales).all() or not math.isfinite(res.stats.get("error") or 0.0):
+        params_finite = all(bool(torch.isfinite(v).all()) for v in res.params.values())
+        if not params_finite or not math.isfinite(res.stats.get("error") or 0.0):
             raise QuantkitError(f"quantizing {name} gave NaN/Inf values although its inputs were finite: "
                                 "try a larger --damp (e.g. 0.1) or --method rtn, and please report it")
 
 
 def _layer_report(results) -> dict:
-    return {name: {"bits": r.bits, "group_size": r.group_size, "sym": r.sym,
-                   "shape": list(r.shape), **r.stats}
+    return {name: {"quantizer": r.quantizer.name, **r.quantizer.settings(), "group_size": r.group_size,
+                   "rotation": r.rotation.settings() if r.rotation is not None else None,
+                   "shape": list(r.shape), "bits_per_weight": round(r.bits_per_weight(), 4), **r.stats}
             for name, r in results.items()}
 
 
@@ -76,7 +55,7 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     calibration_ids: optional LongTensor [nsamples, seqlen] used instead of loading config.dataset.
     """
     config = config or QuantConfig()
-    output.check_output(out, overwrite, sources=[model])  # fail before any heavy work; the writer checks again
+    output.claim_output(out, overwrite, sources=[model])  # fail before any heavy work; the writer checks again
     device = resolve_device(device)
     t_start = time.perf_counter()
     # CPU half-precision matmuls are slow: calibrate in fp32 there, but write the source's dtype.
@@ -88,44 +67,42 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     if all(config.spec_for(n) is None for n in names):
         raise QuantkitError(f"the recipe's module overrides skip all {len(names)} quantizable linears: nothing to "
                             "quantize; remove a skip: true or narrow its pattern")
-    method = None
+    method = Method(config, arch)
     if config.needs_calibration:
-        if config.method in ("awq", "awq+gptq"):
-            require_scale_groups(fp_model, arch)
+        if method.use_awq:
+            require_scale_groups(arch, fp_model.config.model_type)
         if calibration_ids is None:
             from quantkit.data import calibration_ids as load_calibration
 
             calibration_ids = load_calibration(tokenizer, config.dataset, config.nsamples, config.seqlen, config.seed)
-        from quantkit.methods.registry import CalibratedMethod
-
-        method = CalibratedMethod(config, arch)
         # RTN rounding (awq) ignores the data, so stage-by-stage forwards would only refine the error
         # report: one observing pass per block is enough there.
         staged = config.true_sequential and method.use_gptq
         results = run_sequential(fp_model, arch, calibration_ids, method, device, staged)
-    else:
-        results = _quantize_rtn(fp_model, names, config)
+    else:  # data-free: the same per-layer path, without an observer
+        results = {n: method.quantize(n, None, fp_model.get_submodule(n))
+                   for n in tqdm(names, desc=config.method, unit="linear") if config.spec_for(n) is not None}
     _check_finite_results(results)
     report = {
         "quantkit_version": __version__, "model": str(model), "method": config.method,
         "seconds": round(time.perf_counter() - t_start, 2), "device": device,
         "layers": _layer_report(results),
     }
-    if method is not None and method.awq_report:
+    if method.awq_report:
         report["awq"] = method.awq_report
-    _write(fp_model, tokenizer, results, names, config, report, save_dtype,
+    _write(fp_model, tokenizer, results, names, config, method, report, save_dtype,
            output.staged_folder(out, overwrite, sources=[model]))
     return report
 
 
-def _write(model, tokenizer, results, names, config, report, save_dtype, staged):
-    qc = gptq.quantization_config(
-        config.bits, config.group_size, config.sym, config.act_order, config.checkpoint_format, results, names,
-        extra={"true_sequential": config.true_sequential, "damp_percent": config.damp,
-               "quantizer": [f"quantkit:{__version__}"], "meta": {"method": config.method}})
+def _write(model, tokenizer, results, names, config, method, report, save_dtype, staged):
+    codec = codecs.codec_for(results.values())
+    qc = codec.quantization_config(config, results, names, act_order=method.act_order, extra={
+        "true_sequential": config.true_sequential, "damp_percent": config.damp,
+        "quantizer": [f"quantkit:{__version__}"], "meta": {"method": config.method}})
     state = checkpoint.drop_shared(model.state_dict())  # before casting, which would untie storages
     state = {k: v.to(save_dtype) if v.is_floating_point() else v for k, v in state.items()}
-    tensors = gptq.model_tensors(state, results, config.checkpoint_format)
+    tensors = codecs.model_tensors(state, results, codec, config)
     model_config = model.config.to_dict()
     model_config["dtype"] = str(save_dtype).removeprefix("torch.")
     model_config["quantization_config"] = qc

@@ -30,6 +30,9 @@ _CONFIG_OPTIONS = [
     click.option("--method", type=click.Choice(METHODS), default="rtn",
                  help="rtn: round to nearest; gptq: Hessian-aware error feedback; awq: activation-aware scales "
                       "folded into the model, then RTN; awq+gptq: AWQ scales, then GPTQ."),
+    click.option("--quantizer", default="int",
+                 help="What rounds the weights: int (a per-group integer grid with scale and zero; the only one "
+                      "GPTQ-layout readers run). Other quantizers are written in the quantkit format."),
     click.option("--bits", type=int, default=4, help="Bits per weight: 2, 3, 4 or 8."),
     click.option("--group-size", type=int, default=128,
                  help="Input columns sharing one scale/zero; -1 = one group per row. A last shorter group is fine."),
@@ -39,7 +42,7 @@ _CONFIG_OPTIONS = [
                       "Unused by rtn."),
     click.option("--nsamples", type=int, default=128, help="Calibration windows."),
     click.option("--seqlen", type=int, default=512, help="Tokens per calibration window."),
-    click.option("--seed", type=int, default=0, help="Seed for choosing calibration windows."),
+    click.option("--seed", type=int, default=0, help="Seed for choosing calibration windows (and rotation signs)."),
     click.option("--damp", type=float, default=0.01, help="GPTQ damping, as a fraction of the mean Hessian diagonal "
                                                           "(raised automatically if the Cholesky fails)."),
     click.option("--block-size", type=int, default=128, help="GPTQ columns per lazy-update block."),
@@ -54,6 +57,11 @@ _CONFIG_OPTIONS = [
     click.option("--awq-clip/--no-awq-clip", default=True, help="AWQ: search a per-group clipping range too."),
     click.option("--checkpoint-format", type=click.Choice(["gptq", "gptq_v2"]), default="gptq",
                  help="gptq (v1, zero-1 stored; what vLLM/TGI/transformers read) or gptq_v2 (true zeros)."),
+    click.option("--rotate", type=click.Choice(["none", "hadamard"]), default="none",
+                 help="hadamard: quantize each linear as W Πᵀ with a seeded randomized Hadamard rotation Π along "
+                      "its inputs (GPTQ then rounds against Π H Πᵀ); the layer computes Ŵ (Π x). rtn and gptq only; "
+                      "written in the quantkit format (quant_method \"quantkit\"), which GPTQ readers cannot run. "
+                      "--seed picks the signs."),
     click.option("--max-shard-size", default="4GB", help="Largest safetensors shard; bigger models get an index."),
 ]
 
@@ -117,7 +125,7 @@ def eval():  # noqa: A001  (the command is called eval)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ppl, nll, tokens, windows, seqlen).")
 def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json):
     """Perplexity of PATH (a model folder/hub id, or a quantized folder) with the standard protocol."""
-    from quantkit.report import evaluate_path
+    from quantkit.eval import evaluate_path
 
     result = evaluate_path(path, dataset, seqlen, max_tokens, device, dtype, progress=not as_json)
     if as_json:

@@ -25,8 +25,10 @@ import yaml
 from quantkit.errors import QuantkitError
 from quantkit.formats.gptq import CHECKPOINT_FORMATS
 from quantkit.methods.grid import check_bits, check_group_size, is_int
+from quantkit.methods.quantizer import QUANTIZERS, make_quantizer
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+ROTATIONS = ("none", "hadamard")
 OVERRIDE_TYPES = {"pattern": str, "bits": int, "group_size": int, "sym": bool, "skip": bool}
 _TYPE_WORDS = {bool: "true or false, without quotes", int: "a whole number, without quotes",
                float: "a number, without quotes", str: "a string (in quotes)", list: "a list of '- pattern: ...' items"}
@@ -48,10 +50,16 @@ class LayerSpec:
     group_size: int
     sym: bool
 
+    quantizer_name: str = "int"
+
+    def quantizer(self):
+        return make_quantizer(self.quantizer_name, bits=self.bits, sym=self.sym)
+
 
 @dataclass
 class QuantConfig:
     method: str = "rtn"
+    quantizer: str = "int"
     bits: int = 4
     group_size: int = 128
     sym: bool = True
@@ -66,6 +74,7 @@ class QuantConfig:
     awq_grid: int = 20
     awq_clip: bool = True
     checkpoint_format: str = "gptq"
+    rotate: str = "none"
     max_shard_size: str = "4GB"
     modules: list = field(default_factory=list)
 
@@ -86,6 +95,13 @@ class QuantConfig:
                 raise QuantkitError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
         if not 0 < self.damp <= 1:
             raise QuantkitError(f"--damp {self.damp} is out of range: use a fraction in (0, 1], e.g. 0.01")
+        if self.quantizer not in QUANTIZERS:
+            raise QuantkitError(f"unknown quantizer '{self.quantizer}': choose one of {', '.join(sorted(QUANTIZERS))}")
+        if self.rotate not in ROTATIONS:
+            raise QuantkitError(f"unknown rotation '{self.rotate}': use {' or '.join(ROTATIONS)}")
+        if self.rotate != "none" and self.method not in ("rtn", "gptq"):
+            raise QuantkitError(f"--rotate {self.rotate} works with --method rtn or gptq, not {self.method}: AWQ's "
+                                "scales are searched in the unrotated basis")
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise QuantkitError(f"unknown checkpoint format '{self.checkpoint_format}': use gptq or gptq_v2")
         self.modules = [self._check_override(o, i) for i, o in enumerate(self.modules)]
@@ -122,7 +138,7 @@ class QuantConfig:
                 if o.get("skip"):
                     return None
                 spec.update({k: o[k] for k in ("bits", "group_size", "sym") if k in o})
-        return LayerSpec(**spec)
+        return LayerSpec(**spec, quantizer_name=self.quantizer)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

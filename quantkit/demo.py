@@ -35,13 +35,13 @@ def run_demo(out, bits, group_size, method, n_tokens, overwrite=False) -> str:
     from quantkit.api import quantize
     from quantkit.config import QuantConfig
     from quantkit.eval import perplexity
-    from quantkit.formats.output import check_output
+    from quantkit.formats.output import claim_output
     from quantkit.loading import load_quantized
     from quantkit.model.loader import load_fp_model
 
     src = bundled_model_path()
     if out is not None:
-        check_output(out, overwrite, sources=[src])  # before the sampling: refuse a bad -o at once
+        claim_output(out, overwrite, sources=[src])  # before the sampling: refuse a bad -o at once
     fp_model, _ = load_fp_model(str(src), "float32")
     eval_rows = sample_text_ids(fp_model, n_tokens, seed=0)
     config = QuantConfig(method=method, bits=bits, group_size=group_size, nsamples=32, seqlen=SEQLEN)

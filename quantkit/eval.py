@@ -1,14 +1,17 @@
-"""Perplexity of a causal LM on a token stream, by the protocol of the GPTQ evaluation scripts."""
+"""Perplexity of a causal LM on a token stream, by the protocol of the GPTQ evaluation scripts, and of a path
+(a quantized folder or a floating-point model) as `quantkit eval perplexity` runs it."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
+from quantkit.formats.checkpoint import read_json
 
 # Positions per cross-entropy call: bounds the float32 copy of the logits to
 # _LOSS_CHUNK x vocab floats (e.g. 1024 x 152k x 4 B ≈ 0.6 GB for Qwen) however long the window.
@@ -107,4 +110,36 @@ def _batch_nll_sum(logits: torch.Tensor, batch: torch.Tensor) -> float:
     return total
 
 
-__all__ = ["perplexity"]
+# --------------------------------------------------------------------------- paths (what the CLI evaluates)
+
+
+def is_quantized_folder(path) -> bool:
+    cfg = Path(path) / "config.json"
+    return cfg.is_file() and "quantization_config" in read_json(cfg)
+
+
+def load_any(path, device="auto", dtype=None):
+    """(model, tokenizer) for a quantized folder or a floating-point model (folder or hub id)."""
+    from transformers import AutoTokenizer
+
+    from quantkit.loading import load_quantized
+    from quantkit.model.loader import load_fp_model, resolve_device
+
+    device = resolve_device(device)
+    if is_quantized_folder(path):
+        model = load_quantized(path, device_map=device, dtype=dtype)
+        try:
+            return model, AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise QuantkitError(f"{path} has no usable tokenizer ({type(e).__name__}): copy the tokenizer files of "
+                                "the source model into it") from e
+    model, tokenizer = load_fp_model(path, dtype or ("float32" if device == "cpu" else "auto"))
+    return model.to(device), tokenizer
+
+
+def evaluate_path(path, dataset, seqlen, max_tokens=None, device="auto", dtype=None, progress=True) -> dict:
+    from quantkit.data import eval_ids
+
+    model, tokenizer = load_any(path, device, dtype)
+    ids = eval_ids(tokenizer, dataset, max_tokens)
+    return perplexity(model, ids, seqlen, progress=progress)

@@ -1,7 +1,8 @@
-"""load_quantized: a quantized checkpoint folder -> a transformers model with QuantLinear modules.
+"""load_quantized: a quantized checkpoint folder -> a transformers model with quantized linear modules.
 
-config.json -> model skeleton with parameters on the meta device (buffers such as rotary tables are
-real) -> each module that has a `.qweight` in the checkpoint becomes a QuantLinear -> tensors are
+config.json -> the codec of its quant_method checks config and tensors (quantkit.formats.codecs) ->
+model skeleton with parameters on the meta device (buffers such as rotary tables are real) -> each
+quantized layer becomes the module its codec builds (QuantLinear for the GPTQ layout) -> tensors are
 assigned (no full-precision copy of quantized weights is ever made) -> tied weights re-tied.
 """
 from pathlib import Path
@@ -10,18 +11,15 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import checkpoint
-from quantkit.model.loader import parse_dtype
-from quantkit.model.sequential import get_weight
-from quantkit.nn.quant_linear import QuantLinear
+from quantkit.model.loader import parse_dtype, resolve_device
+from quantkit.model.arch import get_weight
 
 
 def _device(device_map):
-    if device_map in (None, "cpu"):
+    if device_map is None:
         return "cpu"
-    if device_map == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
     if isinstance(device_map, (str, torch.device)):
-        return str(device_map)
+        return resolve_device(str(device_map))
     raise QuantkitError(f"device_map {device_map!r} is not supported: use None, 'auto', 'cpu' or a device like 'cuda:0'")
 
 
@@ -49,7 +47,7 @@ def _skeleton(folder, dtype):
     return model, qc
 
 
-def _swap_quantized(model, layers, qc, dtype):
+def _swap_quantized(model, layers, codec, qc, dtype):
     for layer in layers:
         name = layer.name
         try:
@@ -60,9 +58,8 @@ def _swap_quantized(model, layers, qc, dtype):
         if (layer.in_features, layer.out_features) != (k, n):
             raise QuantkitError(f"checkpoint layer {name} is {layer.in_features}->{layer.out_features} but the model "
                                 f"built from config.json has a {k}->{n} linear there: the checkpoint and its config disagree")
-        q = QuantLinear(k, n, layer.bits, layer.group_size, layer.bias, qc.get("checkpoint_format", "gptq"), dtype=dtype, device="meta")
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, q)
+        setattr(model.get_submodule(parent), leaf, codec.build_module(layer, qc, dtype))
 
 
 def load_quantized(path, device_map=None, dtype=None):
@@ -72,13 +69,14 @@ def load_quantized(path, device_map=None, dtype=None):
     dtype: activation/float-parameter dtype; default fp32 on CPU, fp16/bf16 on GPU.
     """
     folder = Path(path)
-    config, tensors, layers = checkpoint.read_checkpoint(folder)
+    config, tensors, layers, codec = checkpoint.read_checkpoint(folder)
     device = _device(device_map)
     dtype = parse_dtype(dtype) or _default_dtype(parse_dtype(config.get("dtype") or config.get("torch_dtype")), device)
     model, qc = _skeleton(folder, dtype)
-    _swap_quantized(model, layers, qc, dtype)
-    for name, t in tensors.items():
-        if t.is_floating_point() and not name.endswith(".scales"):
+    _swap_quantized(model, layers, codec, qc, dtype)
+    buffers = dict(model.named_buffers())
+    for name, t in tensors.items():  # float tensors take the activation dtype, unless the module keeps its own
+        if t.is_floating_point() and not (name in buffers and buffers[name].dtype != dtype):
             tensors[name] = t.to(dtype)
     try:
         result = model.load_state_dict(tensors, strict=False, assign=True)

@@ -4,7 +4,8 @@
 The floating-point baseline is evaluated in the same run. Markdown table to stdout (and --out),
 optionally a PNG of perplexity against bits per weight (needs matplotlib).
 
-Example (the protocol of the GPTQ/AWQ issues, on SmolLM2-135M built by ../shared/assets/get-smollm2.sh):
+Example (the protocol of the GPTQ/AWQ issues, on SmolLM2-135M built by the developers' asset script
+../shared/assets/get-smollm2.sh):
     python scripts/bench_quality.py ~/.cache/quantkit-assets/smollm2-135m \
         --calib ../shared/assets/text/wikitext2_tok_valid.txt --eval ../shared/assets/text/wikitext2_raw_test.txt \
         --max-tokens 32768 --seqlen 512 --nsamples 128 \
@@ -29,11 +30,16 @@ from quantkit.report import inspect_checkpoint
 
 
 def parse_run(text):
-    """method:bits:group[:asym] -> dict of QuantConfig fields."""
+    """method:bits:group[:asym][:hadamard] -> dict of QuantConfig fields."""
     parts = text.split(":")
     run = {"method": parts[0], "bits": int(parts[1]), "group_size": int(parts[2])}
-    if len(parts) > 3:
-        run["sym"] = parts[3] != "asym"
+    for flag in parts[3:]:
+        if flag in ("sym", "asym"):
+            run["sym"] = flag == "sym"
+        elif flag == "hadamard":
+            run["rotate"] = flag
+        else:
+            raise SystemExit(f"run {text!r}: unknown flag {flag!r} (asym, sym or hadamard)")
     return run
 
 
@@ -47,7 +53,8 @@ def main(argv=None):
     p.add_argument("model")
     p.add_argument("--calib", required=True, help="calibration dataset (name or file)")
     p.add_argument("--eval", required=True, help="evaluation dataset (name or file)")
-    p.add_argument("--runs", nargs="+", required=True, help="method:bits:group[:asym], e.g. gptq:4:128")
+    p.add_argument("--runs", nargs="+", required=True,
+                   help="method:bits:group[:asym][:hadamard], e.g. gptq:4:128 or gptq:3:64:hadamard")
     p.add_argument("--nsamples", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=32768)
@@ -59,7 +66,7 @@ def main(argv=None):
     p.add_argument("--png", help="plot perplexity against bits per weight here")
     args = p.parse_args(argv)
 
-    from quantkit.api import resolve_device
+    from quantkit.model.loader import resolve_device
 
     device = resolve_device(args.device)
     fp_model, tokenizer = load_fp_model(args.model, args.eval_dtype or ("float32" if device == "cpu" else "auto"))

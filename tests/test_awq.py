@@ -7,7 +7,7 @@ from transformers import (AutoModelForCausalLM, GemmaConfig, LlamaConfig, OPTCon
 
 from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
-from quantkit.methods import awq
+from quantkit.methods import awq, awq_block
 from quantkit.methods.grid import Grid
 from quantkit.methods.rtn import rtn
 from quantkit.model.arch import ARCHS, Arch, arch_for, get_submodule, require_scale_groups
@@ -217,7 +217,7 @@ def test_prepare_block_keeps_fp_output_without_clip():
     arch, block, runner = _block_runner(model)
     ref = torch.cat(runner.forward_all(keep_outputs=True))
     before = _snapshot(block)
-    report = awq.awq_prepare_block(runner, block, "model.layers.0", arch,
+    report = awq_block.awq_prepare_block(runner, block, "model.layers.0", arch,
                                    QuantConfig(method="awq", bits=4, group_size=32, awq_clip=False))
     out = torch.cat(runner.forward_all(keep_outputs=True))
     assert rel(out, ref) <= 1e-4
@@ -237,7 +237,7 @@ def test_prepare_block_with_clip_lowers_quantized_block_error():
         _outlier_embeddings(model)
         arch, block, runner = _block_runner(model)
         ref = torch.cat(runner.forward_all(keep_outputs=True))
-        report = awq.awq_prepare_block(runner, block, "model.layers.0", arch, cfg) if prepare else {}
+        report = awq_block.awq_prepare_block(runner, block, "model.layers.0", arch, cfg) if prepare else {}
         for n in (n for stage in arch.sequential for n in stage):
             lin = block.get_submodule(n)
             lin.weight.data.copy_(rtn(lin.weight.data, Grid(cfg.bits, cfg.sym), cfg.group_size).dequantize())
@@ -260,7 +260,7 @@ def test_prepare_block_skips_v_o_under_gqa(name):
     arch, block, runner = _block_runner(model)
     o_before = block.self_attn.o_proj.weight.clone()
     ref = torch.cat(runner.forward_all(keep_outputs=True))
-    report = awq.awq_prepare_block(runner, block, "model.layers.0", arch,
+    report = awq_block.awq_prepare_block(runner, block, "model.layers.0", arch,
                                    QuantConfig(method="awq", bits=4, group_size=32, awq_clip=False))
     entry = report["self_attn.v_proj->self_attn.o_proj"]
     assert "grouped-query" in entry["skipped"] and entry["alpha"] is None
@@ -275,7 +275,7 @@ def test_prepare_block_skips_groups_that_do_not_fold_post_ln_opt():
     _outlier_embeddings(model)
     arch, block, runner = _block_runner(model)
     ref = torch.cat(runner.forward_all(keep_outputs=True))
-    report = awq.awq_prepare_block(runner, block, "model.decoder.layers.0", arch,
+    report = awq_block.awq_prepare_block(runner, block, "model.decoder.layers.0", arch,
                                    QuantConfig(method="awq", bits=4, group_size=32, awq_clip=False))
     for label in ("self_attn_layer_norm->self_attn.q_proj,self_attn.k_proj,self_attn.v_proj", "final_layer_norm->fc1"):
         assert "changes the block output" in report[label]["skipped"]
@@ -289,7 +289,7 @@ def test_prepare_block_other_families(name, prefix):
     _outlier_embeddings(model)
     arch, block, runner = _block_runner(model)
     ref = torch.cat(runner.forward_all(keep_outputs=True))
-    report = awq.awq_prepare_block(runner, block, prefix, arch,
+    report = awq_block.awq_prepare_block(runner, block, prefix, arch,
                                    QuantConfig(method="awq", bits=4, group_size=32, awq_clip=False))
     assert all(e["skipped"] is None for e in report.values()), report
     assert rel(torch.cat(runner.forward_all(keep_outputs=True)), ref) <= 1e-4
@@ -300,7 +300,7 @@ def test_prepare_block_respects_config_skips():
     arch, block, runner = _block_runner(model)
     cfg = QuantConfig(method="awq", bits=4, group_size=32, modules=[{"pattern": r"\.mlp\.", "skip": True}])
     before = _snapshot(block)
-    report = awq.awq_prepare_block(runner, block, "model.layers.0", arch, cfg)
+    report = awq_block.awq_prepare_block(runner, block, "model.layers.0", arch, cfg)
     for label in ("post_attention_layernorm->mlp.gate_proj,mlp.up_proj", "mlp.up_proj->mlp.down_proj"):
         assert report[label]["skipped"] == "all linears skipped by the config"
     for k in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight"):
@@ -312,8 +312,8 @@ def test_unknown_family_needs_scale_groups():
     model.config.model_type = "made_up"
     arch = dataclasses.replace(ARCHS["llama"], scale_groups=())
     with pytest.raises(QuantkitError, match="scale-group table"):
-        require_scale_groups(model, arch)
+        require_scale_groups(arch, model.config.model_type)
     _, block, runner = _block_runner(model)
     with pytest.raises(QuantkitError, match="scale-group table"):
-        awq.awq_prepare_block(runner, block, "model.layers.0", arch, QuantConfig(method="awq"))
+        awq_block.awq_prepare_block(runner, block, "model.layers.0", arch, QuantConfig(method="awq"))
     assert isinstance(arch_for(model), Arch) and arch_for(model).scale_groups == ()

@@ -11,7 +11,10 @@ RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_shipped_recipes_are_valid(path):
-    QuantConfig(**read_recipe(path))
+    config = QuantConfig(**read_recipe(path))
+    spec = config.spec_for("model.layers.0.mlp.down_proj")
+    assert spec is None or spec.bits in (2, 3, 4, 8)
+    assert config.method in ("rtn", "gptq", "awq", "awq+gptq")
 
 
 def test_spec_for_applies_overrides_in_order():

@@ -132,6 +132,7 @@ def test_writes_new_and_empty_folders_and_replaces_only_its_own(world, writer):
     changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
     assert changed and all(k.startswith("out") for k in changed)  # nothing else touched
     assert not [p for p in world.iterdir() if p.name.startswith(".")]  # no staging left
+    assert "note:" not in result.output  # a run never mistakes its own staging folder for a stale one
 
 
 def test_checkpoint_with_a_user_file_added_is_not_replaced(world):

@@ -133,7 +133,6 @@ def test_gptq_output_error_far_below_rtn(bits, sym, group_size):
         e_rtn = fresh_error(W, rtn(W, grid, group_size).dequantize(), X)
         ratios.append(e_gptq / e_rtn)
         assert res.stats["retries"] == 0 and res.stats["damp"] == 0.01 and res.stats["message"] is None
-        assert res.stats["seconds"] >= 0
     # measured (seeds 0, 1): 0.23-0.34 at 4 and 3 bits
     assert max(ratios) < 0.5, ratios
 
@@ -144,13 +143,13 @@ def test_first_group_params_match_rtn_and_8bit_is_nearly_lossless():
     res8 = g.quantize(Grid(8, False), group_size=32)
     X = sample(4096)
     assert fresh_error(W, res8.dequantize(), X) < 2e-5
-    assert res8.qweight.min() >= 0 and res8.qweight.max() <= 255
+    assert res8.codes.min() >= 0 and res8.codes.max() <= 255
     # group 0 is fit before any error feedback reached it: same parameters as RTN
     res4 = g.quantize(Grid(4, True), group_size=32)
     ref = rtn(W, Grid(4, True), 32)
-    assert torch.equal(res4.scales[:, 0], ref.scales[:, 0])
-    assert torch.equal(res4.qweight[:, 0], ref.qweight[:, 0])  # column 0 itself is plain RTN
-    assert not torch.equal(res4.qweight, ref.qweight)
+    assert torch.equal(res4.params["scale"][:, 0], ref.params["scale"][:, 0])
+    assert torch.equal(res4.codes[:, 0], ref.codes[:, 0])  # column 0 itself is plain RTN
+    assert not torch.equal(res4.codes, ref.codes)
 
 
 # ---------------------------------------------------------------- blocked/lazy == naive column by column
@@ -174,14 +173,14 @@ def test_blocked_lazy_equals_naive_reference(inn, group_size, block_size, act_or
     if act_order and not static:
         # classic desc_act: groups follow the permuted order, so the stored g_idx is not monotonic
         assert not bool((res.g_idx[1:] >= res.g_idx[:-1]).all())
-        scales, zeros = scales[:, :res.scales.shape[1]], zeros[:, :res.zeros.shape[1]]
-    assert torch.equal(res.qweight, q)
-    assert torch.equal(res.scales, scales)
-    assert torch.equal(res.zeros, zeros)
+        scales, zeros = scales[:, :res.params["scale"].shape[1]], zeros[:, :res.params["zero"].shape[1]]
+    assert torch.equal(res.codes, q)
+    assert torch.equal(res.params["scale"], scales)
+    assert torch.equal(res.params["zero"], zeros)
     # the block size is an implementation detail: any block size gives the same codes
     other = g.quantize(grid, group_size=group_size, block_size=128 if block_size != 128 else 3,
                        act_order=act_order, static_groups=static)
-    assert torch.equal(other.qweight, res.qweight)
+    assert torch.equal(other.codes, res.codes)
 
 
 def test_float32_blocked_close_to_naive():
@@ -189,7 +188,7 @@ def test_float32_blocked_close_to_naive():
     g = calibrated(W, sample, n=1024)
     res = g.quantize(Grid(4, True), group_size=16, block_size=5)
     q, _, _ = naive_gptq(W, g.H, Grid(4, True), 16)
-    assert (res.qweight == q).float().mean() > 0.98  # float32 summation order may flip a rare tie
+    assert (res.codes == q).float().mean() > 0.98  # float32 summation order may flip a rare tie
 
 
 # ---------------------------------------------------------------- act-order with static groups
@@ -203,7 +202,7 @@ def test_act_order_static_groups_monotonic_and_better():
         plain = g.quantize(grid, group_size=G)
         act = g.quantize(grid, group_size=G, act_order=True)
         assert torch.equal(act.g_idx, (torch.arange(128) // G).to(torch.int32))
-        assert torch.equal(act.scales, rtn(W, grid, G).scales)  # static: fit on the original W
+        assert torch.equal(act.params["scale"], rtn(W, grid, G).params["scale"])  # static: fit on the original W
         X = sample(4096)
         e_plain.append(fresh_error(W, plain.dequantize(), X))
         e_act.append(fresh_error(W, act.dequantize(), X))
@@ -227,16 +226,17 @@ def test_dequantize_reproduces_gptq_weights_bit_for_bit(kw):
     res = g.quantize(grid, keep_dequant=True, **kw)
     assert g.dequant is not None and g.dequant.dtype == torch.float32
     assert torch.equal(res.dequantize(), g.dequant)
-    assert torch.equal(res.scales, res.scales.half().float())
-    assert res.qweight.dtype == res.zeros.dtype == res.g_idx.dtype == torch.int32
+    assert torch.equal(res.params["scale"], res.params["scale"].half().float())
+    assert res.codes.dtype == res.g_idx.dtype == torch.int32
+    assert torch.equal(res.params["zero"], res.params["zero"].round())  # integer zero points
 
 
 def test_uneven_last_group():
     W, sample = make_layer(7, out=32, inn=72)
     g = calibrated(W, sample)
     res = g.quantize(Grid(4, False), group_size=32, block_size=16)
-    assert res.qweight.shape == (32, 72)
-    assert res.scales.shape == res.zeros.shape == (32, 3)
+    assert res.codes.shape == (32, 72)
+    assert res.params["scale"].shape == res.params["zero"].shape == (32, 3)
     assert torch.equal(res.g_idx, (torch.arange(72) // 32).to(torch.int32))
     X = sample(4096)
     assert fresh_error(W, res.dequantize(), X) < 0.5 * fresh_error(W, rtn(W, Grid(4, False), 32).dequantize(), X)
@@ -259,7 +259,7 @@ def test_singular_hessian_dead_and_duplicated_inputs(act_order):
     res = g.quantize(Grid(4, False), group_size=16, act_order=act_order, damp=0.01)
     assert torch.equal(g.H, H_before)  # the caller's Hessian is left as accumulated
     W_hat = res.dequantize()
-    assert torch.isfinite(W_hat).all() and torch.isfinite(res.scales).all()
+    assert torch.isfinite(W_hat).all() and torch.isfinite(res.params["scale"]).all()
     assert (W_hat[:, dead] == 0).all()
     assert res.stats["dead"] == len(dead)
     e = output_error(W, W_hat, g.H)
@@ -323,7 +323,7 @@ def test_cuda_matches_cpu():
         g = GPTQ(W.to(dev))
         g.add_batch(X.to(dev))
         res = g.quantize(Grid(4, True), group_size=64, act_order=True, keep_dequant=True)
-        assert res.qweight.device.type == res.scales.device.type == res.g_idx.device.type == dev
+        assert res.codes.device.type == res.params["scale"].device.type == res.g_idx.device.type == dev
         assert torch.equal(res.dequantize(), g.dequant)
         out[dev] = fresh_error(W, res.dequantize().cpu(), X)
     assert out["cuda"] == pytest.approx(out["cpu"], rel=0.05)

@@ -17,22 +17,22 @@ def test_rtn_shapes_and_grid_bound(bits, sym, in_features, group_size):
     size = in_features if group_size == -1 else group_size
     ng = -(-in_features // size)
 
-    assert res.qweight.shape == (out, in_features) and res.qweight.dtype == torch.int32
-    assert res.scales.shape == (out, ng) and res.scales.dtype == torch.float32
-    assert res.zeros.shape == (out, ng) and res.zeros.dtype == torch.int32
+    assert res.codes.shape == (out, in_features) and res.codes.dtype == torch.int32
+    assert res.params["scale"].shape == (out, ng) and res.params["scale"].dtype == torch.float32
+    assert res.params["zero"].shape == (out, ng) and torch.equal(res.params["zero"], res.params["zero"].round())
     assert res.g_idx.dtype == torch.int32
     assert torch.equal(res.g_idx, (torch.arange(in_features) // size).to(torch.int32))
-    assert (res.bits, res.group_size, res.sym) == (bits, group_size, sym)
-    assert res.qweight.min() >= 0 and res.qweight.max() <= 2**bits - 1
-    assert torch.equal(res.scales, res.scales.half().float())  # fp16-representable
+    assert (res.quantizer.bits, res.group_size, res.quantizer.sym) == (bits, group_size, sym)
+    assert res.codes.min() >= 0 and res.codes.max() <= 2**bits - 1
+    assert torch.equal(res.params["scale"], res.params["scale"].half().float())  # fp16-representable
     if sym:
-        assert (res.zeros == 2 ** (bits - 1)).all()
+        assert (res.params["zero"] == 2 ** (bits - 1)).all()
     else:
-        assert res.zeros.min() >= 1 and res.zeros.max() <= 2**bits - 1
+        assert res.params["zero"].min() >= 1 and res.params["zero"].max() <= 2**bits - 1
 
     w_hat = res.dequantize()
     assert w_hat.shape == w.shape
-    scale = res.scales[:, res.g_idx.long()]
+    scale = res.params["scale"][:, res.g_idx.long()]
     err = (w - w_hat).abs()
     # round-to-nearest: |w - w_hat| <= scale / 2; the only excess comes from the clamp at the top
     # code when the fp16 rounding of the scale shrank the grid (<= 2^-11 of the group's span).
@@ -44,8 +44,8 @@ def test_rtn_shapes_and_grid_bound(bits, sym, in_features, group_size):
     for g in range(ng):
         c0, c1 = g * size, min((g + 1) * size, in_features)
         part = rtn(w[:, c0:c1], Grid(bits, sym), -1)
-        assert torch.equal(part.qweight, res.qweight[:, c0:c1])
-        assert torch.equal(part.scales[:, 0], res.scales[:, g])
+        assert torch.equal(part.codes, res.codes[:, c0:c1])
+        assert torch.equal(part.params["scale"][:, 0], res.params["scale"][:, g])
 
 
 def test_rtn_error_shrinks_with_bits():
@@ -65,11 +65,11 @@ def test_rtn_special_rows():
         w_hat = res.dequantize()
         assert torch.isfinite(w_hat).all()
         assert (w_hat[0] == 0).all()
-        assert (w_hat[2, 5] + 2.0).abs() <= res.scales[2, 0] / 2 * (1 + 2e-3)
+        assert (w_hat[2, 5] + 2.0).abs() <= res.params["scale"][2, 0] / 2 * (1 + 2e-3)
         assert (w_hat[2, torch.arange(16) != 5] == 0).all()
-        scale = res.scales[1, 0]
+        scale = res.params["scale"][1, 0]
         assert ((w[1] - w_hat[1]).abs() <= scale * 1.01).all()
-    assert rtn(w, Grid(4, False), -1).zeros[1, 0] == 1
+    assert rtn(w, Grid(4, False), -1).params["zero"][1, 0] == 1
 
 
 def test_rtn_bias_and_dtype_passthrough():

@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import validate
+from quantkit.formats import codecs
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -115,8 +115,11 @@ def read_config(folder) -> dict:
     if not qc:
         raise QuantkitError(f"{folder} has no quantization_config in config.json: it is not a quantized checkpoint "
                             "(evaluate it as a floating-point model, or quantize it first with `quantkit quantize`)")
-    validate.check_quantization_config(qc, str(path))
-    _check_recipe_agrees(folder, qc)
+    if not isinstance(qc, dict):
+        raise QuantkitError(f"{path} quantization_config must be a JSON object: the checkpoint is damaged")
+    codecs.codec_named(qc, str(path)).check_config(qc, str(path))
+    if qc["quant_method"] == "gptq":
+        _check_recipe_agrees(folder, qc)
     return config
 
 
@@ -134,11 +137,12 @@ def _check_recipe_agrees(folder: Path, qc: dict) -> None:
 
 
 def read_checkpoint(folder):
-    """(config, tensors, packed layers) of a quantized folder, validated as a whole before any model is built."""
+    """(config, tensors, layers, codec) of a quantized folder, validated as a whole before any model is built."""
     config = read_config(folder)
+    qc = config["quantization_config"]
+    codec = codecs.codec_named(qc, str(folder))
     tensors = read_tensors(folder)
-    layers = validate.check_packed_layers(tensors, config["quantization_config"], str(folder))
-    return config, tensors, layers
+    return config, tensors, codec.read_layers(qc, tensors, str(folder)), codec
 
 
 def shard_files(folder: Path) -> list[Path]:

@@ -21,17 +21,18 @@ V1_ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
 CHECKPOINT_FORMATS = tuple(V1_ZERO_OFFSET)
 
 
-def to_tensors(res: QuantResult, checkpoint_format: str = "gptq", bias_dtype=torch.float16) -> dict:
+def to_tensors(res: QuantResult, checkpoint_format: str = "gptq", bias_dtype=None) -> dict:
     """Tensors (suffix -> tensor) for one Linear, in the GPTQ layout."""
-    offset = V1_ZERO_OFFSET[checkpoint_format]
+    offset, bits = V1_ZERO_OFFSET[checkpoint_format], res.quantizer.bits
+    zeros = res.params["zero"].to(torch.int32)
     out = {
-        "qweight": bitpack.pack(res.qweight.t(), res.bits, dim=0),
-        "qzeros": bitpack.pack((res.zeros - offset).t(), res.bits, dim=1),
-        "scales": res.scales.t().to(torch.float16).contiguous(),
+        "qweight": bitpack.pack(res.codes.t(), bits, dim=0),
+        "qzeros": bitpack.pack((zeros - offset).t(), bits, dim=1),
+        "scales": res.params["scale"].t().to(torch.float16).contiguous(),
         "g_idx": res.g_idx.to(torch.int32).contiguous(),
     }
     if res.bias is not None:
-        out["bias"] = res.bias.detach().to(bias_dtype).contiguous()
+        out["bias"] = res.bias.detach().to(bias_dtype or torch.float16).contiguous()
     return out
 
 
@@ -55,21 +56,6 @@ def dequantize(t: dict, bits, in_features, out_features, checkpoint_format="gptq
     return w_t.t().contiguous()
 
 
-def model_tensors(state_dict: dict, results: dict, checkpoint_format="gptq") -> dict:
-    """The checkpoint's tensors: packed ones for quantized modules, everything else as it is."""
-    out = {}
-    for name, t in state_dict.items():
-        module, _, leaf = name.rpartition(".")
-        if module in results and leaf in ("weight", "bias"):
-            continue
-        out[name] = t
-    for module, res in results.items():
-        bias_dtype = state_dict.get(f"{module}.bias", torch.empty(0, dtype=torch.float16)).dtype
-        for suffix, t in to_tensors(res, checkpoint_format, bias_dtype).items():
-            out[f"{module}.{suffix}"] = t
-    return out
-
-
 def quantization_config(bits, group_size, sym, act_order, checkpoint_format, results: dict, all_linears,
                         extra=None) -> dict:
     """config.json's "quantization_config" for GPTQ-aware readers.
@@ -82,14 +68,16 @@ def quantization_config(bits, group_size, sym, act_order, checkpoint_format, res
         res = results.get(name)
         if res is None:
             dynamic[f"-:^{re.escape(name)}$"] = {}
-        elif (res.bits, res.group_size, res.sym) != (bits, group_size, sym):
-            dynamic[f"+:^{re.escape(name)}$"] = {"bits": res.bits, "group_size": res.group_size, "sym": res.sym}
+            continue
+        q = res.quantizer
+        if (q.bits, res.group_size, q.sym) != (bits, group_size, sym):
+            dynamic[f"+:^{re.escape(name)}$"] = {"bits": q.bits, "group_size": res.group_size, "sym": q.sym}
     qc = {
         "quant_method": "gptq",
         "bits": bits,
         "group_size": group_size,
         "sym": sym,
-        "desc_act": act_order,
+        "desc_act": act_order,       # what was done: only GPTQ reorders columns
         "static_groups": act_order,  # act-order here always uses static groups: g_idx stays i // group_size
         "checkpoint_format": checkpoint_format,
         "pack_dtype": "int32",
@@ -115,3 +103,41 @@ def module_settings(qc: dict, name: str) -> tuple[int, int, bool]:
         if sign == "+" and re.match(pattern, name):
             settings.update({k: override[k] for k in settings if k in override})
     return settings["bits"], settings["group_size"], settings["sym"]
+
+
+class GPTQCodec:
+    """Integer-grid results without rotation <-> the GPTQ layout (quant_method "gptq", v1 or v2)."""
+
+    quant_method = "gptq"
+
+    @staticmethod
+    def accepts(res: QuantResult) -> bool:
+        return res.quantizer.name == "int" and res.rotation is None
+
+    @staticmethod
+    def quantization_config(config, results: dict, all_linears, act_order: bool, extra=None) -> dict:
+        return quantization_config(config.bits, config.group_size, config.sym, act_order, config.checkpoint_format,
+                                   results, all_linears, extra)
+
+    @staticmethod
+    def layer_tensors(res: QuantResult, config, bias_dtype) -> dict:
+        return to_tensors(res, config.checkpoint_format, bias_dtype)
+
+    @staticmethod
+    def check_config(qc: dict, where: str) -> None:
+        from quantkit.formats.validate import check_gptq_config
+
+        check_gptq_config(qc, where)
+
+    @staticmethod
+    def read_layers(qc: dict, tensors: dict, where: str) -> list:
+        from quantkit.formats.validate import check_packed_layers
+
+        return check_packed_layers(tensors, qc, where)
+
+    @staticmethod
+    def build_module(layer, qc: dict, dtype):
+        from quantkit.nn.quant_linear import QuantLinear
+
+        return QuantLinear(layer.in_features, layer.out_features, layer.bits, layer.group_size, layer.bias,
+                           qc.get("checkpoint_format", "gptq"), dtype=dtype, device="meta")

@@ -1,6 +1,6 @@
 """Where quantkit may write: one rule for every command that writes a checkpoint folder.
 
-The rule (`check_output`, applied before any heavy work and again just before the final rename):
+The rule (`claim_output` before any heavy work, `check_output` again just before the final rename):
 - OUT must be a folder path: an existing file or symbolic link at OUT is refused, with or without
   --overwrite (replacing a link would replace whatever it points to).
 - OUT may not be, contain or sit inside a source folder (the model being quantized), nor be or
@@ -69,11 +69,30 @@ def _local_folders(sources) -> list[Path]:
     return [Path(os.path.realpath(p)) for p in paths if p.exists()]
 
 
-def check_output(out, overwrite: bool, sources=()) -> Path:
-    """OUT as an absolute path (symlinks in its parents resolved), or a QuantkitError saying why not.
+def claim_output(out, overwrite: bool, sources=()) -> Path:
+    """check_output at the start of a run, after dealing with the staging folders that dead runs left
+    next to OUT (recover_stale): one of them may be the user's previous checkpoint, to be put back
+    before OUT is judged."""
+    recover_stale(_place(out, sources))
+    return check_output(out, overwrite, sources)
 
-    Staging folders that dead runs left next to OUT are dealt with first (see recover_stale): one of
-    them may be the user's previous checkpoint, to be put back before OUT is judged."""
+
+def check_output(out, overwrite: bool, sources=()) -> Path:
+    """OUT as an absolute path (symlinks in its parents resolved), or a QuantkitError saying why not."""
+    path = _place(out, sources)
+    if path.is_dir() and any(path.iterdir()):
+        if not overwrite:
+            raise QuantkitError(f"output folder {out} already exists: choose another -o or pass --overwrite")
+        foreign = foreign_entries(path)
+        if foreign:
+            shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+            raise QuantkitError(f"output folder {out} holds files that quantkit did not write ({shown}); --overwrite "
+                                "only replaces a checkpoint written by quantkit: choose another -o, or move them away")
+    return path
+
+
+def _place(out, sources) -> Path:
+    """OUT resolved, if it may be written at all: not a file or a link, not the source's or the cwd's folder."""
     given = Path(out).expanduser()
     if str(out).strip() == "":
         raise QuantkitError("the output folder is empty: pass -o with a folder name")
@@ -90,15 +109,6 @@ def check_output(out, overwrite: bool, sources=()) -> Path:
     if _contains(path, Path.cwd().resolve()):
         raise QuantkitError(f"-o {out} is the current directory or one of its parents: "
                             "write the checkpoint to a new folder, e.g. -o ./quantized")
-    recover_stale(path)
-    if path.is_dir() and any(path.iterdir()):
-        if not overwrite:
-            raise QuantkitError(f"output folder {out} already exists: choose another -o or pass --overwrite")
-        foreign = foreign_entries(path)
-        if foreign:
-            shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-            raise QuantkitError(f"output folder {out} holds files that quantkit did not write ({shown}); --overwrite "
-                                "only replaces a checkpoint written by quantkit: choose another -o, or move them away")
     return path
 
 

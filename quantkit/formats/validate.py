@@ -1,5 +1,7 @@
 """A quantized checkpoint checked as a whole before any model is built: its config, then its tensors.
 
+The checks of the GPTQ layout live here; each codec (quantkit.formats.codecs) calls them for its config.
+
 A checkpoint edited by hand, written by another tool or damaged on the way must fail with one line
 that names the file, the field or the tensor, never decode to garbage: every value read from
 `quantization_config` is type- and range-checked, every quantized layer's tensors are checked
@@ -15,31 +17,37 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.formats import bitpack
 from quantkit.formats.gptq import CHECKPOINT_FORMATS, V1_ZERO_OFFSET, module_settings, parse_dynamic_key
-from quantkit.methods.grid import check_bits, check_group_size, n_groups
+from quantkit.methods.grid import check_bits, check_group_size
+from quantkit.methods.quantizer import n_groups
 
 PACKED = ("qweight", "qzeros", "scales", "g_idx")
 DTYPES = {"qweight": torch.int32, "qzeros": torch.int32, "scales": torch.float16, "g_idx": torch.int32}
 
 
 @dataclass(frozen=True)
-class PackedLayer:
-    """One quantized linear as the checkpoint describes it (shapes already checked)."""
+class LayerInfo:
+    """One quantized linear as a checkpoint describes it (its tensors already checked).
+
+    settings: quantizer name and settings, group_size, rotation (None or its settings);
+    storage: the tensor suffixes that hold the weight (what bits per weight counts)."""
     name: str
     in_features: int
     out_features: int
-    bits: int
-    group_size: int
-    sym: bool
+    settings: dict
     bias: bool
+    storage: tuple = ("qweight", "qzeros", "scales")
+
+    @property
+    def bits(self) -> int:
+        return self.settings["bits"]
+
+    @property
+    def group_size(self) -> int:
+        return self.settings["group_size"]
 
 
-def check_quantization_config(qc, where: str) -> None:
-    """Every field quantkit reads from a quantization_config: present, of the right type, in range."""
-    if not isinstance(qc, dict):
-        raise QuantkitError(f"{where} quantization_config must be a JSON object: the checkpoint is damaged")
-    if qc.get("quant_method") != "gptq":
-        raise QuantkitError(f"{where} uses quant_method {qc.get('quant_method')!r}, which this version cannot load: "
-                            "only GPTQ-layout checkpoints (rtn, gptq, awq, awq+gptq) are supported")
+def check_gptq_config(qc: dict, where: str) -> None:
+    """Every field quantkit reads from a GPTQ quantization_config: present, of the right type, in range."""
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in CHECKPOINT_FORMATS:
         raise QuantkitError(f"{where} has checkpoint_format {fmt!r}, which quantkit cannot decode: "
@@ -47,7 +55,7 @@ def check_quantization_config(qc, where: str) -> None:
     for key in ("bits", "group_size"):
         if key not in qc:
             raise QuantkitError(f"{where} quantization_config has no {key!r}: the checkpoint is damaged, quantize again")
-    _check_settings(qc, f"{where} quantization_config")
+    check_settings(qc, f"{where} quantization_config")
     dynamic = qc.get("dynamic") or {}
     if not isinstance(dynamic, dict):
         raise QuantkitError(f"{where} quantization_config 'dynamic' must be an object of pattern -> settings")
@@ -59,10 +67,10 @@ def check_quantization_config(qc, where: str) -> None:
             raise QuantkitError(f"{where} dynamic pattern {key!r} is not a valid regex ({e}): fix or remove it") from e
         if not isinstance(override, dict):
             raise QuantkitError(f"{where} dynamic {key!r} must map to an object such as {{\"bits\": 8}}")
-        _check_settings(override, f"{where} dynamic {key!r}")
+        check_settings(override, f"{where} dynamic {key!r}")
 
 
-def _check_settings(settings: dict, where: str) -> None:
+def check_settings(settings: dict, where: str) -> None:
     if "bits" in settings:
         check_bits(settings["bits"], f"{where} bits")
     if "group_size" in settings:
@@ -72,16 +80,28 @@ def _check_settings(settings: dict, where: str) -> None:
             raise QuantkitError(f"{where} {flag} must be true or false, got {settings[flag]!r}")
 
 
-def check_packed_layers(tensors: dict, qc: dict, where: str) -> list[PackedLayer]:
-    """Each quantized layer's tensors consistent with each other and with the config."""
-    prefixes = {k.rsplit(".", 1)[0] for k in tensors if k.rsplit(".", 1)[-1] in PACKED}
+def packed_prefixes(tensors: dict) -> list[str]:
+    """Names of the layers that hold GPTQ-layout tensors (any of them: a partial set is an error later)."""
+    return sorted({k.rsplit(".", 1)[0] for k in tensors if k.rsplit(".", 1)[-1] in PACKED})
+
+
+def check_packed_layers(tensors: dict, qc: dict, where: str) -> list[LayerInfo]:
+    """Each quantized layer's tensors consistent with each other and with a GPTQ quantization_config."""
+    prefixes = packed_prefixes(tensors)
     if not prefixes:
         raise QuantkitError(f"{where} holds no quantized layers (.qweight tensors): quantize the model again")
-    offset = V1_ZERO_OFFSET[qc.get("checkpoint_format", "gptq")]
-    return [_check_layer(name, tensors, qc, offset, where) for name in sorted(prefixes)]
+    fmt = qc.get("checkpoint_format", "gptq")
+    layers = []
+    for name in prefixes:
+        bits, group_size, sym = module_settings(qc, name)
+        settings = {"quantizer": "int", "bits": bits, "sym": sym, "group_size": group_size, "rotation": None}
+        layers.append(check_gptq_layer(name, tensors, settings, fmt, where))
+    return layers
 
 
-def _check_layer(name, tensors, qc, zero_offset, where) -> PackedLayer:
+def check_gptq_layer(name, tensors, settings: dict, fmt: str, where: str) -> LayerInfo:
+    """One layer's GPTQ-layout tensors (qweight, qzeros, scales, g_idx, bias) against its settings."""
+    bits, group_size, sym = settings["bits"], settings["group_size"], settings["sym"]
     missing = [s for s in PACKED if f"{name}.{s}" not in tensors]
     if missing:
         raise QuantkitError(f"{where}: layer {name} lacks {', '.join(missing)}: the checkpoint is incomplete, "
@@ -92,7 +112,6 @@ def _check_layer(name, tensors, qc, zero_offset, where) -> PackedLayer:
             raise QuantkitError(f"{where}: {name}.{s} is {t[s].dtype}, the GPTQ layout stores {dtype}")
     if t["scales"].dim() != 2 or t["g_idx"].dim() != 1:
         raise QuantkitError(f"{where}: {name}.scales must be 2-D and .g_idx 1-D: the checkpoint is damaged")
-    bits, group_size, sym = module_settings(qc, name)
     k, n = t["g_idx"].numel(), t["scales"].shape[1]
     groups = n_groups(k, group_size)
     expected = {"qweight": (bitpack.packed_len(k, bits), n), "qzeros": (groups, bitpack.packed_len(n, bits)),
@@ -110,16 +129,16 @@ def _check_layer(name, tensors, qc, zero_offset, where) -> PackedLayer:
     if not torch.isfinite(t["scales"]).all():
         raise QuantkitError(f"{where}: {name}.scales holds NaN/Inf: the checkpoint is damaged, quantize again")
     if sym:
-        _check_symmetric_zeros(name, t["qzeros"], bits, n, zero_offset, qc, where)
-    return PackedLayer(name, k, n, bits, group_size, sym, bias is not None)
+        _check_symmetric_zeros(name, t["qzeros"], bits, n, fmt, where)
+    return LayerInfo(name, k, n, dict(settings), bias is not None)
 
 
-def _check_symmetric_zeros(name, qzeros, bits, n, zero_offset, qc, where):
-    zeros = (bitpack.unpack(qzeros, bits, n, dim=1) + zero_offset) & (2**bits - 1)
+def _check_symmetric_zeros(name, qzeros, bits, n, fmt, where):
+    zeros = (bitpack.unpack(qzeros, bits, n, dim=1) + V1_ZERO_OFFSET[fmt]) & (2**bits - 1)
     wrong = zeros != 2 ** (bits - 1)
     if wrong.any():
         found = int(zeros[wrong][0])
         raise QuantkitError(
             f"{where}: {name} is declared symmetric, but its zero points decode to {found}, not {2 ** (bits - 1)}, "
-            f"under checkpoint_format {qc.get('checkpoint_format', 'gptq')!r}: the format (v1 'gptq' stores zero - 1, "
+            f"under checkpoint_format {fmt!r}: the format (v1 'gptq' stores zero - 1, "
             "'gptq_v2' the zero itself) or 'sym' in quantization_config is wrong; restore them")

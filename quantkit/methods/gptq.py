@@ -5,7 +5,7 @@ Usage, one object per nn.Linear (weight [out, in]):
     g = GPTQ(linear.weight)
     for x in calibration_inputs_of_this_linear:   # x [..., in]
         g.add_batch(x)
-    res = g.quantize(Grid(4, sym=True), group_size=128)
+    res = g.quantize(Grid(4, sym=True), group_size=128)   # any quantizer: quantkit.methods.quantizer
     err = output_error(linear.weight, res.dequantize(), g.H)
     g.free()
 
@@ -14,31 +14,30 @@ The algorithm (`GPTQ.quantize`):
   Dead inputs (H_ii = 0: the input is always zero) get H_ii = 1 and W[:, i] = 0.
   H += lambda * I with lambda = damp * mean(diag H); U = upper Cholesky factor of H^-1
   (retried with 10x the damping, up to MAX_DAMP, when a factorization fails).
-  Columns are quantized one at a time, in blocks of `block_size`: column i gets codes q_i,
-  err_i = (w_i - dequant(q_i)) / U_ii, and the rest of the block absorbs err_i * U[i, i+1:];
-  after each block the remaining columns get one lazy update with all the block's errors.
+  Columns are quantized one unit at a time (the quantizer's width: 1 column for a scalar grid), in
+  blocks of `block_size`: column i gets codes q_i, err_i = (w_i - dequant(q_i)) / U_ii, and the
+  rest of the block absorbs err_i * U[i, i+1:] (a wider unit u: E = (W_u - Q_u) U_uu^-1, QuIP#'s
+  block LDLQ); after each block the remaining columns get one lazy update with all its errors.
   Group parameters (scale, zero) are fit when the group's first column is reached, from the
   error-updated weights (exactly those a column-by-column run would see, also when a group
   starts mid-block or spans several blocks).
-  act_order quantizes columns by descending diag(H). With static_groups (the default) the group
+  act_order quantizes columns (whole units) by descending diag(H). With static_groups (the default) the group
   parameters of every group are fit upfront from the original weights in original column order,
   so g_idx = i // group_size stays monotonic and each column uses its own group's parameters.
   Without static_groups the groups follow the permuted order (classic desc_act: g_idx is not
   monotonic). Without act_order `static_groups` has no effect.
 
-The codes, scales and zeros GPTQ used in its error feedback are exactly the ones returned:
-QuantResult.dequantize() reproduces GPTQ's quantized weights bit for bit (scales are rounded to
-fp16 by the grid before they are used).
+The codes and parameters GPTQ used in its error feedback are exactly the ones returned:
+QuantResult.decoded() reproduces GPTQ's quantized weights bit for bit (the integer grid rounds its
+scales to fp16 before they are used).
 """
 import math
-import time
 from typing import Optional
 
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.methods import grid as qgrid
-from quantkit.methods.grid import Grid
+from quantkit.methods import quantizer as qz
 from quantkit.methods.result import QuantResult
 from quantkit.methods.rtn import check_args
 
@@ -83,119 +82,141 @@ class GPTQ:
         self.weight = None
         self.dequant = None
 
-    def quantize(self, grid: Grid, group_size: int = 128, block_size: int = 128, damp: float = 0.01,
+    def rotate(self, rotation) -> None:
+        """Move to the rotated basis: W <- W Πᵀ, H <- Π H Πᵀ (the layer will compute Ŵ (Π x))."""
+        self.weight = rotation.rotate_weight(self.weight)
+        self.H = rotation.rotate_hessian(self.H)
+
+    def quantize(self, quantizer, group_size: int = 128, block_size: int = 128, damp: float = 0.01,
                  act_order: bool = False, static_groups: bool = True,
                  bias: Optional[torch.Tensor] = None, keep_dequant: bool = False) -> QuantResult:
-        """Run GPTQ; returns codes/scales/zeros on the weight's device.
+        """Run GPTQ with any quantizer (see quantkit.methods.quantizer); returns the result on the weight's device.
 
-        stats: damp (damping fraction actually used), retries, seconds, dead (dead inputs),
+        stats: damp (damping fraction actually used), retries, dead (dead inputs),
         message (a line for the user when the damping had to be raised, else None).
         keep_dequant=True also stores the dequantized weight GPTQ used internally in
         `self.dequant` [out, in] (original column order) for checking.
         Does not modify self.H (the diagonal is restored afterwards).
         """
-        check_args(grid, group_size)
+        self._check(quantizer, group_size, block_size, damp, act_order, static_groups)
+        H, W = self.H, self.weight.clone()
+        rows, cols = W.shape
+        width = quantizer.width
+        size = qz.group_width(cols, group_size)
+        diag = H.diagonal().clone()
+        dead = diag == 0
+        diag_fixed = torch.where(dead, torch.ones_like(diag), diag)
+        W[:, dead] = 0
+
+        static = act_order and static_groups
+        params = _fit_static(W, quantizer, group_size) if static else {}
+        perm = _unit_order(diag_fixed, width) if act_order else None
+        if perm is not None:
+            W = W[:, perm]
+        col_group = ((perm // size).tolist() if static and perm is not None else [c // size for c in range(cols)])
+        try:
+            Hinv, damp_used, retries = _inverse_cholesky(H, diag_fixed, perm, damp)
+        finally:
+            H.diagonal().copy_(diag)  # leave self.H as accumulated
+        Q, Wq = _feedback_loop(W, Hinv, quantizer, params, col_group, size, -(-block_size // width) * width,
+                               refit=not static, n_groups=qz.n_groups(cols, group_size), keep_dequant=keep_dequant)
+        del Hinv, W
+
+        g_idx = qz.group_index(cols, group_size).to(Q.device)
+        if perm is not None:
+            invperm = torch.argsort(perm)
+            Q = Q[:, invperm]
+            Wq = Wq[:, invperm] if Wq is not None else None
+            if not static:
+                g_idx = (invperm // size).to(torch.int32)
+        self.dequant = Wq
+        if Q.is_cuda:
+            torch.cuda.synchronize(Q.device)
+        message = None
+        if retries:
+            message = (f"GPTQ: Hessian not positive definite with damp={damp:g}; "
+                       f"used damp={damp_used:g} after {retries} retr{'y' if retries == 1 else 'ies'}")
+        return QuantResult(
+            codes=Q.to(torch.int32), params=params, g_idx=g_idx, quantizer=quantizer, group_size=group_size,
+            bias=bias, stats={"damp": damp_used, "retries": retries, "dead": int(dead.sum()), "message": message},
+        )
+
+    def _check(self, quantizer, group_size, block_size, damp, act_order, static_groups):
         if self.H is None:
             raise RuntimeError("GPTQ.quantize after free()")
+        check_args(quantizer, group_size, self.weight)
         if self.nsamples == 0:
             raise QuantkitError("GPTQ needs calibration inputs: add_batch() was never called for this layer")
         if block_size < 1:
             raise QuantkitError(f"block_size={block_size} is invalid; use a positive size")
         if not (damp >= 0 and math.isfinite(damp)):
             raise QuantkitError(f"damp={damp} is invalid; use a fraction >= 0 such as 0.01")
+        if act_order and not static_groups and quantizer.width > 1:
+            raise QuantkitError("act-order without static groups needs a one-column quantizer")
         if not torch.isfinite(self.H).all():
             raise QuantkitError("the calibration activations of this layer are NaN/Inf (its GPTQ Hessian is not "
                                 "finite): the model overflows on this data; try --dtype float32")
-        t0 = time.perf_counter()
-        H, W = self.H, self.weight.clone()
-        rows, cols = W.shape
-        maxq = grid.maxq
-        size = cols if group_size == -1 else group_size
-        ng = qgrid.n_groups(cols, group_size)
-        scales = torch.zeros(rows, ng, dtype=torch.float32, device=W.device)
-        zeros = torch.zeros(rows, ng, dtype=torch.float32, device=W.device)
 
-        diag = H.diagonal().clone()
-        dead = diag == 0
-        n_dead = int(dead.sum())
-        diag_fixed = torch.where(dead, torch.ones_like(diag), diag)
-        W[:, dead] = 0
 
-        static = act_order and static_groups
-        if static:  # every group's parameters from the original weights, original column order
-            for g in range(ng):
-                c0, c1 = g * size, min((g + 1) * size, cols)
-                scales[:, g], zeros[:, g] = qgrid.fit(W[:, c0:c1], grid)
+def _fit_static(W, quantizer, group_size) -> dict:
+    """Every group's parameters from the original weights, in original column order (static groups)."""
+    rows, cols = W.shape
+    size = qz.group_width(cols, group_size)
+    params = {}
+    for g, c0 in enumerate(range(0, cols, size)):
+        for key, value in quantizer.fit(W[:, c0:min(c0 + size, cols)]).items():
+            params.setdefault(key, torch.zeros(rows, qz.n_groups(cols, group_size), dtype=torch.float32,
+                                               device=W.device))[:, g] = value
+    return params
 
-        if act_order:
-            perm = torch.argsort(diag_fixed, descending=True, stable=True)
-            W = W[:, perm]
-            col_group = (perm // size).tolist() if static else [c // size for c in range(cols)]
-        else:
-            perm = None
-            col_group = [c // size for c in range(cols)]
 
-        try:
-            Hinv, damp_used, retries = _inverse_cholesky(H, diag_fixed, perm, damp)
-        finally:
-            H.diagonal().copy_(diag)  # leave self.H as accumulated
-        message = None
-        if retries:
-            message = (f"GPTQ: Hessian not positive definite with damp={damp:g}; "
-                       f"used damp={damp_used:g} after {retries} retr{'y' if retries == 1 else 'ies'}")
+def _unit_order(diag: torch.Tensor, width: int) -> torch.Tensor:
+    """Act-order: columns by descending Hessian diagonal, whole units kept together (summed diagonal)."""
+    units = torch.argsort(diag.view(-1, width).sum(dim=1), descending=True, stable=True)
+    return (units[:, None] * width + torch.arange(width, device=diag.device)).reshape(-1)
 
-        Q = torch.zeros(rows, cols, dtype=W.dtype, device=W.device)  # codes, permuted column order
-        Wq = torch.zeros_like(W) if keep_dequant else None
-        for i1 in range(0, cols, block_size):
-            i2 = min(i1 + block_size, cols)
-            count = i2 - i1
-            W1 = W[:, i1:i2].clone()
-            Err1 = torch.zeros_like(W1)
-            Hinv1 = Hinv[i1:i2, i1:i2]
-            for i in range(count):
-                c = i1 + i
-                g = col_group[c]
-                if not static and c % size == 0:
-                    # fit the group on its current (error-updated) columns c .. c+size-1: those in this
-                    # block are in W1; those past it still miss this block's pending lazy update.
-                    end = min(c + size, cols)
-                    cur = W1[:, i:min(end, i2) - i1]
-                    if end > i2:
-                        rest = W[:, i2:end] - Err1[:, :i] @ Hinv[i1:c, i2:end]
-                        cur = torch.cat([cur, rest], dim=1)
-                    scales[:, g], zeros[:, g] = qgrid.fit(cur, grid)
-                scale, zero = scales[:, g], zeros[:, g]
-                w = W1[:, i]
-                q = qgrid.quantize(w, scale, zero, maxq)
-                wq = qgrid.dequantize(q, scale, zero)
-                Q[:, c] = q
-                if Wq is not None:
-                    Wq[:, c] = wq
-                err = (w - wq) / Hinv1[i, i]
-                W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
-                Err1[:, i] = err
-            W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-        del Hinv, W
 
-        if act_order:
-            invperm = torch.argsort(perm)
-            Q = Q[:, invperm]
+def _feedback_loop(W, Hinv, quantizer, params, col_group, size, block_size, refit, n_groups, keep_dequant):
+    """Round W unit by unit in (permuted) column order, each unit's error fed to the columns after it.
+
+    For a unit of columns u with E = (W_u - Q_u) U_uu⁻¹ (U = upper Cholesky factor of H⁻¹), the rest
+    of the block gets W -= E U[u, rest] at once, later blocks one lazy update per block: for width 1
+    this is GPTQ exactly, for wider units it is the block LDLQ of QuIP#. With refit, a group's
+    parameters are fitted when its first column is reached, on the error-updated columns (those in
+    this block are in W1; those past it still miss this block's pending lazy update).
+    Returns (codes, dequantized weights or None), in W's column order.
+    """
+    rows, cols = W.shape
+    width = quantizer.width
+    Q = torch.zeros(rows, cols, dtype=W.dtype, device=W.device)
+    Wq = torch.zeros_like(W) if keep_dequant else None
+    for i1 in range(0, cols, block_size):
+        i2 = min(i1 + block_size, cols)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(0, i2 - i1, width):
+            c, u = i1 + i, slice(i, i + width)
+            g = col_group[c]
+            if refit and c % size == 0:
+                end = min(c + size, cols)
+                cur = W1[:, i:min(end, i2) - i1]
+                if end > i2:
+                    cur = torch.cat([cur, W[:, i2:end] - Err1[:, :i] @ Hinv[i1:c, i2:end]], dim=1)
+                for key, value in quantizer.fit(cur).items():
+                    params.setdefault(key, torch.zeros(rows, n_groups, dtype=torch.float32, device=W.device))[:, g] = value
+            q, wq = quantizer.round(W1[:, u], {k: v[:, g] for k, v in params.items()})
+            Q[:, c:c + width] = q
             if Wq is not None:
-                Wq = Wq[:, invperm]
-            g_idx = (invperm // size).to(torch.int32) if not static else None
-        else:
-            g_idx = None
-        if g_idx is None:
-            g_idx = qgrid.group_index(cols, group_size).to(Q.device)
-        self.dequant = Wq
-        if Q.is_cuda:
-            torch.cuda.synchronize(Q.device)
-        return QuantResult(
-            qweight=Q.to(torch.int32), scales=scales, zeros=zeros.to(torch.int32), g_idx=g_idx,
-            bits=grid.bits, group_size=group_size, sym=grid.sym, bias=bias,
-            stats={"damp": damp_used, "retries": retries, "seconds": time.perf_counter() - t0,
-                   "dead": n_dead, "message": message},
-        )
+                Wq[:, c:c + width] = wq
+            if width == 1:
+                err = (W1[:, u] - wq) / Hinv1[i, i]
+            else:
+                err = torch.linalg.solve_triangular(Hinv1[u, u], W1[:, u] - wq, upper=True, left=False)
+            W1[:, i:] -= err @ Hinv1[u, i:]
+            Err1[:, u] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    return Q, Wq
 
 
 def _inverse_cholesky(H: torch.Tensor, diag: torch.Tensor, perm: Optional[torch.Tensor], damp: float):

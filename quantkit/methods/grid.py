@@ -37,12 +37,47 @@ def check_group_size(group_size, where="--group-size"):
 
 @dataclass(frozen=True)
 class Grid:
+    """The scalar integer grid as a quantizer (see quantkit.methods.quantizer): one column at a time,
+    parameters {"scale", "zero"} per row and group, codes q in [0, 2^bits - 1]."""
     bits: int
     sym: bool = True
+
+    name = "int"
+    width = 1
+
+    def __post_init__(self):
+        check_bits(self.bits, "bits")
+        if not isinstance(self.sym, bool):
+            raise QuantkitError(f"sym must be true or false, got {self.sym!r}")
 
     @property
     def maxq(self) -> int:
         return 2**self.bits - 1
+
+    @property
+    def code_bits(self) -> int:
+        return self.bits
+
+    @property
+    def param_bits(self) -> dict:
+        return {"scale": 16, "zero": self.bits}  # fp16 scales; zeros packed like the codes
+
+    def settings(self) -> dict:
+        return {"bits": self.bits, "sym": self.sym}
+
+    def fit(self, w: torch.Tensor) -> dict:
+        scale, zero = fit(w, self)
+        return {"scale": scale, "zero": zero}
+
+    def round(self, w: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, dequantized) of w [rows, cols] with per-row params [rows]."""
+        scale, zero = params["scale"][:, None], params["zero"][:, None]
+        q = quantize(w, scale, zero, self.maxq)
+        return q, dequantize(q, scale, zero)
+
+    def dequantize(self, codes: torch.Tensor, params: dict) -> torch.Tensor:
+        """Weights from codes [rows, cols] and params gathered per column ([rows, cols] each)."""
+        return params["scale"] * (codes.float() - params["zero"].float())
 
 
 def value_range(w: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,17 +115,3 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
 
 def fake_quantize(w: torch.Tensor, scale, zero, maxq: int) -> torch.Tensor:
     return dequantize(quantize(w, scale, zero, maxq), scale, zero)
-
-
-def n_groups(in_features: int, group_size: int) -> int:
-    """Groups along the input dim; group_size -1 means one group per row. The last may be shorter."""
-    if group_size == -1:
-        return 1
-    return -(-in_features // group_size)
-
-
-def group_index(in_features: int, group_size: int) -> torch.Tensor:
-    """g_idx: the group of each input column (i // group_size), int32."""
-    if group_size == -1:
-        return torch.zeros(in_features, dtype=torch.int32)
-    return (torch.arange(in_features) // group_size).to(torch.int32)

@@ -1,35 +1,49 @@
-"""QuantResult: what an integer method hands to the packer. No bit layouts here."""
+"""QuantResult: what every method hands to the codecs. No bit layouts here."""
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from quantkit.methods.quantizer import per_column
+
 
 @dataclass
 class QuantResult:
-    """Integer codes and the grid that decodes them, for one nn.Linear of shape [out, in].
+    """One quantized nn.Linear of shape [out, in], in whatever quantizer produced it.
 
-    qweight: int32 [out, in], codes in [0, 2^bits - 1]
-    scales:  float32 [out, n_groups] (fp16-representable)
-    zeros:   int32 [out, n_groups]  (the true zero point, not zero - 1)
-    g_idx:   int32 [in], group of each input column
-    Decoding: w[o, i] = scales[o, g_idx[i]] * (qweight[o, i] - zeros[o, g_idx[i]])
+    codes:     int32 [out, in], the quantizer's code of each weight (for the integer grid q in [0, 2^b - 1])
+    params:    {key: [out, n_groups]} the quantizer's per-group parameters (integer grid: "scale" float32,
+               fp16-representable, and "zero", the true zero point)
+    g_idx:     int32 [in], group of each input column
+    quantizer: the object that rounded (its name, width and settings decode the codes)
+    rotation:  None, or the quantkit.methods.rotation.Rotation Π the codes live behind: the stored weight is
+               W Πᵀ and the layer computes Ŵ (Π x)
     """
 
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
+    codes: torch.Tensor
+    params: dict
     g_idx: torch.Tensor
-    bits: int
+    quantizer: object
     group_size: int
-    sym: bool
     bias: Optional[torch.Tensor] = None
-    stats: dict = field(default_factory=dict)  # method-specific report: error, damp, alpha, seconds
+    rotation: Optional[object] = None
+    stats: dict = field(default_factory=dict)  # the report of this layer: error, damp, seconds (see Method)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.qweight.shape)
+        return tuple(self.codes.shape)
+
+    def decoded(self) -> torch.Tensor:
+        """The stored weight as the codes say, float32 [out, in] (in the rotated basis when rotated)."""
+        return self.quantizer.dequantize(self.codes, per_column(self.params, self.g_idx))
 
     def dequantize(self) -> torch.Tensor:
-        g = self.g_idx.long()
-        return self.scales[:, g] * (self.qweight.float() - self.zeros[:, g].float())
+        """The weight the layer really applies to x, float32 [out, in]: decoded() Π when rotated."""
+        w = self.decoded()
+        return w if self.rotation is None else self.rotation.unrotate_weight(w)
+
+    def bits_per_weight(self) -> float:
+        """Code bits plus the per-group parameters at the width the quantizer stores them."""
+        rows, cols = self.shape
+        param_bits = sum(self.quantizer.param_bits[k] * v.numel() for k, v in self.params.items())
+        return self.quantizer.code_bits + param_bits / (rows * cols)

@@ -15,6 +15,7 @@ AWQ needs an entry and says what is missing.
 """
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
@@ -87,6 +88,17 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D"
 
 
+def get_weight(module: nn.Module) -> torch.Tensor:
+    """Weight as [out, in] (GPT-2's Conv1D stores [in, out])."""
+    w = module.weight.data
+    return w.t() if is_conv1d(module) else w
+
+
+def set_weight(module: nn.Module, w: torch.Tensor) -> None:
+    w = w.t() if is_conv1d(module) else w
+    module.weight.data.copy_(w.to(module.weight.dtype))
+
+
 def is_linear(module: nn.Module) -> bool:
     """nn.Linear or GPT-2's Conv1D."""
     return isinstance(module, nn.Linear) or is_conv1d(module)
@@ -120,10 +132,10 @@ def arch_for(model: nn.Module) -> Arch:
     return Arch(blocks=find_blocks_path(model), sequential=(linears,))
 
 
-def require_scale_groups(model: nn.Module, arch: Arch) -> None:
+def require_scale_groups(arch: Arch, model_type: str = "this model family") -> None:
     if not arch.scale_groups:
         raise QuantkitError(
-            f"AWQ has no scale-group table for model_type '{model.config.model_type}': add which norm or linear "
+            f"AWQ has no scale-group table for model_type '{model_type}': add which norm or linear "
             "feeds which linears to ARCHS in quantkit/model/arch.py, or use --method gptq/rtn")
 
 

@@ -18,6 +18,15 @@ def parse_dtype(name):
     return DTYPES[name]
 
 
+def resolve_device(device: str) -> str:
+    """'auto' -> the GPU when there is one, else the CPU; a CUDA device without a GPU is a user error."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise QuantkitError(f"--device {device} was asked for but no CUDA GPU is visible: use --device cpu or auto")
+    return device
+
+
 def looks_local(source: str) -> bool:
     """A path-like MODEL argument is never sent to the hub (no surprise downloads)."""
     return os.path.exists(source) or source.startswith((".", "/", "~")) or source.count("/") > 1

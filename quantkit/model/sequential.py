@@ -8,7 +8,6 @@
    outputs are the next block's inputs (so later blocks calibrate on what they will really see).
 Only the current block sits on the compute device; calibration activations live on `store_device`.
 """
-import time
 from contextlib import contextmanager
 from typing import Callable
 
@@ -17,22 +16,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
-from quantkit.model.arch import Arch, get_submodule, is_conv1d
+from quantkit.model.arch import Arch, get_submodule, get_weight, set_weight  # noqa: F401 (re-exported)
 
 
 class _StopForward(Exception):
     pass
-
-
-def get_weight(module: nn.Module) -> torch.Tensor:
-    """Weight as [out, in] (GPT-2's Conv1D stores [in, out])."""
-    w = module.weight.data
-    return w.t() if is_conv1d(module) else w
-
-
-def set_weight(module: nn.Module, w: torch.Tensor) -> None:
-    w = w.t() if is_conv1d(module) else w
-    module.weight.data.copy_(w.to(module.weight.dtype))
 
 
 def _move_except_blocks(model: nn.Module, blocks_path: str, device) -> None:
@@ -158,12 +146,10 @@ def run_sequential(model, arch: Arch, input_ids, method, device, true_sequential
                 runner.forward_all()
             for n in names:
                 module = block.get_submodule(n)
-                t0 = time.perf_counter()
                 try:
                     res = method.quantize(f"{prefix}.{n}", observers.pop(n), module)
                 except QuantkitError as e:
                     raise QuantkitError(f"{prefix}.{n}: {e}") from e
-                res.stats.setdefault("seconds", time.perf_counter() - t0)
                 set_weight(module, res.dequantize())
                 results[f"{prefix}.{n}"] = res
         inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)

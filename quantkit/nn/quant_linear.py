@@ -1,6 +1,7 @@
 """QuantLinear: an nn.Linear replacement that holds GPTQ-layout packed tensors.
 
-Buffers mirror the checkpoint (see quantkit.formats.gptq): qweight, qzeros, scales, g_idx, bias.
+Buffers mirror the checkpoint (see quantkit.formats.gptq): qweight, qzeros, scales, g_idx, bias, and
+rot_signs for a rotated layer of the quantkit format (its forward computes Ŵ (Π x)).
 forward() calls the custom op torch.ops.quantkit.gptq_linear (kernels.dispatch), which picks the
 Triton kernels on CUDA and a pure-torch path elsewhere; on CPU the decoded weight is cached instead
 (see below).
@@ -9,17 +10,35 @@ import torch
 from torch import nn
 
 from quantkit.formats import bitpack
+from quantkit.formats.gptq import V1_ZERO_OFFSET
+from quantkit.methods.quantizer import n_groups
 from quantkit.kernels.dispatch import gptq_linear_op
+
+
+def add_rotation(module: nn.Module, in_features: int, block, device) -> None:
+    """A rotated layer (quantkit.methods.rotation) holds the signs of Π; its forward rotates x first."""
+    module.rotation_block = block
+    if block is not None:
+        module.register_buffer("rot_signs", torch.empty(in_features, dtype=torch.int8, device=device))
+
+
+def rotate_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Π x for a rotated layer (the weight was stored as W Πᵀ), x unchanged otherwise."""
+    if module.rotation_block is None:
+        return x
+    from quantkit.kernels.rotation import rotate_activations
+
+    return rotate_activations(x, module.rot_signs, module.rotation_block)
 
 
 class QuantLinear(nn.Module):
     def __init__(self, in_features, out_features, bits, group_size, bias, checkpoint_format="gptq",
-                 dtype=torch.float16, device=None):
+                 dtype=torch.float16, device=None, rotation_block=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = bits, group_size
         self.checkpoint_format = checkpoint_format
-        groups = 1 if group_size == -1 else -(-in_features // group_size)
+        groups = n_groups(in_features, group_size)
         kw = dict(device=device)
         self.register_buffer("qweight", torch.empty(bitpack.packed_len(in_features, bits), out_features,
                                                     dtype=torch.int32, **kw))
@@ -28,10 +47,11 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", torch.empty(groups, out_features, dtype=torch.float16, **kw))
         self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32, **kw))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, **kw) if bias else None)
+        add_rotation(self, in_features, rotation_block, device)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"group_size={self.group_size}, bias={self.bias is not None}")
+                f"group_size={self.group_size}, bias={self.bias is not None}, rotation_block={self.rotation_block}")
 
     # CPU forward: decoding the packed weight (unpack, gather a scale and zero per element) costs far
     # more than the matmul at small batch and would repeat on every call, so on CPU the decoded W^T
@@ -45,6 +65,7 @@ class QuantLinear(nn.Module):
     cache_dequantized = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = rotate_input(self, x)
         if x.device.type == "cpu" and self.cache_dequantized and not torch.compiler.is_compiling():
             from quantkit.kernels.reference import linear_dequantized
 
@@ -53,7 +74,7 @@ class QuantLinear(nn.Module):
                               self.in_features, self.bias, self._zero_offset())
 
     def _zero_offset(self):
-        return 1 if self.checkpoint_format == "gptq" else 0
+        return V1_ZERO_OFFSET[self.checkpoint_format]
 
     def _cached_weight(self, dtype):
         """Decoded W^T rounded to `dtype` exactly as the reference does (kept as fp32 for fp16)."""

@@ -1,0 +1,85 @@
+"""The quantizer protocol: what every rounding scheme offers the methods, which never name a grid.
+
+A quantizer rounds `width` consecutive input columns together (1 for scalar grids and scalar
+codebooks, 8 for an E8 lattice) with parameters fitted per row and per group of input columns:
+
+    name        registry key, recorded in quantkit-format checkpoints ("int" for the integer grid)
+    width       columns rounded as one unit; divides the group size and the layer's input width
+    code_bits   bits per code per column (what a generic packer spends)
+    settings()  the constructor arguments, e.g. {"bits": 4, "sym": True}: enough to rebuild it
+    fit(w)                  -> params {key: [rows]}      one group's parameters, w [rows, cols]
+    round(w, params)        -> (codes, dequantized)      w [rows, k * width], params {key: [rows]}
+    dequantize(codes, p)    -> weights                   p gathered per column: {key: [rows, cols]}
+
+RTN (quantkit.methods.rtn) is fit + round per group; GPTQ (quantkit.methods.gptq) rounds one unit
+at a time with error feedback; AWQ's scale search calls fake_quantize. A new quantizer is one class
+here-and-registered (`@register_quantizer`) plus, if it needs a fast kernel, a module in a codec.
+"""
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.methods.grid import Grid
+
+QUANTIZERS = {}
+
+
+def register_quantizer(cls):
+    """Class decorator: make `cls` buildable by name (make_quantizer) and so loadable from a checkpoint."""
+    QUANTIZERS[cls.name] = cls
+    return cls
+
+
+register_quantizer(Grid)
+
+
+def make_quantizer(name: str, **settings):
+    if name not in QUANTIZERS:
+        raise QuantkitError(f"unknown quantizer {name!r}: this version knows {', '.join(sorted(QUANTIZERS))}")
+    return QUANTIZERS[name](**settings)
+
+
+def group_width(cols: int, group_size: int) -> int:
+    """Columns per group; group_size -1 means one group per row. The last group may be shorter."""
+    return cols if group_size == -1 else group_size
+
+
+def n_groups(cols: int, group_size: int) -> int:
+    return -(-cols // group_width(cols, group_size))
+
+
+def group_index(cols: int, group_size: int) -> torch.Tensor:
+    """g_idx: the group of each input column (i // group_size), int32."""
+    return (torch.arange(cols) // group_width(cols, group_size)).to(torch.int32)
+
+
+def check_shape(quantizer, cols: int, group_size: int) -> None:
+    """Units never straddle a group or the end of the row."""
+    w = quantizer.width
+    size = group_width(cols, group_size)
+    if cols % w or size % w:
+        raise QuantkitError(f"the {quantizer.name} quantizer rounds {w} columns at a time: it needs the input width "
+                            f"({cols}) and the group size ({size}) to be multiples of {w}")
+
+
+def per_column(params: dict, g_idx: torch.Tensor) -> dict:
+    """Group parameters [rows, groups] gathered to [rows, cols] by g_idx."""
+    g = g_idx.long().to(next(iter(params.values())).device)
+    return {k: v[:, g] for k, v in params.items()}
+
+
+def fake_quantize(w: torch.Tensor, quantizer, group_size: int, bounds=None) -> torch.Tensor:
+    """Round-to-nearest of w [rows, cols] group by group, dequantized, float32, vectorised over groups.
+
+    Columns are zero-padded to whole groups (a scalar grid's range always holds 0 and decodes padding
+    back to exact zeros; other quantizers see a few zero columns in the last group only when it is short).
+    bounds [rows, n_groups, 2] (lo, hi), if given, clamps each group first (AWQ's clip search).
+    """
+    w = w.float()
+    rows, cols = w.shape
+    size, ng = group_width(cols, group_size), n_groups(cols, group_size)
+    wg = torch.nn.functional.pad(w, (0, ng * size - cols)).view(rows, ng, size)
+    if bounds is not None:
+        wg = torch.clamp(wg, bounds[..., :1], bounds[..., 1:])
+    flat = wg.reshape(rows * ng, size)
+    _, wq = quantizer.round(flat, quantizer.fit(flat))
+    return wq.view(rows, ng * size)[:, :cols]
