@@ -14,6 +14,7 @@ from quantkit.methods.registry import Method
 from quantkit.model.arch import arch_for, block_linears, get_submodule, is_linear, require_scale_groups
 from quantkit.model.loader import load_fp_model, resolve_device, stored_dtype
 from quantkit.model.sequential import run_sequential
+from quantkit.report import flag_outliers
 
 REPORT_NAME = output.REPORT_NAME
 RECIPE_NAME = checkpoint.RECIPE_NAME
@@ -88,6 +89,7 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
         "seconds": round(time.perf_counter() - t_start, 2), "device": device,
         "layers": _layer_report(results),
     }
+    report["flagged"] = flag_outliers(report["layers"])
     if method.awq_report:
         report["awq"] = method.awq_report
     _write(fp_model, tokenizer, results, names, config, method, report, save_dtype,

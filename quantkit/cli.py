@@ -135,6 +135,36 @@ def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json):
                    f"({result['windows']} windows of {seqlen}) on {dataset}")
 
 
+@eval.command()
+@click.argument("quant")
+@click.option("--base", required=True, help="The floating-point model QUANT was made from (folder or hub id).")
+@click.option("--dataset", default="wikitext2", help="wikitext2, c4, pileval (eval split) or a local text file.")
+@click.option("--seqlen", type=int, default=512, help="Tokens per non-overlapping window.")
+@click.option("--max-tokens", type=int, default=None, help="Compare on the first T tokens only (default: all).")
+@click.option("--device", default="auto", help="cpu, cuda, cuda:N or auto.")
+@click.option("--dtype", default=None, help="Activation dtype (default: fp32 on CPU, fp16/bf16 on GPU).")
+@click.option("--low-memory", is_flag=True,
+              help="Hold one model at a time: the base model's fp32 log-probs are cached on disk "
+                   "(tokens x vocab x 4 bytes) and read back while the quantized model runs. Same numbers.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Where --low-memory puts its temporary cache (default: the system temp folder).")
+@click.option("--prompts", default=None,
+              help="A text file (one prompt per line) or a prompt: greedy continuations of both models side by "
+                   "side, the first diverging token marked.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, help="Tokens generated per prompt.")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print one JSON object: tokens, windows, seqlen, ppl {base, quant, delta}, kld {mean, stderr, '
+                   'median, p90, p99, p999, max}, top1 {mean, stderr}, delta_p {mean, stderr}, generations.')
+def compare(quant, base, dataset, seqlen, max_tokens, device, dtype, low_memory, cache_dir, prompts, max_new_tokens,
+            as_json):
+    """QUANT against its base model on the same windows: ppl of each, KL divergence, top-1 agreement, Δp."""
+    from quantkit.compare import compare_paths, read_prompts, report_text
+
+    result = compare_paths(quant, base, dataset, seqlen, max_tokens, device, dtype, low_memory, cache_dir,
+                           read_prompts(prompts) if prompts else (), max_new_tokens, progress=not as_json)
+    click.echo(json.dumps(result) if as_json else report_text(result, quant, base, dataset))
+
+
 @main.command()
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")

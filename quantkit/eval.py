@@ -32,9 +32,9 @@ def perplexity(model, input_ids: torch.LongTensor, seqlen: int, batch_size: int 
     Returns {"ppl": float, "nll": float, "tokens": N, "windows": int, "seqlen": int}.
     """
     stream = _as_stream(input_ids)
-    _check_options(stream.numel(), seqlen, batch_size)
-    windows = _windows(stream, seqlen)
-    device = _model_device(model)
+    check_eval_options(stream.numel(), seqlen, batch_size)
+    windows = split_windows(stream, seqlen)
+    device = model_device(model)
 
     total_nll = 0.0  # python float (double): summing ~1e6 token losses in fp32 would drift
     tokens_done = 0
@@ -44,7 +44,7 @@ def perplexity(model, input_ids: torch.LongTensor, seqlen: int, batch_size: int 
         with torch.inference_mode(), tqdm(total=len(windows), desc="perplexity", unit="window", disable=not progress) as bar:
             for batch in windows.split(batch_size):
                 batch = batch.to(device)
-                total_nll += _batch_nll_sum(_logits(model, batch), batch)
+                total_nll += _batch_nll_sum(model_logits(model, batch), batch)
                 tokens_done += batch.shape[0] * (seqlen - 1)
                 bar.update(batch.shape[0])
                 bar.set_postfix(ppl=f"{math.exp(total_nll / tokens_done):.3f}")
@@ -63,7 +63,7 @@ def _as_stream(input_ids: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"input_ids must be one token stream of shape [1, T], got {tuple(input_ids.shape)}")
 
 
-def _check_options(n_tokens: int, seqlen: int, batch_size: int) -> None:
+def check_eval_options(n_tokens: int, seqlen: int, batch_size: int) -> None:
     if seqlen < 2:
         raise QuantkitError(f"--seqlen must be at least 2 to predict any token, got {seqlen}")
     if batch_size < 1:
@@ -75,13 +75,13 @@ def _check_options(n_tokens: int, seqlen: int, batch_size: int) -> None:
         )
 
 
-def _windows(stream: torch.Tensor, seqlen: int) -> torch.Tensor:
+def split_windows(stream: torch.Tensor, seqlen: int) -> torch.Tensor:
     """[n_windows, seqlen] non-overlapping windows; the trailing partial window is dropped."""
     n_windows = stream.numel() // seqlen
     return stream[: n_windows * seqlen].reshape(n_windows, seqlen)
 
 
-def _model_device(model) -> torch.device:
+def model_device(model) -> torch.device:
     # HF models expose .device (the first parameter's device, where the embedding lives even under
     # accelerate's device_map dispatch); plain modules fall back to their first parameter.
     device = getattr(model, "device", None)
@@ -93,7 +93,7 @@ def _model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
-def _logits(model, batch: torch.Tensor) -> torch.Tensor:
+def model_logits(model, batch: torch.Tensor) -> torch.Tensor:
     output = model(batch, use_cache=False)  # no KV cache: each window is one forward pass
     return output.logits if hasattr(output, "logits") else output[0]
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Quality benchmark: method x bits x group -> perplexity, quantization time, size, true bits/weight.
+"""Quality benchmark: method x bits x group -> perplexity, KL divergence and top-1 agreement against the
+floating-point model, quantization time, size, true bits/weight.
 
-The floating-point baseline is evaluated in the same run. Markdown table to stdout (and --out),
-optionally a PNG of perplexity against bits per weight (needs matplotlib).
+The floating-point baseline is evaluated in the same run and stays in memory: every quantized model is
+compared with it window by window (quantkit.compare, the figures of `quantkit eval compare`). Markdown
+table to stdout (and --out), optionally a PNG of perplexity and KLD against bits per weight (matplotlib).
 
 Example (the protocol of the GPTQ/AWQ issues, on SmolLM2-135M built by the developers' asset script
 ../shared/assets/get-smollm2.sh):
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from quantkit.api import quantize
+from quantkit.compare import compare_models
 from quantkit.config import QuantConfig
 from quantkit.data import calibration_ids, eval_ids
 from quantkit.eval import perplexity
@@ -74,8 +77,8 @@ def main(argv=None):
     calib = calibration_ids(tokenizer, args.calib, args.nsamples, args.seqlen, seed=0)
     fp = perplexity(fp_model.to(device), ids, args.seqlen, progress=False)
     fp_bytes = sum(p.numel() * 2 for n, p in fp_model.named_parameters())
-    del fp_model
-    rows = [{"run": "fp (baseline)", "ppl": fp["ppl"], "seconds": 0.0, "bpw": 16.0, "mib": fp_bytes / 2**20}]
+    rows = [{"run": "fp (baseline)", "ppl": fp["ppl"], "kld": 0.0, "top1": 1.0, "seconds": 0.0, "bpw": 16.0,
+             "mib": fp_bytes / 2**20}]
     print(f"fp: ppl {fp['ppl']:.3f} on {fp['tokens']} tokens", file=sys.stderr)
     for spec in args.runs:
         fields = parse_run(spec)
@@ -88,12 +91,13 @@ def main(argv=None):
             seconds = time.perf_counter() - t0
             info = inspect_checkpoint(out)
             model = load_quantized(out, device_map=device, dtype=args.eval_dtype)
-            q = perplexity(model, ids, args.seqlen, progress=False)
+            q = compare_models(fp_model, model, ids, args.seqlen, progress=False)
             del model
-        row = {"run": spec, "ppl": q["ppl"], "seconds": seconds, "bpw": true_bits_per_weight(info),
-               "mib": info["total_bytes"] / 2**20}
+        row = {"run": spec, "ppl": q["ppl"]["quant"], "kld": q["kld"]["mean"], "top1": q["top1"]["mean"],
+               "seconds": seconds, "bpw": true_bits_per_weight(info), "mib": info["total_bytes"] / 2**20}
         rows.append(row)
-        print(f"{spec}: ppl {q['ppl']:.3f}, {seconds:.1f} s", file=sys.stderr)
+        print(f"{spec}: ppl {row['ppl']:.3f}, KLD {row['kld']:.4f}, top-1 {100 * row['top1']:.1f} %, "
+              f"{seconds:.1f} s", file=sys.stderr)
         if device == "cuda":
             torch.cuda.empty_cache()
 
@@ -111,12 +115,12 @@ def markdown(rows, args, tokens, device) -> str:
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     lines = [f"model {args.model}; calibration {Path(args.calib).name} ({args.nsamples} x {args.seqlen}); "
              f"eval {Path(args.eval).name}, {tokens} predicted tokens, seqlen {args.seqlen}; device {name}",
-             "", "| run (method:bits:group) | ppl | vs fp | quant. time (s) | checkpoint MiB | bits/weight (linears) |",
-             "|---|---|---|---|---|---|"]
+             "", "| run (method:bits:group) | ppl | vs fp | KLD (nats/token) | top-1 % | quant. time (s) | "
+             "checkpoint MiB | bits/weight (linears) |", "|---|---|---|---|---|---|---|---|"]
     base = rows[0]["ppl"]
     for r in rows:
-        lines.append(f"| {r['run']} | {r['ppl']:.3f} | {r['ppl'] / base:.3f}x | {r['seconds']:.1f} | "
-                     f"{r['mib']:.1f} | {r['bpw']:.3f} |")
+        lines.append(f"| {r['run']} | {r['ppl']:.3f} | {r['ppl'] / base:.3f}x | {r['kld']:.4f} | "
+                     f"{100 * r['top1']:.2f} | {r['seconds']:.1f} | {r['mib']:.1f} | {r['bpw']:.3f} |")
     return "\n".join(lines)
 
 
@@ -129,14 +133,17 @@ def plot(rows, path):
     except ImportError:
         print("matplotlib is not installed: skipping --png", file=sys.stderr)
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rows[1:]:
-        ax.scatter(r["bpw"], r["ppl"])
-        ax.annotate(r["run"], (r["bpw"], r["ppl"]), fontsize=7)
-    ax.axhline(rows[0]["ppl"], linestyle="--", label="fp")
-    ax.set_xlabel("bits per weight (linears, scales and zeros counted)")
-    ax.set_ylabel("perplexity")
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "ppl", "perplexity"), (axes[1], "kld", "KL divergence from fp (nats/token)")):
+        for r in rows[1:]:
+            ax.scatter(r["bpw"], r[key])
+            ax.annotate(r["run"], (r["bpw"], r[key]), fontsize=7)
+        if key == "ppl":  # the fp model's KLD is 0: no line on a log scale
+            ax.axhline(rows[0][key], linestyle="--", label="fp")
+            ax.legend()
+        ax.set_xlabel("bits per weight (linears, scales and zeros counted)")
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -261,3 +261,20 @@ def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float
     if den <= 0:
         return 0.0 if num == 0 else float("inf")
     return num / den
+
+
+def fidelity(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> dict:
+    """How well W_hat x reproduces W x over the calibration inputs, from H = 2/N X Xᵀ alone.
+
+    error:   ||(W - W_hat) X||² / ||W X||² (output_error)
+    cosine:  <W X, W_hat X> / (||W X|| ||W_hat X||) over all tokens and outputs, = tr(W H Ŵᵀ) / sqrt(tr(W H Wᵀ) tr(Ŵ H Ŵᵀ))
+    sqnr_db: 10 log10(||W X||² / ||(W - W_hat) X||²) = -10 log10(error), None when either is zero
+    (the layer's bias, which quantization leaves alone, is not part of these outputs)."""
+    error = output_error(W, W_hat, H)
+    W = W.detach().to(device=H.device, dtype=H.dtype)
+    W_hat = W_hat.detach().to(device=H.device, dtype=H.dtype)
+    cross = float(((W @ H) * W_hat).sum())
+    norms = float(((W @ H) * W).sum()) * float(((W_hat @ H) * W_hat).sum())
+    cosine = cross / math.sqrt(norms) if norms > 0 else (1.0 if error == 0 else 0.0)
+    sqnr = -10 * math.log10(error) if 0 < error < math.inf else None  # None: no noise at all, or no signal
+    return {"error": error, "cosine": cosine, "sqnr_db": sqnr}

@@ -12,7 +12,7 @@ import time
 from tqdm.auto import tqdm
 
 from quantkit.config import QuantConfig
-from quantkit.methods.gptq import GPTQ, output_error
+from quantkit.methods.gptq import GPTQ, fidelity
 from quantkit.methods.rotation import Rotation
 from quantkit.methods.rtn import rtn
 from quantkit.model.arch import Arch, get_weight
@@ -49,7 +49,8 @@ class Method:
         """QuantResult of one linear; observer None means no calibration data (RTN).
 
         stats: the method's own (GPTQ: damp, retries, dead, message) plus method, seconds (this call,
-        rotation included) and, with data, error: the relative output error on the calibration inputs."""
+        rotation included) and, with data, the fidelity of its outputs on the calibration inputs (error,
+        cosine, sqnr_db; see gptq.fidelity)."""
         t0 = time.perf_counter()
         spec = self.config.spec_for(full_name)
         quantizer = spec.quantizer()
@@ -72,7 +73,7 @@ class Method:
         if res.stats.get("message"):  # e.g. damping raised after a failed Cholesky
             tqdm.write(f"{full_name}: {res.stats['message']}")
         res.stats.update(method=self.config.method, seconds=time.perf_counter() - t0)
-        if observer is not None:  # the error is the same in either basis: Π is orthogonal
-            res.stats["error"] = output_error(observer.weight, res.decoded(), observer.H)
+        if observer is not None:  # the same in either basis: Π is orthogonal
+            res.stats.update(fidelity(observer.weight, res.decoded(), observer.H))
             observer.free()
         return res

@@ -82,7 +82,7 @@ def _refuse_quantized(source, config) -> None:
 def _check_complete(source, info: dict) -> None:
     """transformers fills missing tensors with random values: that must never be quantized or evaluated."""
     unexpected = sorted(info.get("unexpected_keys") or ())
-    if any(k.endswith(".qweight") for k in unexpected):
+    if any(k.endswith((".qweight", ".codes")) for k in unexpected):
         raise QuantkitError(f"model '{source}' holds packed quantized tensors ({unexpected[0]}) but its config.json "
                             "has no quantization_config: restore it (quantize_config.json holds a copy) or quantize "
                             "the floating-point model again")
