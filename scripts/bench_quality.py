@@ -98,17 +98,20 @@ def main(argv=None):
         rows.append(row)
         print(f"{spec}: ppl {row['ppl']:.3f}, KLD {row['kld']:.4f}, top-1 {100 * row['top1']:.1f} %, "
               f"{seconds:.1f} s", file=sys.stderr)
+        save(rows, args, fp["tokens"], device)  # after every run: a long benchmark cut short keeps its rows
         if device == "cuda":
             torch.cuda.empty_cache()
 
-    table = markdown(rows, args, fp["tokens"], device)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    print(markdown(rows, args, fp["tokens"], device))
     if args.png:
         plot(rows, args.png)
+
+
+def save(rows, args, tokens, device) -> None:
+    if args.out:
+        Path(args.out).write_text(markdown(rows, args, tokens, device) + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
 
 
 def markdown(rows, args, tokens, device) -> str:
