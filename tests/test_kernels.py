@@ -25,7 +25,6 @@ i.e. 3 * 2^-19 * |s| per term: its bound adds 4 * 2^-11 * mag + 3K * 2^-19 * max
 moves an element by ~mag/K >= 10 * 2^-11 * mag (K <= 200), above the ~6 * 2^-11 * mag allowed here.
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -43,6 +42,7 @@ from quantkit.formats import bitpack, gptq  # noqa: E402
 from quantkit.kernels import gptq_linear  # noqa: E402
 from quantkit.kernels.reference import dequantize_weight, gptq_linear_torch  # noqa: E402
 from quantkit.nn.quant_linear import QuantLinear  # noqa: E402
+from triton_cases import device_params, rerun_with_interpreter  # noqa: E402
 
 try:
     import triton  # noqa: F401
@@ -58,19 +58,7 @@ else:
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
-def _device_param(device):
-    reasons = []
-    if triton_gptq_ops is None:
-        reasons.append(f"triton unavailable: {TRITON_ERROR}")
-    if device == "cpu" and not INTERPRET:
-        reasons.append("CPU runs of the Triton kernels need TRITON_INTERPRET=1 before triton is imported"
-                       + (" (run in a fresh process instead)" if PREIMPORTED else " (unset on GPU machines)"))
-    if device == "cuda" and (INTERPRET or not torch.cuda.is_available()):
-        reasons.append("needs CUDA with compiled (not interpreted) Triton")
-    return pytest.param(device, marks=pytest.mark.skipif(bool(reasons), reason="; ".join(reasons)))
-
-
-DEVICES = [_device_param("cpu"), _device_param("cuda")]
+DEVICES = device_params(TRITON_ERROR, INTERPRET, PREIMPORTED)
 # Pinned configs for the GPU cases: autotuning every layout would compile ~14 variants per case.
 GPU_CONFIGS = {True: dict(BLOCK_N=64, BLOCK_K=32, WAVES=2, GROUP_M=8),
                False: dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, WAVES=1, GROUP_M=8)}
@@ -458,7 +446,4 @@ def test_use_m1_configs_swaps_candidates_and_resizes_the_workspace():
                     reason="the interpreter cases already ran in this process (or a GPU runs the real ones)")
 def test_interpreter_cases_in_fresh_process():
     """Triton was imported before this module could turn the interpreter on: rerun it in a new one."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run_ = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert run_.returncode == 0, run_.stdout[-4000:] + run_.stderr[-2000:]
+    rerun_with_interpreter(__file__, timeout=900)

@@ -13,7 +13,6 @@ A wrong sign or butterfly moves entries by ~2|x_i|/sqrt(b) (~1e-2 max|x| at b = 
 """
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -25,23 +24,12 @@ if not torch.cuda.is_available() and not PREIMPORTED:
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 from quantkit.kernels import rotation  # noqa: E402
+from triton_cases import device_params, rerun_with_interpreter  # noqa: E402
 from quantkit.kernels.rotation import (  # noqa: E402
     fwht, hadamard_block, random_signs, rotate, rotate_activations, rotate_triton, unrotate)
 
 
-def _device_param(device):
-    reasons = []
-    if rotation.triton is None:
-        reasons.append("triton unavailable")
-    if device == "cpu" and not INTERPRET:
-        reasons.append("CPU runs of the Triton kernel need TRITON_INTERPRET=1 before triton is imported"
-                       + (" (run in a fresh process instead)" if PREIMPORTED else " (unset on GPU machines)"))
-    if device == "cuda" and (INTERPRET or not torch.cuda.is_available()):
-        reasons.append("needs CUDA with compiled (not interpreted) Triton")
-    return pytest.param(device, marks=pytest.mark.skipif(bool(reasons), reason="; ".join(reasons)))
-
-
-DEVICES = [_device_param("cpu"), _device_param("cuda")]
+DEVICES = device_params("not importable" if rotation.triton is None else None, INTERPRET, PREIMPORTED)
 
 
 def sylvester(b, dtype=torch.float64):
@@ -167,7 +155,4 @@ def test_triton_3d_and_large_block(device):
                     reason="the interpreter cases already ran in this process (or a GPU runs the real ones)")
 def test_interpreter_cases_in_fresh_process():
     """Triton was imported before this module could turn the interpreter on: rerun it in a new one."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run_ = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert run_.returncode == 0, run_.stdout[-4000:] + run_.stderr[-2000:]
+    rerun_with_interpreter(__file__, timeout=600)

@@ -15,7 +15,6 @@ import os
 import re
 from pathlib import Path
 
-import torch
 import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
