@@ -29,18 +29,18 @@ from quantkit.errors import QuantkitError
 from quantkit.eval import check_eval_options, model_logits, model_device, split_windows
 
 
+def mean_stderr(values: np.ndarray) -> dict:
+    """mean and its standard error (sample std / sqrt(N)) of per-token values, in float64."""
+    v = np.asarray(values, dtype=np.float64)
+    return {"mean": float(v.mean()), "stderr": float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else 0.0}
+
+
 def summarize(values: np.ndarray) -> dict:
     """mean, stderr, median, p90, p99, p999, max of per-token values (float64)."""
     v = np.asarray(values, dtype=np.float64)
     median, p90, p99, p999 = np.percentile(v, [50, 90, 99, 99.9])
-    stderr = float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else 0.0
-    return {"mean": float(v.mean()), "stderr": stderr, "median": float(median), "p90": float(p90),
-            "p99": float(p99), "p999": float(p999), "max": float(v.max())}
-
-
-def mean_stderr(values: np.ndarray) -> dict:
-    s = summarize(values)
-    return {"mean": s["mean"], "stderr": s["stderr"]}
+    return {**mean_stderr(v), "median": float(median), "p90": float(p90), "p99": float(p99),
+            "p999": float(p999), "max": float(v.max())}
 
 
 def window_logprobs(model, window: torch.Tensor) -> torch.Tensor:
