@@ -22,7 +22,7 @@ def _load_words(qw_ptr, k0, offs_n, n_mask, N, KW, BITS: tl.constexpr, BLOCK_K: 
 def _tile_codes(qw_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
     """Codes of the K tile [k0, k0 + BLOCK_K) as [BLOCK_K, BLOCK_N] int32, row i = k0 + i (= offs_k)."""
-    if BITS == 3:  # codes straddle words: gather each row's word(s)
+    if 32 % BITS != 0:  # 3 (5, ...) bits: codes straddle words, gather each row's word(s)
         q = _packed_codes(qw_ptr + offs_n[None, :], offs_k[:, None], N, n_mask[None, :], KW, BITS)
     else:          # one load per word, its codes shifted out in registers: row = word * PW + code
         PW: tl.constexpr = 32 // BITS
@@ -45,17 +45,17 @@ def _packed_codes(ptr, idx, stride, mask, n_words, BITS: tl.constexpr):
     """Code number idx of a packed bit stream whose word w is at ptr + w * stride (LSB first).
 
     Used along K for qweight (stride N) and along N for qzeros (stride 1); ptr, idx and mask
-    broadcast together. 2/4/8 bits: one word per code. 3 bits: code i occupies bits [3i, 3i + 3),
-    which spill into the next word when 3i % 32 > 29; logical (uint32) shifts keep the sign bit
-    out, and the next word is loaded only where a code spills (elsewhere it reads as 0)."""
-    if BITS == 3:
-        bit = idx * 3
+    broadcast together. 2/4/8 bits: one word per code. 3 (or 5) bits: code i occupies bits
+    [b i, b i + b), which spill into the next word when b i % 32 > 32 - b; logical (uint32) shifts keep
+    the sign bit out, and the next word is loaded only where a code spills (elsewhere it reads as 0)."""
+    if 32 % BITS != 0:
+        bit = idx * BITS
         word, off = bit // 32, bit % 32
-        spill = off > 29
+        spill = off > 32 - BITS
         lo = tl.load(ptr + word * stride, mask=mask & (word < n_words), other=0).to(tl.uint32, bitcast=True)
         hi = tl.load(ptr + (word + 1) * stride, mask=mask & spill & (word + 1 < n_words),
                      other=0).to(tl.uint32, bitcast=True)
-        codes = ((lo >> off.to(tl.uint32)) | (hi << tl.where(spill, 32 - off, 0).to(tl.uint32))) & 7
+        codes = ((lo >> off.to(tl.uint32)) | (hi << tl.where(spill, 32 - off, 0).to(tl.uint32))) & ((1 << BITS) - 1)
         codes = codes.to(tl.int32, bitcast=True)
     else:
         PW: tl.constexpr = 32 // BITS

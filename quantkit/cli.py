@@ -22,20 +22,26 @@ class _Group(click.Group):
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(package_name="quantkit")
 def main():
-    """Offline weight quantization for Hugging Face causal LMs (RTN, GPTQ, AWQ -> GPTQ-layout checkpoints)."""
+    """Offline weight quantization for Hugging Face causal LMs (RTN, GPTQ, AWQ -> GPTQ-layout checkpoints; TurboQuant and rotations -> quantkit format)."""
 
 
 # Options that map 1:1 onto QuantConfig fields; the recipe fills the ones not given on the command line.
 _CONFIG_OPTIONS = [
     click.option("--method", type=click.Choice(METHODS), default="rtn",
                  help="rtn: round to nearest; gptq: Hessian-aware error feedback; awq: activation-aware scales "
-                      "folded into the model, then RTN; awq+gptq: AWQ scales, then GPTQ."),
-    click.option("--quantizer", default="int",
-                 help="What rounds the weights: int (a per-group integer grid with scale and zero; the only one "
-                      "GPTQ-layout readers run). Other quantizers are written in the quantkit format."),
-    click.option("--bits", type=int, default=4, help="Bits per weight: 2, 3, 4 or 8."),
+                      "folded into the model, then RTN; awq+gptq: AWQ scales, then GPTQ; turboquant: Hadamard "
+                      "rotation + Lloyd-Max codebook per block, data-free; turboquant+gptq: the same codebook "
+                      "inside GPTQ's error feedback (rotated basis)."),
+    click.option("--quantizer", default=None,
+                 help="What rounds the weights. Default: the method's (int for rtn/gptq/awq, turboquant for the "
+                      "turboquant methods). int: a per-group integer grid with scale and zero, the only one "
+                      "GPTQ-layout readers run; turboquant: a 2^bits-level codebook times one fp16 scale per "
+                      "group. Anything but unrotated int is written in the quantkit format."),
+    click.option("--bits", type=int, default=4,
+                 help="Bits per weight code: 2, 3, 4 or 8 (int); 1 to 5 (turboquant)."),
     click.option("--group-size", type=int, default=128,
-                 help="Input columns sharing one scale/zero; -1 = one group per row. A last shorter group is fine."),
+                 help="Input columns sharing one scale (and zero); -1 = one group per row. A last shorter group is "
+                      "fine. turboquant: the block d, a power of two >= 8 (costs 16/d bits per weight)."),
     click.option("--sym/--asym", default=True, help="Symmetric grid (zero fixed at 2^(bits-1)) or asymmetric min/max grid."),
     click.option("--dataset", default="wikitext2",
                  help="Calibration data: wikitext2, c4, pileval, or a local .txt/.jsonl/.json/.parquet file. "
@@ -57,9 +63,10 @@ _CONFIG_OPTIONS = [
     click.option("--awq-clip/--no-awq-clip", default=True, help="AWQ: search a per-group clipping range too."),
     click.option("--checkpoint-format", type=click.Choice(["gptq", "gptq_v2"]), default="gptq",
                  help="gptq (v1, zero-1 stored; what vLLM/TGI/transformers read) or gptq_v2 (true zeros)."),
-    click.option("--rotate", type=click.Choice(["none", "hadamard"]), default="none",
+    click.option("--rotate", type=click.Choice(["none", "hadamard"]), default=None,
                  help="hadamard: quantize each linear as W Πᵀ with a seeded randomized Hadamard rotation Π along "
-                      "its inputs (GPTQ then rounds against Π H Πᵀ); the layer computes Ŵ (Π x). rtn and gptq only; "
+                      "its inputs (GPTQ then rounds against Π H Πᵀ); the layer computes Ŵ (Π x). Default: hadamard "
+                      "for the turboquant methods, none otherwise; not with awq; "
                       "written in the quantkit format (quant_method \"quantkit\"), which GPTQ readers cannot run. "
                       "--seed picks the signs."),
     click.option("--max-shard-size", default="4GB", help="Largest safetensors shard; bigger models get an index."),

@@ -25,10 +25,15 @@ import yaml
 from quantkit.errors import QuantkitError
 from quantkit.formats.gptq import CHECKPOINT_FORMATS
 from quantkit.methods.grid import check_bits, check_group_size, is_int
-from quantkit.methods.quantizer import QUANTIZERS, make_quantizer
+from quantkit.methods.quantizer import QUANTIZERS, quantizer_for
 
-METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+METHODS = ("rtn", "gptq", "awq", "awq+gptq", "turboquant", "turboquant+gptq")
+DATA_FREE = ("rtn", "turboquant")
 ROTATIONS = ("none", "hadamard")
+# What a method implies when --quantizer / --rotate are not given: TurboQuant is the rotation + its codebook.
+METHOD_DEFAULTS = {"turboquant": {"quantizer": "turboquant", "rotate": "hadamard"},
+                   "turboquant+gptq": {"quantizer": "turboquant", "rotate": "hadamard"}}
+PLAIN_DEFAULTS = {"quantizer": "int", "rotate": "none"}
 OVERRIDE_TYPES = {"pattern": str, "bits": int, "group_size": int, "sym": bool, "skip": bool}
 _TYPE_WORDS = {bool: "true or false, without quotes", int: "a whole number, without quotes",
                float: "a number, without quotes", str: "a string (in quotes)", list: "a list of '- pattern: ...' items"}
@@ -53,13 +58,13 @@ class LayerSpec:
     quantizer_name: str = "int"
 
     def quantizer(self):
-        return make_quantizer(self.quantizer_name, bits=self.bits, sym=self.sym)
+        return quantizer_for(self.quantizer_name, self.bits, self.sym, self.group_size)
 
 
 @dataclass
 class QuantConfig:
     method: str = "rtn"
-    quantizer: str = "int"
+    quantizer: Optional[str] = None  # None: the method's (int; turboquant for the turboquant methods)
     bits: int = 4
     group_size: int = 128
     sym: bool = True
@@ -74,21 +79,23 @@ class QuantConfig:
     awq_grid: int = 20
     awq_clip: bool = True
     checkpoint_format: str = "gptq"
-    rotate: str = "none"
+    rotate: Optional[str] = None     # None: the method's (none; hadamard for the turboquant methods)
     max_shard_size: str = "4GB"
     modules: list = field(default_factory=list)
 
     def __post_init__(self):
         if isinstance(self.dataset, os.PathLike):
             self.dataset = str(self.dataset)
+        if self.method not in METHODS:
+            raise QuantkitError(f"unknown method {self.method!r}: choose one of {', '.join(METHODS)}")
+        for key, value in METHOD_DEFAULTS.get(self.method, PLAIN_DEFAULTS).items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
         for f in dataclasses.fields(self):
             if f.name == "max_shard_size" and is_int(self.max_shard_size):
                 continue  # a byte count is as good as "4GB"
-            expected = list if f.name == "modules" else f.type
+            expected = {"modules": list, "quantizer": str, "rotate": str}.get(f.name, f.type)
             setattr(self, f.name, check_type(getattr(self, f.name), expected, f.name, "option"))
-        if self.method not in METHODS:
-            raise QuantkitError(f"unknown method '{self.method}': choose one of {', '.join(METHODS)}")
-        check_bits(self.bits)
         check_group_size(self.group_size)
         for name in ("nsamples", "seqlen", "block_size", "awq_grid"):
             if getattr(self, name) < 1:
@@ -97,14 +104,32 @@ class QuantConfig:
             raise QuantkitError(f"--damp {self.damp} is out of range: use a fraction in (0, 1], e.g. 0.01")
         if self.quantizer not in QUANTIZERS:
             raise QuantkitError(f"unknown quantizer '{self.quantizer}': choose one of {', '.join(sorted(QUANTIZERS))}")
+        implied = METHOD_DEFAULTS.get(self.method, {}).get("quantizer")
+        if implied and self.quantizer != implied:
+            raise QuantkitError(f"--method {self.method} rounds with the {implied} quantizer, not {self.quantizer}: "
+                                f"drop --quantizer (or use --method {'gptq' if self.method.endswith('gptq') else 'rtn'} "
+                                f"--quantizer {self.quantizer})")
         if self.rotate not in ROTATIONS:
             raise QuantkitError(f"unknown rotation '{self.rotate}': use {' or '.join(ROTATIONS)}")
-        if self.rotate != "none" and self.method not in ("rtn", "gptq"):
-            raise QuantkitError(f"--rotate {self.rotate} works with --method rtn or gptq, not {self.method}: AWQ's "
+        if self.rotate != "none" and "awq" in self.method:
+            raise QuantkitError(f"--rotate {self.rotate} does not work with --method {self.method}: AWQ's "
                                 "scales are searched in the unrotated basis")
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise QuantkitError(f"unknown checkpoint format '{self.checkpoint_format}': use gptq or gptq_v2")
         self.modules = [self._check_override(o, i) for i, o in enumerate(self.modules)]
+        self._check_quantizers()
+
+    def _check_quantizers(self) -> None:
+        """Build the quantizer of the run's settings and of each override, so bad bits fail before any work."""
+        base = {"bits": self.bits, "group_size": self.group_size, "sym": self.sym}
+        for where, override in [("", {})] + [(f"recipe modules[{i}]", o) for i, o in enumerate(self.modules)]:
+            settings = {**base, **{k: override[k] for k in base if k in override}}
+            if self.quantizer == "int":
+                check_bits(settings["bits"], f"{where} bits" if where else "--bits")
+            try:
+                LayerSpec(**settings, quantizer_name=self.quantizer).quantizer()
+            except QuantkitError as e:
+                raise QuantkitError(f"{where}: {e}" if where else str(e)) from e
 
     @staticmethod
     def _check_override(o, i) -> dict:
@@ -120,15 +145,13 @@ class QuantConfig:
             re.compile(o["pattern"])
         except re.error as e:
             raise QuantkitError(f"{where} pattern {o['pattern']!r} is not a valid regex: {e}") from e
-        if "bits" in o:
-            check_bits(o["bits"], f"{where} bits")
         if "group_size" in o:
             check_group_size(o["group_size"], f"{where} group_size")
         return dict(o)
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method != "rtn"
+        return self.method not in DATA_FREE
 
     def spec_for(self, name: str) -> Optional[LayerSpec]:
         """The settings for module `name`, or None when an override skips it."""

@@ -12,8 +12,11 @@ Tensors of a layer <name> with K inputs, N outputs, G groups:
   quantizer "int":  the GPTQ layout exactly (qweight, qzeros, scales, g_idx; see quantkit.formats.gptq)
                     with the true zero in qzeros (as gptq_v2), so the same kernels run it;
   any other:        codes int32 [packed_len(K, code_bits), N] (the quantizer's codes packed along the input
-                    dim, LSB first, as qweight), one float32 [G, N] tensor per parameter named by its key,
-                    g_idx int32 [K]; decoded by the quantizer registered under that name;
+                    dim as one LSB-first bit stream, quantkit.formats.bitpack), one [G, N] tensor per parameter
+                    named by its key (float16 when the quantizer spends 16 bits on it, else float32),
+                    g_idx int32 [K]; decoded by the quantizer registered under that name from the layer's
+                    settings (turboquant: bits, dim, scale, codebook = the 2^bits float32 levels, so that
+                    w = scale[g_idx[k], n] * codebook[code[k, n]]); docs/FORMAT.md has it byte by byte;
   bias              [N], when the layer has one;
   rot_signs         int8 [K] of ±1, when rotated: Π = blockdiag(H_block / sqrt(block)) · diag(rot_signs)
                     (Sylvester-ordered Walsh–Hadamard blocks over consecutive inputs); the stored weight is
@@ -29,6 +32,7 @@ from quantkit.formats.validate import LayerInfo, check_gptq_layer, check_setting
 from quantkit.methods.grid import check_group_size, is_int
 from quantkit.methods.quantizer import make_quantizer, n_groups
 from quantkit.methods.result import QuantResult
+from quantkit.nn.decoded_linear import param_dtype
 
 FORMAT_VERSION = 1
 INT_FORMAT = "gptq_v2"  # integer layers store true zeros
@@ -54,7 +58,7 @@ class QuantkitCodec:
             out = to_tensors(res, INT_FORMAT, bias_dtype)
         else:
             out = {"codes": bitpack.pack(res.codes.t(), res.quantizer.code_bits, dim=0),
-                   **{key: value.t().float().contiguous() for key, value in res.params.items()},
+                   **{key: value.t().to(param_dtype(res.quantizer, key)).contiguous() for key, value in res.params.items()},
                    "g_idx": res.g_idx.to(torch.int32).contiguous()}
             if res.bias is not None:
                 out["bias"] = res.bias.detach().to(bias_dtype or torch.float16).contiguous()
@@ -148,10 +152,14 @@ def _check_generic_layer(name, tensors, settings, where) -> LayerInfo:
     groups = n_groups(k, settings["group_size"])
     expected = {"codes": (bitpack.packed_len(k, quantizer.code_bits), n),
                 **{key: (groups, n) for key in quantizer.param_bits}}
+    dtypes = {"codes": torch.int32, "g_idx": torch.int32, **{key: param_dtype(quantizer, key) for key in quantizer.param_bits}}
     for suffix, shape in expected.items():
-        if tuple(tensors[f"{name}.{suffix}"].shape) != shape:
-            raise QuantkitError(f"{where}: {name}.{suffix} has shape {tuple(tensors[f'{name}.{suffix}'].shape)}, "
-                                f"not {shape}: the tensors and the config disagree")
+        t = tensors[f"{name}.{suffix}"]
+        if tuple(t.shape) != shape or t.dtype != dtypes[suffix]:
+            raise QuantkitError(f"{where}: {name}.{suffix} is {t.dtype} {tuple(t.shape)}, not {dtypes[suffix]} {shape}: "
+                                "the tensors and the config disagree")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise QuantkitError(f"{where}: {name}.{suffix} holds NaN/Inf: the checkpoint is damaged, quantize again")
     if k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
         raise QuantkitError(f"{where}: {name}.g_idx holds groups outside 0..{groups - 1}")
     return LayerInfo(name, k, n, dict(settings), f"{name}.bias" in tensors,

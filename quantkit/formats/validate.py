@@ -71,7 +71,11 @@ def check_gptq_config(qc: dict, where: str) -> None:
 
 
 def check_settings(settings: dict, where: str) -> None:
-    if "bits" in settings:
+    """GPTQ-style fields of a config, a layer or a dynamic entry. A quantkit-format layer of another quantizer
+    (its "quantizer" a name other than "int"; a GPTQ config's "quantizer" is a list of tool names) checks its
+    own bits when it is built."""
+    own_quantizer = isinstance(settings.get("quantizer"), str) and settings["quantizer"] != "int"
+    if "bits" in settings and not own_quantizer:
         check_bits(settings["bits"], f"{where} bits")
     if "group_size" in settings:
         check_group_size(settings["group_size"], f"{where} group_size")

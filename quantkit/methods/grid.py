@@ -50,6 +50,10 @@ class Grid:
         if not isinstance(self.sym, bool):
             raise QuantkitError(f"sym must be true or false, got {self.sym!r}")
 
+    @classmethod
+    def from_spec(cls, bits: int, sym: bool, group_size: int) -> "Grid":
+        return cls(bits, sym)
+
     @property
     def maxq(self) -> int:
         return 2**self.bits - 1

@@ -7,6 +7,8 @@ codebooks, 8 for an E8 lattice) with parameters fitted per row and per group of 
     width       columns rounded as one unit; divides the group size and the layer's input width
     code_bits   bits per code per column (what a generic packer spends)
     settings()  the constructor arguments, e.g. {"bits": 4, "sym": True}: enough to rebuild it
+    from_spec(bits, sym, group_size)   classmethod: the quantizer a layer's settings ask for (each takes
+                what applies to it: the integer grid bits and sym, TurboQuant bits and its block d)
     fit(w)                  -> params {key: [rows]}      one group's parameters, w [rows, cols]
     round(w, params)        -> (codes, dequantized)      w [rows, k * width], params {key: [rows]}
     dequantize(codes, p)    -> weights                   p gathered per column: {key: [rows, cols]}
@@ -19,6 +21,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.methods.grid import Grid
+from quantkit.methods.turboquant import TurboQuant
 
 QUANTIZERS = {}
 
@@ -30,12 +33,23 @@ def register_quantizer(cls):
 
 
 register_quantizer(Grid)
+register_quantizer(TurboQuant)
+
+
+def _class(name: str):
+    if name not in QUANTIZERS:
+        raise QuantkitError(f"unknown quantizer {name!r}: this version knows {', '.join(sorted(QUANTIZERS))}")
+    return QUANTIZERS[name]
 
 
 def make_quantizer(name: str, **settings):
-    if name not in QUANTIZERS:
-        raise QuantkitError(f"unknown quantizer {name!r}: this version knows {', '.join(sorted(QUANTIZERS))}")
-    return QUANTIZERS[name](**settings)
+    """A quantizer from its recorded settings (a checkpoint's layer entry)."""
+    return _class(name)(**settings)
+
+
+def quantizer_for(name: str, bits: int, sym: bool, group_size: int):
+    """The quantizer a layer's run settings ask for (--quantizer, --bits, --sym, --group-size)."""
+    return _class(name).from_spec(bits, sym, group_size)
 
 
 def group_width(cols: int, group_size: int) -> int:

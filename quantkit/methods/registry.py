@@ -19,12 +19,14 @@ from quantkit.model.arch import Arch, get_weight
 
 
 class Method:
-    """rtn, gptq, awq and awq+gptq: one class, two switches (AWQ scaling first; GPTQ or RTN rounding)."""
+    """Every method is one class with two switches (AWQ scaling first; GPTQ or RTN rounding), the quantizer
+    and rotation coming from the config: turboquant is RTN and turboquant+gptq GPTQ, with TurboQuant's
+    codebook behind a Hadamard rotation."""
 
     def __init__(self, config: QuantConfig, arch: Arch):
         self.config, self.arch = config, arch
         self.use_awq = config.method in ("awq", "awq+gptq")
-        self.use_gptq = config.method in ("gptq", "awq+gptq")
+        self.use_gptq = config.method in ("gptq", "awq+gptq", "turboquant+gptq")
         self.awq_report: dict = {}
 
     @property

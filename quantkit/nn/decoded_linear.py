@@ -1,9 +1,13 @@
-"""DecodedLinear: the generic runtime of a quantkit-format layer whose quantizer has no kernel of its own.
+"""DecodedLinear: the runtime of a quantkit-format layer whose quantizer is not the integer grid.
 
 Buffers mirror the checkpoint (quantkit.formats.quantkit_format): `codes` (the quantizer's codes packed
-along the input dim at its code_bits), one float32 [n_groups, out] tensor per parameter, g_idx, bias,
-and rot_signs when rotated. forward decodes the weight once through the quantizer and keeps it (a
-dense copy per layer, like QuantLinear's CPU path); a quantizer that needs speed brings its own module.
+along the input dim at its code_bits), one [n_groups, out] tensor per parameter (fp16 when the
+quantizer stores it in 16 bits, else float32), g_idx, bias, and rot_signs when rotated.
+
+Codebook quantizers (TurboQuant: w = scale * codebook[code]) run the codebook dequant-GEMM
+(quantkit.kernels.codebook): a Triton kernel that decodes in registers on CUDA. Everywhere else, and
+for any other quantizer, forward decodes the weight once through the quantizer and keeps it (a dense
+fp32 copy per layer, like QuantLinear's CPU path; `cache_dequantized = False` decodes on every call).
 """
 import torch
 from torch import nn
@@ -13,7 +17,14 @@ from quantkit.methods.quantizer import per_column
 from quantkit.nn.quant_linear import add_rotation, rotate_input
 
 
+def param_dtype(quantizer, key: str) -> torch.dtype:
+    """How a quantizer's per-group parameter is stored: fp16 when it spends 16 bits on it, else float32."""
+    return torch.float16 if quantizer.param_bits[key] == 16 else torch.float32
+
+
 class DecodedLinear(nn.Module):
+    cache_dequantized = True
+
     def __init__(self, in_features, out_features, quantizer, group_size, n_groups, bias, dtype,
                  device=None, rotation_block=None):
         super().__init__()
@@ -22,10 +33,19 @@ class DecodedLinear(nn.Module):
         self.register_buffer("codes", torch.empty(bitpack.packed_len(in_features, quantizer.code_bits), out_features,
                                                   dtype=torch.int32, device=device))
         for key in quantizer.param_bits:
-            self.register_buffer(key, torch.empty(n_groups, out_features, dtype=torch.float32, device=device))
+            self.register_buffer(key, torch.empty(n_groups, out_features, dtype=param_dtype(quantizer, key),
+                                                  device=device))
         self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
+        table = getattr(quantizer, "codebook", None)  # part of the quantizer's settings, not of the state dict
+        self.register_buffer("codebook", None if table is None else torch.tensor(table, dtype=torch.float32,
+                                                                                 device=None if device == "meta" else device),
+                             persistent=False)
         add_rotation(self, in_features, rotation_block, device)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, quantizer={self.quantizer.name}, "
+                f"bits={self.quantizer.code_bits}, group_size={self.group_size}, rotation_block={self.rotation_block}")
 
     def weight(self) -> torch.Tensor:
         """The decoded (rotated-basis) weight [out, in], float32; cached until a buffer changes."""
@@ -34,12 +54,20 @@ class DecodedLinear(nn.Module):
         cache = self.__dict__.get("_weight_cache")
         if cache is None or cache[0] != key:
             codes = bitpack.unpack(self.codes, self.quantizer.code_bits, self.in_features, dim=0).t()
-            params = {k: getattr(self, k).t() for k in self.quantizer.param_bits}
-            cache = self.__dict__["_weight_cache"] = (key, self.quantizer.dequantize(codes, per_column(params, self.g_idx)))
+            params = {k: getattr(self, k).t().float() for k in self.quantizer.param_bits}
+            w = self.quantizer.dequantize(codes, per_column(params, self.g_idx))
+            if not self.cache_dequantized:
+                return w
+            cache = self.__dict__["_weight_cache"] = (key, w)
         return cache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = rotate_input(self, x)
+        if self.codebook is not None and (x.is_cuda or not self.cache_dequantized):
+            from quantkit.kernels.codebook import codebook_linear
+
+            return codebook_linear(x, self.codes, self.scale, self.g_idx, self.codebook, self.quantizer.code_bits,
+                                   self.in_features, self.bias)
         return nn.functional.linear(x, self.weight().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
 
     def _apply(self, fn, *args, **kwargs):

@@ -1,0 +1,40 @@
+"""Codebook dequant-GEMM (TurboQuant layers): y = x Ŵᵀ + bias with Ŵ[n, k] = scales[g, n] * codebook[code[k, n]].
+
+Layout (quantkit.formats.quantkit_format, generic layers): codes int32 [packed_len(K, bits), N], the
+b-bit codes of each output column packed along K as one LSB-first bit stream (quantkit.formats.bitpack:
+5-bit codes straddle words, as 3-bit ones do in the GPTQ layout); scales fp16 [G, N]; g_idx int32 [K];
+codebook float32 [2^bits]. The decode step is the GPTQ kernels' code extraction (triton_decode.
+_packed_codes) followed by a table lookup where the integer grid does scale * (q - zero).
+
+Backends as in dispatch.py: Triton on CUDA fp16/bf16 (kernels/triton_codebook.py: in-register decode
+feeding tl.dot, fp32 accumulation), the torch reference elsewhere (decode W in float32, round it once
+to x's dtype, one GEMM), "triton" on CPU under TRITON_INTERPRET=1 for the tests.
+"""
+import torch
+
+from quantkit.formats import bitpack
+from quantkit.kernels.dispatch import _choose_backend
+from quantkit.kernels.reference import linear_dequantized
+
+
+def decode_codebook(codes, scales, g_idx, codebook, bits, in_features) -> torch.Tensor:
+    """Ŵᵀ [in_features, out_features], float32, exactly as the checkpoint says."""
+    q = bitpack.unpack(codes, bits, in_features, dim=0).long()
+    return scales.float()[g_idx.long()] * codebook.float().to(q.device)[q]
+
+
+def codebook_linear_torch(x, codes, scales, g_idx, codebook, bits, in_features, bias=None):
+    w = decode_codebook(codes, scales, g_idx, codebook, bits, in_features).to(x.dtype)
+    return linear_dequantized(x, w, bias)
+
+
+def codebook_linear(x, codes, scales, g_idx, codebook, bits, in_features, bias=None, *, backend=None):
+    """y = x @ Ŵᵀ (+ bias), x [..., in_features]; backend "auto" | "triton" | "torch" (see dispatch.py)."""
+    if _choose_backend(x, bits, backend) == "torch":
+        return codebook_linear_torch(x, codes, scales, g_idx, codebook, bits, in_features, bias)
+    from quantkit.kernels.triton_codebook import codebook_matmul
+
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise ValueError(f"x must be [..., in_features={in_features}], got {tuple(x.shape)}")
+    y = codebook_matmul(x.reshape(-1, in_features).contiguous(), codes, scales, g_idx, codebook, bits, bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])

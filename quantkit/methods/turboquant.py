@@ -1,0 +1,132 @@
+"""TurboQuant_mse as a quantizer: one fp16 scale per block of d weights and a b-bit Lloyd–Max code per weight.
+
+TurboQuant (Zandieh et al., 2025, arXiv 2504.19874) quantizes a vector by a random rotation followed by
+the MSE-optimal scalar codebook of the coordinate density on the sphere (quantkit.methods.codebook),
+with the vector's norm stored beside the codes. As a weight quantizer: the rotation is the layer's
+Hadamard rotation Π (config rotate="hadamard", the default of --method turboquant and turboquant+gptq),
+a block is a group of d = group_size consecutive inputs of one output row, and a weight decodes as
+
+    w_hat = scale * codebook[code]        codebook: 2^bits levels in the variance-1 scale
+
+How the per-block scale is chosen (`scale`; rate 16 / d bits per weight whichever is used):
+  norm   the paper's: ||w|| / sqrt(L) for a block of L weights (so the unit-sphere codebook applies)
+  ratio  the norm, then corrected so the decoded block has the block's norm, ||w_hat|| = ||w||
+  mse    the scale minimising ||w - w_hat||² for this block: a search around the norm scale plus a
+         least-squares step (side information bought with the same 16 bits; docs/QUALITY.md measures it)
+The codebook is stored in the checkpoint's settings (float32 values), so a reader never recomputes it.
+"""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.methods.codebook import lloyd_max, nearest
+from quantkit.methods.grid import is_int
+
+SUPPORTED_BITS = (1, 2, 3, 4, 5)
+SCALES = ("norm", "ratio", "mse")
+SEARCH = torch.linspace(0.7, 1.3, 31).tolist()  # scale multipliers tried by scale="mse" around the norm scale
+
+
+@dataclass(frozen=True)
+class TurboQuant:
+    bits: int
+    dim: int
+    scale: str = "mse"
+    codebook: Optional[tuple] = None
+
+    name = "turboquant"
+    width = 1
+
+    def __post_init__(self):
+        if not is_int(self.bits) or self.bits not in SUPPORTED_BITS:
+            raise QuantkitError(f"turboquant bits {self.bits!r} is not supported: choose one of "
+                                f"{', '.join(map(str, SUPPORTED_BITS))}")
+        if not is_int(self.dim) or self.dim < 8 or self.dim & (self.dim - 1):
+            raise QuantkitError(f"turboquant needs its block size (--group-size) to be a power of two >= 8, such "
+                                f"as 64 or 128; got {self.dim!r}")
+        if self.scale not in SCALES:
+            raise QuantkitError(f"turboquant scale {self.scale!r} is unknown: use {', '.join(SCALES)}")
+        levels = lloyd_max(self.bits, self.dim) if self.codebook is None else self.codebook
+        object.__setattr__(self, "codebook", _check_codebook(levels, self.bits))
+
+    @classmethod
+    def from_spec(cls, bits: int, sym: bool, group_size: int) -> "TurboQuant":
+        if group_size == -1:
+            raise QuantkitError("turboquant quantizes blocks of --group-size weights: give a power of two such as 128, "
+                                "not -1")
+        return cls(bits, group_size)
+
+    @property
+    def code_bits(self) -> int:
+        return self.bits
+
+    @property
+    def param_bits(self) -> dict:
+        return {"scale": 16}
+
+    def settings(self) -> dict:
+        return {"bits": self.bits, "dim": self.dim, "scale": self.scale, "codebook": list(self.codebook)}
+
+    def levels(self, like: torch.Tensor) -> torch.Tensor:
+        """The codebook as a tensor on like's device and dtype (cached: GPTQ asks once per column)."""
+        key = ("_levels", like.device, like.dtype)
+        if key not in self.__dict__:
+            self.__dict__[key] = torch.tensor(self.codebook, dtype=like.dtype, device=like.device)
+        return self.__dict__[key]
+
+    def fit(self, w: torch.Tensor) -> dict:
+        """{"scale": [rows]} for the block(s) w [rows, L], fp16-representable and positive."""
+        w = w.float()
+        s = w.norm(dim=1) / math.sqrt(w.shape[1])
+        if self.scale == "ratio":
+            decoded = self.levels(w)[nearest(w / _safe(s)[:, None], self.levels(w))]
+            s = w.norm(dim=1) / decoded.norm(dim=1).clamp(min=1e-30)
+        elif self.scale == "mse":
+            s = self._search(w, s)
+        return {"scale": _safe(s)}
+
+    def _search(self, w, s0):
+        """The scale with the least squared error among s0 * SEARCH and the least-squares refit of the best."""
+        levels = self.levels(w)
+        best_s, best_err = s0, torch.full_like(s0, math.inf)
+        for m in SEARCH:
+            s = _safe(s0 * m)
+            err = self._error(w, s)
+            better = err < best_err
+            best_s, best_err = torch.where(better, s, best_s), torch.where(better, err, best_err)
+        decoded = levels[nearest(w / best_s[:, None], levels)]
+        refit = _safe((w * decoded).sum(dim=1) / (decoded * decoded).sum(dim=1).clamp(min=1e-30))
+        return torch.where(self._error(w, refit) < best_err, refit, best_s)
+
+    def _error(self, w, s):
+        return (w - self.round(w, {"scale": s})[1]).pow(2).sum(dim=1)
+
+    def round(self, w: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, dequantized) of w [rows, cols] with per-row params [rows]: the nearest level of w / scale."""
+        levels = self.levels(w)
+        s = params["scale"][:, None].to(w.dtype)
+        q = nearest(w / s, levels)
+        return q, s * levels[q]
+
+    def dequantize(self, codes: torch.Tensor, params: dict) -> torch.Tensor:
+        s = params["scale"].float()
+        return s * self.levels(s)[codes.long()]
+
+
+def _safe(s: torch.Tensor) -> torch.Tensor:
+    """Scales as the checkpoint stores them (fp16) and nonzero (an all-zero block decodes to ~0)."""
+    return s.half().float().clamp(min=2**-24)
+
+
+def _check_codebook(levels, bits) -> tuple:
+    """2^bits finite ascending levels, rounded to float32 (what the decoder computes with)."""
+    if not isinstance(levels, (list, tuple)) or len(levels) != 1 << bits or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in levels):
+        raise QuantkitError(f"a {bits}-bit turboquant codebook needs {1 << bits} numbers, got {levels!r}")
+    t = torch.tensor(levels, dtype=torch.float32)
+    if not bool(torch.isfinite(t).all()) or not bool((t[1:] > t[:-1]).all()):
+        raise QuantkitError("a turboquant codebook must hold finite, strictly ascending levels")
+    return tuple(t.tolist())

@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""Distortion benchmark: normalized MSE E||x - x̂||² / E||x||² per bit width, scalar RTN against TurboQuant,
+on i.i.d. Gaussian vectors and on real SmolLM2-135M weight rows (rotated and not), next to theory.
+
+Every method quantizes blocks of d consecutive weights of a row (d = --dim, 128 by default) with one fp16
+scale per block, so all of them spend b + 16/d bits per weight (turboquant_prod: b + 32/d, two norms):
+  rtn             symmetric uniform grid (2^b levels), scale from the block's absmax (GPTQ's sym grid)
+  rtn_mse         the same grid, scale searched per block for the least squared error (a clipping search)
+  turboquant_norm TurboQuant_mse as the paper has it: Lloyd–Max codebook of the sphere density, scale = the
+                  block's norm (quantkit.methods.turboquant, scale="norm")
+  turboquant      quantkit's default: the same codebook, scale searched per block for the least squared error
+  turboquant_prod TurboQuant_prod: (b-1)-bit turboquant_norm + 1-bit QJL of the residual (sign(S r), S
+                  i.i.d. N(0, 1) d x d, and ||r||), decoded as x̂_mse + sqrt(pi/2)/d ||r|| Sᵀ sign(S r)
+Theory: Lloyd–Max MSE of the unit Gaussian (the d -> inf codebook with the exact norm), the lower bound
+4^-b and TurboQuant's upper bound sqrt(3) pi / 2 * 4^-b ≈ 2.72 * 4^-b.
+Rotated rows use quantkit's randomized Hadamard rotation (block = largest power of two dividing the width).
+
+    python scripts/bench_distortion.py --model ~/.cache/quantkit-assets/smollm2-135m          # markdown
+    python scripts/bench_distortion.py --model ~/.cache/quantkit-assets/smollm2-135m --json   # one JSON object
+"""
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from quantkit.methods.codebook import codebook_mse, lloyd_max
+from quantkit.methods.rotation import Rotation
+from quantkit.methods.rtn import rtn
+from quantkit.methods.turboquant import TurboQuant
+
+BITS = (1, 2, 3, 4, 5)
+CLIP = torch.linspace(0.3, 1.0, 36).tolist()  # rtn_mse: fractions of the absmax scale tried
+
+
+def uniform(x, bits, search):
+    """Symmetric uniform grid per row of x [rows, d] (GPTQ's: scale 2 absmax / (2^b - 1), zero 2^(b-1))."""
+    maxq, zero = 2**bits - 1, 2 ** (bits - 1)
+    base = (2 * x.abs().amax(dim=1, keepdim=True) / maxq).half().float().clamp(min=2**-24)
+    best, best_err = None, None
+    for f in (CLIP if search else [1.0]):
+        s = (base * f).half().float().clamp(min=2**-24)
+        xq = s * (torch.clamp(torch.round(x / s) + zero, 0, maxq) - zero)
+        err = (x - xq).pow(2).sum(dim=1, keepdim=True)
+        if best is None:
+            best, best_err = xq, err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, xq, best), torch.where(better, err, best_err)
+    return best
+
+
+def turbo(x, bits, scale):
+    d = x.shape[1]
+    return rtn(x, TurboQuant(bits, d, scale), d).decoded()
+
+
+def turbo_prod(x, bits, seed=0):
+    """TurboQuant_prod at b bits: (b-1)-bit TurboQuant_mse (paper's norm) + 1-bit QJL of the residual."""
+    d = x.shape[1]
+    base = turbo(x, bits - 1, "norm") if bits > 1 else torch.zeros_like(x)
+    r = x - base
+    S = torch.randn(d, d, generator=torch.Generator().manual_seed(seed))
+    norm = r.norm(dim=1, keepdim=True).half().float()
+    return base + math.sqrt(math.pi / 2) / d * norm * (torch.sign(r @ S.t()) @ S)
+
+
+METHODS = {
+    "rtn": lambda x, b: uniform(x, b, search=False),
+    "rtn_mse": lambda x, b: uniform(x, b, search=True),
+    "turboquant_norm": lambda x, b: turbo(x, b, "norm"),
+    "turboquant": lambda x, b: turbo(x, b, "mse"),
+    "turboquant_prod": turbo_prod,
+}
+
+
+def nmse(x, xq) -> float:
+    return float((x - xq).pow(2).sum() / x.pow(2).sum())
+
+
+def blocks(w, d):
+    """Rows of w [out, in] cut into blocks of d weights: [out * in / d, d] (in must be a multiple of d)."""
+    return w.reshape(-1, d)
+
+
+def smollm2_rows(model_dir, d, rotate, layers=(0, 15, 29), seed=0):
+    """Blocks of the 7 linears of a few SmolLM2 decoder layers, as stored or rotated as quantkit rotates."""
+    out = []
+    path = Path(model_dir).expanduser() / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        for name in f.keys():
+            if not name.endswith("proj.weight") or int(name.split(".")[2]) not in layers:
+                continue
+            w = f.get_tensor(name).float()
+            if rotate:
+                w = Rotation.for_layer(name, w.shape[1], seed).rotate_weight(w)
+            out.append(blocks(w, d))
+    return torch.cat(out)
+
+
+def measure(x, bits) -> dict:
+    return {m: {str(b): round(nmse(x, fn(x, b)), 6) for b in bits} for m, fn in METHODS.items()}
+
+
+def theory(bits, d) -> dict:
+    return {
+        "lloyd_max_gaussian": {str(b): round(codebook_mse(lloyd_max(b)), 6) for b in bits},
+        f"lloyd_max_sphere_d{d}": {str(b): round(codebook_mse(lloyd_max(b, d), d), 6) for b in bits},
+        "lower_bound_4^-b": {str(b): round(4.0**-b, 6) for b in bits},
+        "upper_bound_2.72*4^-b": {str(b): round(math.sqrt(3) * math.pi / 2 * 4.0**-b, 6) for b in bits},
+    }
+
+
+def markdown(results: dict, bits) -> str:
+    lines = []
+    for source, table in results.items():
+        lines += [f"\n**{source}** (normalized MSE; lower is better)\n",
+                  "| method | " + " | ".join(f"b = {b}" for b in bits) + " |",
+                  "|---|" + "---|" * len(bits)]
+        lines += [f"| {m} | " + " | ".join(f"{v[str(b)]:.5f}" for b in bits) + " |" for m, v in table.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="folder of SmolLM2-135M (model.safetensors); without it, Gaussian only")
+    p.add_argument("--dim", type=int, default=128, help="block size d (a power of two)")
+    p.add_argument("--vectors", type=int, default=100_000, help="Gaussian vectors")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bits", type=int, nargs="+", default=list(BITS))
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of markdown")
+    args = p.parse_args(argv)
+    torch.manual_seed(args.seed)
+    gauss = torch.randn(args.vectors, args.dim, generator=torch.Generator().manual_seed(args.seed))
+    results = {"theory": theory(args.bits, args.dim), "gaussian": measure(gauss, args.bits)}
+    if args.model:
+        results["smollm2"] = measure(smollm2_rows(args.model, args.dim, rotate=False), args.bits)
+        results["smollm2_rotated"] = measure(smollm2_rows(args.model, args.dim, rotate=True, seed=args.seed), args.bits)
+    print(json.dumps(results, indent=1) if args.json else markdown(results, args.bits))
+
+
+if __name__ == "__main__":
+    main()
