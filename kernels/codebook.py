@@ -1,4 +1,5 @@
-"""Codebook dequant-GEMM (TurboQuant layers): y = x Ŵᵀ + bias with Ŵ[n, k] = scales[g, n] * codebook[code[k, n]].
+"""Codebook dequant-GEMM (TurboQuant and E8 layers): y = x Ŵᵀ + bias with Ŵ[n, k] = scales[g, n] * value(code),
+value = codebook[code[k, n]] (turboquant) or the coordinate of an E8 lattice point (e8: 8 codes along K per point).
 
 Layout (quantkit.formats.quantkit_format, generic layers): codes int32 [packed_len(K, bits), N], the
 b-bit codes of each output column packed along K as one LSB-first bit stream (quantkit.formats.bitpack:
@@ -17,24 +18,39 @@ from quantkit.kernels.dispatch import _choose_backend
 from quantkit.kernels.reference import linear_dequantized
 
 
-def decode_codebook(codes, scales, g_idx, codebook, bits, in_features) -> torch.Tensor:
+def decode_codebook(codes, scales, g_idx, codebook, bits, in_features, lattice_offset=None) -> torch.Tensor:
     """Ŵᵀ [in_features, out_features], float32, exactly as the checkpoint says."""
     q = bitpack.unpack(codes, bits, in_features, dim=0).long()
-    return scales.float()[g_idx.long()] * codebook.float().to(q.device)[q]
+    if lattice_offset is None:
+        values = codebook.float().to(q.device)[q]
+    else:
+        values = _lattice_values(q, bits, lattice_offset)
+    return scales.float()[g_idx.long()] * values
 
 
-def codebook_linear_torch(x, codes, scales, g_idx, codebook, bits, in_features, bias=None):
-    w = decode_codebook(codes, scales, g_idx, codebook, bits, in_features).to(x.dtype)
+def _lattice_values(q, bits, offset):
+    """Box-truncated E8 points of codes q [K, N] (8 consecutive codes along K per point), float32."""
+    from quantkit.methods.e8 import box_point, unpack_codes
+
+    k, coset = unpack_codes(q.t().reshape(q.shape[1], -1, 8))
+    return box_point(k, coset, bits, offset).float().reshape(q.shape[1], -1).t()
+
+
+def codebook_linear_torch(x, codes, scales, g_idx, codebook, bits, in_features, bias=None, lattice_offset=None):
+    w = decode_codebook(codes, scales, g_idx, codebook, bits, in_features, lattice_offset).to(x.dtype)
     return linear_dequantized(x, w, bias)
 
 
-def codebook_linear(x, codes, scales, g_idx, codebook, bits, in_features, bias=None, *, backend=None):
-    """y = x @ Ŵᵀ (+ bias), x [..., in_features]; backend "auto" | "triton" | "torch" (see dispatch.py)."""
+def codebook_linear(x, codes, scales, g_idx, codebook, bits, in_features, bias=None, *, lattice_offset=None,
+                    backend=None):
+    """y = x @ Ŵᵀ (+ bias), x [..., in_features]; backend "auto" | "triton" | "torch" (see dispatch.py).
+    lattice_offset: the layer is E8 (its codes decode to lattice points with this offset; codebook unused)."""
     if _choose_backend(x, bits, backend) == "torch":
-        return codebook_linear_torch(x, codes, scales, g_idx, codebook, bits, in_features, bias)
+        return codebook_linear_torch(x, codes, scales, g_idx, codebook, bits, in_features, bias, lattice_offset)
     from quantkit.kernels.triton_codebook import codebook_matmul
 
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"x must be [..., in_features={in_features}], got {tuple(x.shape)}")
-    y = codebook_matmul(x.reshape(-1, in_features).contiguous(), codes, scales, g_idx, codebook, bits, bias)
+    y = codebook_matmul(x.reshape(-1, in_features).contiguous(), codes, scales, g_idx, codebook, bits, bias,
+                        lattice_offset)
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -1,8 +1,8 @@
-"""Triton kernel of the codebook dequant-GEMM (kernels/codebook.py): codes -> table lookup -> tl.dot.
+"""Triton kernel of the codebook dequant-GEMM (kernels/codebook.py): codes -> values -> tl.dot.
 
 One program per [BLOCK_M, BLOCK_N] output tile walks K in BLOCK_K steps: it loads the x tile, extracts
-the codes of the K x N weight tile from the packed words, looks them up in the codebook (2^bits floats,
-cache-resident), multiplies by the group scales, rounds once to x's dtype (as the reference does) and
+the codes of the K x N weight tile from the packed words, decodes them (_decode: a lookup in the codebook,
+2^bits cache-resident floats, or the E8 lattice point of each 8 codes), multiplies by the group scales, rounds once to x's dtype (as the reference does) and
 accumulates x·Ŵᵀ in fp32 on the tensor cores. Correct for every M, K and group layout; its GPU speed is
 not measured yet (docs/BENCHMARKS.md).
 """
@@ -15,8 +15,28 @@ from quantkit.kernels.triton_decode import _packed_codes
 
 
 @triton.jit
-def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, KW,
-                    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+def _decode(q, cb_ptr, mask, OFFSET, BITS: tl.constexpr, LATTICE: tl.constexpr, BLOCK_K: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """Unit-scale values of the codes q [BLOCK_K, BLOCK_N]: the swappable decode step.
+
+    Table (turboquant): codebook[q]. Lattice (e8, box-truncated E8, quantkit.methods.e8): every 8 consecutive
+    codes along K are one point; code 7 carries the coset bit in place of its lowest bit, which the parity
+    (Σk even) restores; the value is k − 2^(BITS−1) + OFFSET + coset / 2."""
+    if LATTICE:
+        q3 = tl.reshape(q, (BLOCK_K // 8, 8, BLOCK_N))
+        last = (tl.arange(0, 8) == 7)[None, :, None]
+        q7 = tl.sum(tl.where(last, q3, 0), axis=1)
+        coset = q7 & 1
+        parity = (tl.sum(q3, axis=1) - coset) & 1
+        k = tl.where(last, ((q7 - coset) | parity)[:, None, :], q3)
+        v = k.to(tl.float32) + (OFFSET - (1 << (BITS - 1))) + 0.5 * coset.to(tl.float32)[:, None, :]
+        return tl.reshape(v, (BLOCK_K, BLOCK_N))
+    return tl.load(cb_ptr + q, mask=mask, other=0.0)
+
+
+@triton.jit
+def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, KW, OFFSET,
+                    BITS: tl.constexpr, LATTICE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -31,7 +51,7 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, K
         q = _packed_codes(c_ptr + offs_n[None, :], offs_k[:, None], N, mask, KW, BITS)
         g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
         s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
-        w = (tl.load(cb_ptr + q, mask=mask, other=0.0) * s.to(tl.float32)).to(x.dtype)
+        w = (_decode(q, cb_ptr, mask, OFFSET, BITS, LATTICE, BLOCK_K, BLOCK_N) * s.to(tl.float32)).to(x.dtype)
         if IEEE:
             acc += tl.dot(x, w, input_precision="ieee")
         else:
@@ -42,14 +62,20 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, K
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def codebook_matmul(x, codes, scales, g_idx, codebook, bits, bias=None):
-    """x [M, K] (fp16/bf16/fp32, contiguous) @ Ŵᵀ -> [M, N] in x's dtype; ValueError on a malformed layer."""
+def codebook_matmul(x, codes, scales, g_idx, codebook, bits, bias=None, lattice_offset=None):
+    """x [M, K] (fp16/bf16/fp32, contiguous) @ Ŵᵀ -> [M, N] in x's dtype; ValueError on a malformed layer.
+    lattice_offset: decode E8 box points with this offset instead of looking codes up in `codebook`."""
     m, k = x.shape
     n = scales.shape[1]
     kw = bitpack.packed_len(k, bits)
     if tuple(codes.shape) != (kw, n) or codes.dtype != torch.int32:
         raise ValueError(f"codes must be int32 [{kw}, {n}] for K={k} at {bits} bits, got {codes.dtype} {tuple(codes.shape)}")
-    if tuple(g_idx.shape) != (k,) or codebook.numel() != 1 << bits:
+    lattice = lattice_offset is not None
+    if lattice:
+        if k % 8:
+            raise ValueError(f"E8 layers need K to be a multiple of 8, got {k}")
+        codebook = scales.new_zeros(1, dtype=torch.float32)  # unused by the lattice decode
+    if tuple(g_idx.shape) != (k,) or (not lattice and codebook.numel() != 1 << bits):
         raise ValueError(f"g_idx must be [{k}] and the codebook hold {1 << bits} levels")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
@@ -62,7 +88,7 @@ def codebook_matmul(x, codes, scales, g_idx, codebook, bits, bias=None):
     block_m = 16 if m <= 16 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
     codebook_kernel[grid](x, codes, scales, g_idx.to(torch.int32), codebook.float().contiguous(),
-                          bias if bias is not None else scales, y, m, n, k, kw, BITS=bits,
-                          HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                          bias if bias is not None else scales, y, m, n, k, kw, float(lattice_offset or 0.0), BITS=bits,
+                          LATTICE=lattice, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
                           BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32)
     return y

@@ -31,17 +31,20 @@ _CONFIG_OPTIONS = [
                  help="rtn: round to nearest; gptq: Hessian-aware error feedback; awq: activation-aware scales "
                       "folded into the model, then RTN; awq+gptq: AWQ scales, then GPTQ; turboquant: Hadamard "
                       "rotation + Lloyd-Max codebook per block, data-free; turboquant+gptq: the same codebook "
-                      "inside GPTQ's error feedback (rotated basis)."),
+                      "inside GPTQ's error feedback (rotated basis); e8: Hadamard rotation + box-truncated E8 "
+                      "lattice (8 weights per point), data-free; e8+gptq: the same with block LDLQ."),
     click.option("--quantizer", default=None,
-                 help="What rounds the weights. Default: the method's (int for rtn/gptq/awq, turboquant for the "
-                      "turboquant methods). int: a per-group integer grid with scale and zero, the only one "
-                      "GPTQ-layout readers run; turboquant: a 2^bits-level codebook times one fp16 scale per "
-                      "group. Anything but unrotated int is written in the quantkit format."),
+                 help="What rounds the weights. Default: the method's (int for rtn/gptq/awq; turboquant and e8 for "
+                      "theirs). int: a per-group integer grid with scale and zero, the only one GPTQ-layout readers "
+                      "run; turboquant: a 2^bits-level codebook times one fp16 scale per group; e8: E8 lattice "
+                      "points times one fp16 scale per group. Anything but unrotated int is written in the quantkit "
+                      "format."),
     click.option("--bits", type=int, default=4,
-                 help="Bits per weight code: 2, 3, 4 or 8 (int); 1 to 5 (turboquant)."),
+                 help="Bits per weight code: 2, 3, 4 or 8 (int); 1 to 5 (turboquant); 1 to 4 (e8)."),
     click.option("--group-size", type=int, default=128,
                  help="Input columns sharing one scale (and zero); -1 = one group per row. A last shorter group is "
-                      "fine. turboquant: the block d, a power of two >= 8 (costs 16/d bits per weight)."),
+                      "fine. turboquant: the block d, a power of two >= 8; e8: a multiple of 8 (both cost 16/group "
+                      "bits per weight for the scale)."),
     click.option("--sym/--asym", default=True, help="Symmetric grid (zero fixed at 2^(bits-1)) or asymmetric min/max grid."),
     click.option("--dataset", default="wikitext2",
                  help="Calibration data: wikitext2, c4, pileval, or a local .txt/.jsonl/.json/.parquet file. "
@@ -66,7 +69,7 @@ _CONFIG_OPTIONS = [
     click.option("--rotate", type=click.Choice(["none", "hadamard"]), default=None,
                  help="hadamard: quantize each linear as W Πᵀ with a seeded randomized Hadamard rotation Π along "
                       "its inputs (GPTQ then rounds against Π H Πᵀ); the layer computes Ŵ (Π x). Default: hadamard "
-                      "for the turboquant methods, none otherwise; not with awq; "
+                      "for the turboquant and e8 methods, none otherwise; not with awq; "
                       "written in the quantkit format (quant_method \"quantkit\"), which GPTQ readers cannot run. "
                       "--seed picks the signs."),
     click.option("--max-shard-size", default="4GB", help="Largest safetensors shard; bigger models get an index."),

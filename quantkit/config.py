@@ -27,12 +27,13 @@ from quantkit.formats.gptq import CHECKPOINT_FORMATS
 from quantkit.methods.grid import check_bits, check_group_size, is_int
 from quantkit.methods.quantizer import QUANTIZERS, quantizer_for
 
-METHODS = ("rtn", "gptq", "awq", "awq+gptq", "turboquant", "turboquant+gptq")
-DATA_FREE = ("rtn", "turboquant")
+METHODS = ("rtn", "gptq", "awq", "awq+gptq", "turboquant", "turboquant+gptq", "e8", "e8+gptq")
+DATA_FREE = ("rtn", "turboquant", "e8")
 ROTATIONS = ("none", "hadamard")
-# What a method implies when --quantizer / --rotate are not given: TurboQuant is the rotation + its codebook.
-METHOD_DEFAULTS = {"turboquant": {"quantizer": "turboquant", "rotate": "hadamard"},
-                   "turboquant+gptq": {"quantizer": "turboquant", "rotate": "hadamard"}}
+# What a method implies when --quantizer / --rotate are not given: TurboQuant and E8 are a Hadamard rotation
+# followed by their own codebook ("name+gptq": the same inside GPTQ's error feedback).
+METHOD_DEFAULTS = {f"{name}{gptq}": {"quantizer": name, "rotate": "hadamard"}
+                   for name in ("turboquant", "e8") for gptq in ("", "+gptq")}
 PLAIN_DEFAULTS = {"quantizer": "int", "rotate": "none"}
 OVERRIDE_TYPES = {"pattern": str, "bits": int, "group_size": int, "sym": bool, "skip": bool}
 _TYPE_WORDS = {bool: "true or false, without quotes", int: "a whole number, without quotes",

@@ -11,6 +11,10 @@ scale per block, so all of them spend b + 16/d bits per weight (turboquant_prod:
   turboquant      quantkit's default: the same codebook, scale searched per block for the least squared error
   turboquant_prod TurboQuant_prod: (b-1)-bit turboquant_norm + 1-bit QJL of the residual (sign(S r), S
                   i.i.d. N(0, 1) d x d, and ||r||), decoded as x̂_mse + sqrt(pi/2)/d ||r|| Sᵀ sign(S r)
+  e8              box-truncated E8 lattice, 8 weights per point at exactly b bits per weight, scale searched
+                  per block (quantkit.methods.e8; b = 1..4)
+  e8_relaxed      the seed's relaxed-parity variant of the same box (half-integer coset without the parity
+                  rule): 1.5x the points, so b + 0.073 bits per weight; compare it with e8 at that rate
 Theory: Lloyd–Max MSE of the unit Gaussian (the d -> inf codebook with the exact norm), the lower bound
 4^-b and TurboQuant's upper bound sqrt(3) pi / 2 * 4^-b ≈ 2.72 * 4^-b.
 Rotated rows use quantkit's randomized Hadamard rotation (block = largest power of two dividing the width).
@@ -27,8 +31,10 @@ import torch
 from safetensors import safe_open
 
 from quantkit.methods.codebook import codebook_mse, lloyd_max
+from quantkit.methods.e8 import NATURAL_SPREAD, E8Box, nearest_relaxed
 from quantkit.methods.rotation import Rotation
 from quantkit.methods.rtn import rtn
+from quantkit.methods.scales import SEARCH, fp16_scale
 from quantkit.methods.turboquant import TurboQuant
 
 BITS = (1, 2, 3, 4, 5)
@@ -67,17 +73,41 @@ def turbo_prod(x, bits, seed=0):
     return base + math.sqrt(math.pi / 2) / d * norm * (torch.sign(r @ S.t()) @ S)
 
 
+def e8(x, bits):
+    return rtn(x, E8Box(bits), x.shape[1]).decoded() if bits in NATURAL_SPREAD else None
+
+
+def e8_relaxed(x, bits):
+    """Relaxed-parity box E8 with the same per-block scale search as e8 (without its least-squares step)."""
+    if bits not in NATURAL_SPREAD:
+        return None
+    s0 = x.pow(2).mean(dim=1, keepdim=True).sqrt() / NATURAL_SPREAD[bits]
+    best, best_err = None, None
+    for m in SEARCH:
+        s = fp16_scale(s0 * m)
+        xq = nearest_relaxed((x / s).reshape(x.shape[0], -1, 8), bits, 0.25).float().reshape(x.shape) * s
+        err = (x - xq).pow(2).sum(dim=1, keepdim=True)
+        if best is None:
+            best, best_err = xq, err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, xq, best), torch.where(better, err, best_err)
+    return best
+
+
 METHODS = {
     "rtn": lambda x, b: uniform(x, b, search=False),
     "rtn_mse": lambda x, b: uniform(x, b, search=True),
     "turboquant_norm": lambda x, b: turbo(x, b, "norm"),
     "turboquant": lambda x, b: turbo(x, b, "mse"),
     "turboquant_prod": turbo_prod,
+    "e8": e8,
+    "e8_relaxed": e8_relaxed,
 }
 
 
-def nmse(x, xq) -> float:
-    return float((x - xq).pow(2).sum() / x.pow(2).sum())
+def nmse(x, xq):
+    return None if xq is None else round(float((x - xq).pow(2).sum() / x.pow(2).sum()), 6)
 
 
 def blocks(w, d):
@@ -101,7 +131,7 @@ def smollm2_rows(model_dir, d, rotate, layers=(0, 15, 29), seed=0):
 
 
 def measure(x, bits) -> dict:
-    return {m: {str(b): round(nmse(x, fn(x, b)), 6) for b in bits} for m, fn in METHODS.items()}
+    return {m: {str(b): nmse(x, fn(x, b)) for b in bits} for m, fn in METHODS.items()}
 
 
 def theory(bits, d) -> dict:
@@ -119,7 +149,8 @@ def markdown(results: dict, bits) -> str:
         lines += [f"\n**{source}** (normalized MSE; lower is better)\n",
                   "| method | " + " | ".join(f"b = {b}" for b in bits) + " |",
                   "|---|" + "---|" * len(bits)]
-        lines += [f"| {m} | " + " | ".join(f"{v[str(b)]:.5f}" for b in bits) + " |" for m, v in table.items()]
+        lines += [f"| {m} | " + " | ".join("–" if v[str(b)] is None else f"{v[str(b)]:.5f}" for b in bits) + " |"
+                  for m, v in table.items()]
     return "\n".join(lines)
 
 

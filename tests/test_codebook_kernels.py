@@ -1,6 +1,6 @@
-"""The codebook dequant-GEMM (kernels/codebook.py) of TurboQuant layers: the Triton kernel against the torch
-reference on awkward shapes (M = 1, 3, 17; K not a multiple of the block d; codes straddling words at 3 and
-5 bits), and DecodedLinear's kernel path against its cached-weight path.
+"""The codebook dequant-GEMM (kernels/codebook.py) of TurboQuant and E8 layers: the Triton kernel against the
+torch reference on awkward shapes (M = 1, 3, 17; K not a multiple of the block d or of the kernel's K tile;
+codes straddling words at 3 and 5 bits), and DecodedLinear's kernel path against its cached-weight path.
 
 As in test_rotation_kernels.py, the CPU cases run the kernel under TRITON_INTERPRET=1 (in a fresh process
 when triton was imported without it first). Tolerance: both round the same float32 weight once to x's
@@ -22,6 +22,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 from quantkit.formats import bitpack  # noqa: E402
 from quantkit.kernels.codebook import codebook_linear, decode_codebook  # noqa: E402
 from quantkit.kernels import rotation  # noqa: E402
+from quantkit.methods.e8 import E8Box  # noqa: E402
 from quantkit.methods.rtn import rtn  # noqa: E402
 from quantkit.methods.turboquant import TurboQuant  # noqa: E402
 from quantkit.nn.decoded_linear import DecodedLinear  # noqa: E402
@@ -30,42 +31,53 @@ from triton_cases import device_params, rerun_with_interpreter  # noqa: E402
 DEVICES = device_params("not importable" if rotation.triton is None else None, INTERPRET, PREIMPORTED)
 
 
-def layer(n, k, bits, d, seed):
-    """Packed tensors of a TurboQuant layer [n, k] quantized from random weights."""
+def layer(n, k, quantizer, d, seed):
+    """Packed tensors of a TurboQuant or E8 layer [n, k] quantized from random weights."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    q = TurboQuant(bits, d)
-    res = rtn(w, q, d)
+    res = rtn(w, quantizer, d)
+    bits = quantizer.code_bits
     return {"codes": bitpack.pack(res.codes.t(), bits, dim=0), "scales": res.params["scale"].t().half().contiguous(),
-            "g_idx": res.g_idx.to(torch.int32), "codebook": torch.tensor(q.codebook), "bits": bits, "in_features": k,
+            "g_idx": res.g_idx.to(torch.int32), "codebook": torch.tensor(quantizer.kernel_decode.get("table", [0.0])),
+            "lattice_offset": quantizer.kernel_decode.get("lattice_offset"), "bits": bits, "in_features": k,
             "decoded": res.decoded()}
 
 
-def test_reference_decodes_the_quantizer_result():
-    t = layer(24, 100, 5, 32, 0)
-    w = decode_codebook(t["codes"], t["scales"], t["g_idx"], t["codebook"], t["bits"], t["in_features"])
+@pytest.mark.parametrize("quantizer", [TurboQuant(5, 32), E8Box(3)])
+def test_reference_decodes_the_quantizer_result(quantizer):
+    t = layer(24, 104, quantizer, 32, 0)
+    w = decode_codebook(t["codes"], t["scales"], t["g_idx"], t["codebook"], t["bits"], t["in_features"],
+                        t["lattice_offset"])
     assert torch.equal(w, t["decoded"].t())
+
+
+CASES = [(72, 96, TurboQuant(3, 64), 64), (40, 80, TurboQuant(5, 32), 32), (64, 128, TurboQuant(4, 128), 128),
+         (33, 160, TurboQuant(2, 64), 64), (40, 104, E8Box(2), 64), (24, 96, E8Box(3), 32), (33, 64, E8Box(4), 64)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("m", [1, 3, 17])
-@pytest.mark.parametrize("n,k,bits,d", [(72, 96, 3, 64), (40, 80, 5, 32), (64, 128, 4, 128), (33, 160, 2, 64)])
-def test_triton_matches_reference(device, dtype, m, n, k, bits, d):
-    t = layer(n, k, bits, d, seed=m + k)
+@pytest.mark.parametrize("n,k,quantizer,d", CASES)
+def test_triton_matches_reference(device, dtype, m, n, k, quantizer, d):
+    t = layer(n, k, quantizer, d, seed=m + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     bias = torch.randn(n).to(dtype)
+    bits = t["bits"]
     args = [t[key].to(device) for key in ("codes", "scales", "g_idx", "codebook")] + [bits, k]
-    y = codebook_linear(x.to(device), *args, bias=bias.to(device), backend="triton").cpu()
-    ref = codebook_linear(x, *[a.cpu() if torch.is_tensor(a) else a for a in args], bias=bias, backend="torch")
+    y = codebook_linear(x.to(device), *args, bias=bias.to(device), lattice_offset=t["lattice_offset"],
+                        backend="triton").cpu()
+    ref = codebook_linear(x, *[a.cpu() if torch.is_tensor(a) else a for a in args], bias=bias,
+                          lattice_offset=t["lattice_offset"], backend="torch")
     scale = (x.float().abs() @ t["decoded"].t().abs()).max().item() + bias.abs().max().item()
     tol = (2.0**-11 if dtype == torch.float16 else 1e-5) * scale
     assert y.dtype == dtype and (y.float() - ref.float()).abs().max().item() <= tol
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_decoded_linear_kernel_path_matches_its_cached_weight(device):
-    t = layer(48, 96, 3, 32, seed=7)
-    module = DecodedLinear(96, 48, TurboQuant(3, 32), 32, 3, bias=False, dtype=torch.float32)
+@pytest.mark.parametrize("quantizer", [TurboQuant(3, 32), E8Box(2)])
+def test_decoded_linear_kernel_path_matches_its_cached_weight(device, quantizer):
+    t = layer(48, 96, quantizer, 32, seed=7)
+    module = DecodedLinear(96, 48, quantizer, 32, 3, bias=False, dtype=torch.float32)
     for key in ("codes", "g_idx"):
         getattr(module, key).copy_(t[key])
     module.scale.copy_(t["scales"])

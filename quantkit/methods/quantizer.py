@@ -20,6 +20,7 @@ here-and-registered (`@register_quantizer`) plus, if it needs a fast kernel, a m
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.methods.e8 import E8Box
 from quantkit.methods.grid import Grid
 from quantkit.methods.turboquant import TurboQuant
 
@@ -34,6 +35,7 @@ def register_quantizer(cls):
 
 register_quantizer(Grid)
 register_quantizer(TurboQuant)
+register_quantizer(E8Box)
 
 
 def _class(name: str):

@@ -20,13 +20,13 @@ from quantkit.model.arch import Arch, get_weight
 
 class Method:
     """Every method is one class with two switches (AWQ scaling first; GPTQ or RTN rounding), the quantizer
-    and rotation coming from the config: turboquant is RTN and turboquant+gptq GPTQ, with TurboQuant's
-    codebook behind a Hadamard rotation."""
+    and rotation coming from the config: turboquant and e8 are RTN, turboquant+gptq and e8+gptq GPTQ, with
+    their codebook behind a Hadamard rotation."""
 
     def __init__(self, config: QuantConfig, arch: Arch):
         self.config, self.arch = config, arch
         self.use_awq = config.method in ("awq", "awq+gptq")
-        self.use_gptq = config.method in ("gptq", "awq+gptq", "turboquant+gptq")
+        self.use_gptq = config.method == "gptq" or config.method.endswith("+gptq")
         self.awq_report: dict = {}
 
     @property

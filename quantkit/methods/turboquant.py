@@ -12,7 +12,7 @@ How the per-block scale is chosen (`scale`; rate 16 / d bits per weight whicheve
   norm   the paper's: ||w|| / sqrt(L) for a block of L weights (so the unit-sphere codebook applies)
   ratio  the norm, then corrected so the decoded block has the block's norm, ||w_hat|| = ||w||
   mse    the scale minimising ||w - w_hat||² for this block: a search around the norm scale plus a
-         least-squares step (side information bought with the same 16 bits; docs/QUALITY.md measures it)
+         least-squares step (quantkit.methods.scales; side information bought with the same 16 bits)
 The codebook is stored in the checkpoint's settings (float32 values), so a reader never recomputes it.
 """
 import math
@@ -24,10 +24,10 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.methods.codebook import lloyd_max, nearest
 from quantkit.methods.grid import is_int
+from quantkit.methods.scales import fp16_scale, searched_scale
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5)
 SCALES = ("norm", "ratio", "mse")
-SEARCH = torch.linspace(0.7, 1.3, 31).tolist()  # scale multipliers tried by scale="mse" around the norm scale
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,11 @@ class TurboQuant:
     def settings(self) -> dict:
         return {"bits": self.bits, "dim": self.dim, "scale": self.scale, "codebook": list(self.codebook)}
 
+    @property
+    def kernel_decode(self) -> dict:
+        """How the dequant-GEMM decodes a code (quantkit.kernels.codebook): a lookup in the levels."""
+        return {"table": self.codebook}
+
     def levels(self, like: torch.Tensor) -> torch.Tensor:
         """The codebook as a tensor on like's device and dtype (cached: GPTQ asks once per column)."""
         key = ("_levels", like.device, like.dtype)
@@ -82,27 +87,11 @@ class TurboQuant:
         w = w.float()
         s = w.norm(dim=1) / math.sqrt(w.shape[1])
         if self.scale == "ratio":
-            decoded = self.levels(w)[nearest(w / _safe(s)[:, None], self.levels(w))]
+            decoded = self.levels(w)[nearest(w / fp16_scale(s)[:, None], self.levels(w))]
             s = w.norm(dim=1) / decoded.norm(dim=1).clamp(min=1e-30)
         elif self.scale == "mse":
-            s = self._search(w, s)
-        return {"scale": _safe(s)}
-
-    def _search(self, w, s0):
-        """The scale with the least squared error among s0 * SEARCH and the least-squares refit of the best."""
-        levels = self.levels(w)
-        best_s, best_err = s0, torch.full_like(s0, math.inf)
-        for m in SEARCH:
-            s = _safe(s0 * m)
-            err = self._error(w, s)
-            better = err < best_err
-            best_s, best_err = torch.where(better, s, best_s), torch.where(better, err, best_err)
-        decoded = levels[nearest(w / best_s[:, None], levels)]
-        refit = _safe((w * decoded).sum(dim=1) / (decoded * decoded).sum(dim=1).clamp(min=1e-30))
-        return torch.where(self._error(w, refit) < best_err, refit, best_s)
-
-    def _error(self, w, s):
-        return (w - self.round(w, {"scale": s})[1]).pow(2).sum(dim=1)
+            s = searched_scale(self, w, s)
+        return {"scale": fp16_scale(s)}
 
     def round(self, w: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, dequantized) of w [rows, cols] with per-row params [rows]: the nearest level of w / scale."""
@@ -114,11 +103,6 @@ class TurboQuant:
     def dequantize(self, codes: torch.Tensor, params: dict) -> torch.Tensor:
         s = params["scale"].float()
         return s * self.levels(s)[codes.long()]
-
-
-def _safe(s: torch.Tensor) -> torch.Tensor:
-    """Scales as the checkpoint stores them (fp16) and nonzero (an all-zero block decodes to ~0)."""
-    return s.half().float().clamp(min=2**-24)
 
 
 def _check_codebook(levels, bits) -> tuple:

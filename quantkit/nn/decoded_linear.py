@@ -4,8 +4,9 @@ Buffers mirror the checkpoint (quantkit.formats.quantkit_format): `codes` (the q
 along the input dim at its code_bits), one [n_groups, out] tensor per parameter (fp16 when the
 quantizer stores it in 16 bits, else float32), g_idx, bias, and rot_signs when rotated.
 
-Codebook quantizers (TurboQuant: w = scale * codebook[code]) run the codebook dequant-GEMM
-(quantkit.kernels.codebook): a Triton kernel that decodes in registers on CUDA. Everywhere else, and
+Quantizers that name a kernel decode (`kernel_decode`: TurboQuant's table, w = scale * codebook[code], or E8's
+lattice offset) run the codebook dequant-GEMM (quantkit.kernels.codebook): a Triton kernel that decodes in
+registers on CUDA. Everywhere else, and
 for any other quantizer, forward decodes the weight once through the quantizer and keeps it (a dense
 fp32 copy per layer, like QuantLinear's CPU path; `cache_dequantized = False` decodes on every call).
 """
@@ -37,7 +38,10 @@ class DecodedLinear(nn.Module):
                                                   device=device))
         self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
-        table = getattr(quantizer, "codebook", None)  # part of the quantizer's settings, not of the state dict
+        # How the kernel decodes (None: no kernel): a table of levels, or the E8 lattice offset. The table is part
+        # of the quantizer's settings, not of the state dict.
+        self.kernel = getattr(quantizer, "kernel_decode", None)
+        table = (self.kernel or {}).get("table")
         self.register_buffer("codebook", None if table is None else torch.tensor(table, dtype=torch.float32,
                                                                                  device=None if device == "meta" else device),
                              persistent=False)
@@ -63,11 +67,11 @@ class DecodedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = rotate_input(self, x)
-        if self.codebook is not None and (x.is_cuda or not self.cache_dequantized):
+        if self.kernel is not None and (x.is_cuda or not self.cache_dequantized):
             from quantkit.kernels.codebook import codebook_linear
 
             return codebook_linear(x, self.codes, self.scale, self.g_idx, self.codebook, self.quantizer.code_bits,
-                                   self.in_features, self.bias)
+                                   self.in_features, self.bias, lattice_offset=self.kernel.get("lattice_offset"))
         return nn.functional.linear(x, self.weight().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
 
     def _apply(self, fn, *args, **kwargs):
