@@ -128,6 +128,12 @@ def _group_pattern(serving: str, members) -> str:
     return f"^(?:{'|'.join(re.escape(n) for n in names)})$"
 
 
+def checkpoint_format(qc: dict) -> str:
+    """The zero-point convention of a GPTQ config: "checkpoint_format" (GPTQModel, quantkit), else "format"
+    (transformers' GPTQConfig.to_dict), else "gptq" (AutoGPTQ wrote neither). Checked by validate."""
+    return qc.get("checkpoint_format") or qc.get("format") or "gptq"
+
+
 def parse_dynamic_key(key: str) -> tuple[str, str]:
     """("+" or "-", regex) of a "dynamic" key; GPTQModel reads a key without a sign as "+"."""
     if key[:2] in ("+:", "-:"):
@@ -185,4 +191,4 @@ class GPTQCodec:
         from quantkit.nn.quant_linear import QuantLinear
 
         return QuantLinear(layer.in_features, layer.out_features, layer.bits, layer.group_size, layer.bias,
-                           qc.get("checkpoint_format", "gptq"), dtype=dtype, device="meta")
+                           checkpoint_format(qc), dtype=dtype, device="meta")
