@@ -1,5 +1,6 @@
 """Python API: quantize() a model into a checkpoint folder; load_quantized() it back."""
 import math
+import sys
 import time
 
 import torch
@@ -8,10 +9,11 @@ from tqdm.auto import tqdm
 from quantkit import __version__
 from quantkit.config import QuantConfig, write_recipe
 from quantkit.errors import QuantkitError
-from quantkit.formats import checkpoint, codecs, output
+from quantkit.formats import checkpoint, codecs, compat, output
 from quantkit.loading import load_quantized  # noqa: F401  (public API)
 from quantkit.methods.registry import Method
-from quantkit.model.arch import arch_for, block_linears, get_submodule, is_linear, require_scale_groups
+from quantkit.model.arch import (arch_for, block_linears, fused_groups, fused_siblings, get_submodule, get_weight,
+                                 is_linear, require_scale_groups)
 from quantkit.model.loader import load_fp_model, resolve_device, stored_dtype
 from quantkit.model.sequential import run_sequential
 from quantkit.report import flag_outliers
@@ -65,9 +67,11 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     save_dtype = stored_dtype(fp_model) if dtype == "auto" else fp_model.dtype
     arch = arch_for(fp_model)
     names = quantizable_linears(fp_model, arch)
+    config.bind_fused_groups(fused_siblings(arch, names))
     if all(config.spec_for(n) is None for n in names):
         raise QuantkitError(f"the recipe's module overrides skip all {len(names)} quantizable linears: nothing to "
                             "quantize; remove a skip: true or narrow its pattern")
+    compat_lines = check_compat(fp_model, arch, names, config)
     method = Method(config, arch)
     if config.needs_calibration:
         if method.use_awq:
@@ -90,6 +94,7 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
         "layers": _layer_report(results),
     }
     report["flagged"] = flag_outliers(report["layers"])
+    report["compat"] = compat_lines
     if method.awq_report:
         report["awq"] = method.awq_report
     _write(fp_model, tokenizer, results, names, config, method, report, save_dtype,
@@ -97,11 +102,23 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     return report
 
 
+def check_compat(model, arch, names, config) -> list[str]:
+    """The readers that would refuse the checkpoint (quantkit.formats.compat), before any calibration:
+    a QuantkitError for the --compat target, a warning line on stderr for each other reader."""
+    specs = {n: config.spec_for(n) for n in names}
+    shapes = {n: tuple(reversed(get_weight(model.get_submodule(n)).shape)) for n in names}
+    found = compat.enforce(compat.check(config, specs, shapes, fused_groups(arch, names)), config.compat)
+    for line in found:
+        print(f"warning: {line}", file=sys.stderr)
+    return found
+
+
 def _write(model, tokenizer, results, names, config, method, report, save_dtype, staged):
     codec = codecs.codec_for(results.values())
     qc = codec.quantization_config(config, results, names, act_order=method.act_order, extra={
         "true_sequential": config.true_sequential, "damp_percent": config.damp,
-        "quantizer": [f"quantkit:{__version__}"], "meta": {"method": config.method}})
+        "quantizer": [f"quantkit:{__version__}"], "meta": {"method": config.method}},
+        fused=fused_groups(method.arch, names))
     state = checkpoint.drop_shared(model.state_dict())  # before casting, which would untie storages
     state = {k: v.to(save_dtype) if v.is_floating_point() else v for k, v in state.items()}
     tensors = codecs.model_tensors(state, results, codec, config)

@@ -73,6 +73,12 @@ _CONFIG_OPTIONS = [
                       "written in the quantkit format (quant_method \"quantkit\"), which GPTQ readers cannot run. "
                       "--seed picks the signs."),
     click.option("--max-shard-size", default="4GB", help="Largest safetensors shard; bigger models get an index."),
+    click.option("--compat", type=click.Choice(["none", "any", "vllm", "transformers", "gptqmodel"]), default="none",
+                 help="Before any work, quantize checks the settings against what vLLM, transformers and GPTQModel "
+                      "load (bits/sym, group size, short last group, overrides of part of a fused q/k/v or gate/up "
+                      "group, per-module overrides) and prints one warning line per reader that would refuse the "
+                      "checkpoint, with the fix. none: warnings only; vllm/transformers/gptqmodel: that reader's "
+                      "refusal is an error; any: every reader's is. docs/FORMAT.md has the rules and their sources."),
 ]
 
 

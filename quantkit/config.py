@@ -11,6 +11,10 @@ A recipe is a YAML or TOML file whose keys mirror the CLI options (dashes or und
         bits: 8
       - pattern: 'self_attn\\.o_proj'
         skip: true                                       # leave this one in floating point
+
+An override that matches one linear of a fused group (q/k/v, gate/up: quantkit.model.arch `fused`) applies to
+the whole group, because vLLM runs the group as one layer with one setting; `split_fused: true` limits it to
+the linears it matches (a checkpoint vLLM refuses; the compat report says so).
 """
 import dataclasses
 import os
@@ -35,7 +39,8 @@ ROTATIONS = ("none", "hadamard")
 METHOD_DEFAULTS = {f"{name}{gptq}": {"quantizer": name, "rotate": "hadamard"}
                    for name in ("turboquant", "e8") for gptq in ("", "+gptq")}
 PLAIN_DEFAULTS = {"quantizer": "int", "rotate": "none"}
-OVERRIDE_TYPES = {"pattern": str, "bits": int, "group_size": int, "sym": bool, "skip": bool}
+OVERRIDE_TYPES = {"pattern": str, "bits": int, "group_size": int, "sym": bool, "skip": bool, "split_fused": bool}
+COMPAT_TARGETS = ("none", "any", "vllm", "transformers", "gptqmodel")
 _TYPE_WORDS = {bool: "true or false, without quotes", int: "a whole number, without quotes",
                float: "a number, without quotes", str: "a string (in quotes)", list: "a list of '- pattern: ...' items"}
 
@@ -82,6 +87,7 @@ class QuantConfig:
     checkpoint_format: str = "gptq"
     rotate: Optional[str] = None     # None: the method's (none; hadamard for the turboquant methods)
     max_shard_size: str = "4GB"
+    compat: str = "none"             # reader(s) whose refusal is an error before any work; none: warnings only
     modules: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -115,6 +121,8 @@ class QuantConfig:
         if self.rotate != "none" and "awq" in self.method:
             raise QuantkitError(f"--rotate {self.rotate} does not work with --method {self.method}: AWQ's "
                                 "scales are searched in the unrotated basis")
+        if self.compat not in COMPAT_TARGETS:
+            raise QuantkitError(f"unknown --compat '{self.compat}': use one of {', '.join(COMPAT_TARGETS)}")
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise QuantkitError(f"unknown checkpoint format '{self.checkpoint_format}': use gptq or gptq_v2")
         self.modules = [self._check_override(o, i) for i, o in enumerate(self.modules)]
@@ -154,11 +162,20 @@ class QuantConfig:
     def needs_calibration(self) -> bool:
         return self.method not in DATA_FREE
 
+    def bind_fused_groups(self, siblings: dict) -> None:
+        """{full linear name: the other linears of its fused group} (quantkit.model.arch.fused_siblings), so that
+        spec_for applies an override to whole groups. Not a field: it describes the model, not the run."""
+        self._siblings = dict(siblings)
+
+    def _matches(self, o: dict, name: str) -> bool:
+        names = (name,) if o.get("split_fused") else (name, *getattr(self, "_siblings", {}).get(name, ()))
+        return any(re.search(o["pattern"], n) for n in names)
+
     def spec_for(self, name: str) -> Optional[LayerSpec]:
         """The settings for module `name`, or None when an override skips it."""
         spec = {"bits": self.bits, "group_size": self.group_size, "sym": self.sym}
         for o in self.modules:
-            if re.search(o["pattern"], name):
+            if self._matches(o, name):
                 if o.get("skip"):
                     return None
                 spec.update({k: o[k] for k in ("bits", "group_size", "sym") if k in o})

@@ -4,14 +4,12 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
-from quantkit.formats.checkpoint import read_json
 
 # Positions per cross-entropy call: bounds the float32 copy of the logits to
 # _LOSS_CHUNK x vocab floats (e.g. 1024 x 152k x 4 B ≈ 0.6 GB for Qwen) however long the window.
@@ -114,8 +112,9 @@ def _batch_nll_sum(logits: torch.Tensor, batch: torch.Tensor) -> float:
 
 
 def is_quantized_folder(path) -> bool:
-    cfg = Path(path) / "config.json"
-    return cfg.is_file() and "quantization_config" in read_json(cfg)
+    from quantkit.formats.checkpoint import has_quantization_config
+
+    return has_quantization_config(path)
 
 
 def load_any(path, device="auto", dtype=None):

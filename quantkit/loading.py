@@ -30,7 +30,7 @@ def _default_dtype(config_dtype, device):
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.float16
 
 
-def _skeleton(folder, dtype):
+def _skeleton(folder, dtype, qc):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -39,8 +39,8 @@ def _skeleton(folder, dtype):
     except (OSError, ValueError, KeyError) as e:
         raise QuantkitError(f"{folder}/config.json does not describe a model transformers knows ({e}): "
                             "restore it from the source model") from e
-    qc = config.quantization_config
-    del config.quantization_config  # keep transformers from looking for a GPTQ backend
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # keep transformers from looking for a GPTQ backend
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config.quantization_config = qc
@@ -72,7 +72,8 @@ def load_quantized(path, device_map=None, dtype=None):
     config, tensors, layers, codec = checkpoint.read_checkpoint(folder)
     device = _device(device_map)
     dtype = parse_dtype(dtype) or _default_dtype(parse_dtype(config.get("dtype") or config.get("torch_dtype")), device)
-    model, qc = _skeleton(folder, dtype)
+    qc = config["quantization_config"]  # config.json's, or an AutoGPTQ folder's quantize_config.json
+    model, qc = _skeleton(folder, dtype, qc)
     _swap_quantized(model, layers, codec, qc, dtype)
     buffers = dict(model.named_buffers())
     for name, t in tensors.items():  # float tensors take the activation dtype, unless the module keeps its own

@@ -27,6 +27,27 @@ def test_packed_lengths_match_gptq_when_aligned():
     assert bitpack.packed_len(172, 4) == 22  # padded to 176 inputs
 
 
+def test_unaligned_3bit_uses_the_readers_word_count():
+    # GPTQModel (nn_modules/qlinear/__init__.py) and transformers/optimum allocate ceil(K * bits / 32) words,
+    # not whole 32-code units: 172 * 3 = 516 bits -> 17 words (a 192-code unit would give 18)
+    assert bitpack.packed_len(172, 3) == 17
+    assert bitpack.packed_len(576, 3) == 54
+    assert bitpack.packed_len(100, 5) == 16   # 500 bits
+    assert bitpack.packed_len(33, 3) == 4
+
+
+def test_golden_unaligned_3bit_words():
+    # 33 codes of value 7 (0b111): 99 one-bits -> three all-ones words (int32 -1) and a fourth with its
+    # 3 low bits set; the stream stops there (a padded unit would add two zero words)
+    words = bitpack.pack(torch.full((33, 1), 7), 3)
+    assert words[:, 0].tolist() == [-1, -1, -1, 0x7]
+    assert torch.equal(bitpack.unpack(words, 3, 33), torch.full((33, 1), 7, dtype=torch.int32))
+    # codes 0..9 then 5 at index 32: code 32 sits at bits 96..98, the low bits of word 3
+    codes = torch.zeros(33, 1, dtype=torch.long)
+    codes[32] = 5
+    assert (bitpack.pack(codes, 3)[:, 0].long() & 0xFFFFFFFF).tolist() == [0, 0, 0, 0x5]
+
+
 def test_golden_words():
     # input j of a word sits at bit offset bits*j, least significant first
     assert bitpack.pack(torch.arange(8).view(8, 1), 4)[0, 0].item() == 0x76543210

@@ -176,7 +176,11 @@ def _nan_scale(t):
 
 
 TAMPERED = {
-    "no quantization_config": (config_edit(lambda c: c.pop("quantization_config")), ["quantization_config"]),
+    # config.json's quantization_config alone: quantize_config.json would stand in for it (AutoGPTQ folders)
+    "no quantization_config": (lambda folder: (config_edit(lambda c: c.pop("quantization_config"))(folder),
+                                               (folder / "quantize_config.json").unlink()), ["quantization_config"]),
+    "format key disagrees": (config_edit(set_qc(format="gptq_v2")), ["checkpoint_format 'gptq' but format 'gptq_v2'"]),
+    "pack_dtype int16": (config_edit(set_qc(pack_dtype="int16")), ["pack_dtype 'int16'"]),
     "unknown format": (config_edit(set_qc(checkpoint_format="gptq_p")), ["checkpoint_format", "gptq_p"]),
     "v1 read as v2": (config_edit(set_qc(checkpoint_format="gptq_v2")), ["checkpoint_format", "written as 'gptq'"]),
     "v1 read as v2, no recipe": (lambda folder: (config_edit(set_qc(checkpoint_format="gptq_v2"))(folder),

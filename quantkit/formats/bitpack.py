@@ -17,12 +17,14 @@ def codes_per_unit(bits: int) -> int:
 
 
 def padded_len(k: int, bits: int) -> int:
+    """K rounded up to whole units: the codes `pack` computes before it drops the all-zero tail words."""
     unit = codes_per_unit(bits)
     return -(-k // unit) * unit
 
 
 def packed_len(k: int, bits: int) -> int:
-    return padded_len(k, bits) * bits // 32
+    """Words that hold k codes of `bits` bits: ceil(k * bits / 32)."""
+    return -(-k * bits // 32)
 
 
 def pack(codes: torch.Tensor, bits: int, dim: int = 0) -> torch.Tensor:
@@ -43,7 +45,7 @@ def pack(codes: torch.Tensor, bits: int, dim: int = 0) -> torch.Tensor:
         high = c[spill] >> (32 - offset[spill]).view(view)
         words.index_add_(0, word[spill] + 1, high)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words.movedim(0, dim).contiguous()
+    return words[:packed_len(k, bits)].movedim(0, dim).contiguous()  # the dropped words hold only padding
 
 
 def unpack(words: torch.Tensor, bits: int, k: int, dim: int = 0) -> torch.Tensor:
@@ -65,6 +67,9 @@ def _unpack_aligned(words: torch.Tensor, bits: int, k: int, dim: int) -> torch.T
 def unpack_stream(words: torch.Tensor, bits: int, k: int, dim: int = 0) -> torch.Tensor:
     """`unpack` for any bit width, reading the words as one continuous bit stream (int64 math)."""
     w = words.movedim(dim, 0).to(torch.int64) & 0xFFFFFFFF
+    unit_words = codes_per_unit(bits) * bits // 32
+    if w.shape[0] % unit_words:  # a stream of ceil(k*b/32) words: zero words so every unit is whole
+        w = torch.cat([w, w.new_zeros((unit_words - w.shape[0] % unit_words, *w.shape[1:]))])
     kp = w.shape[0] * 32 // bits
     bitpos = torch.arange(kp, dtype=torch.int64, device=w.device) * bits
     word, offset = bitpos // 32, bitpos % 32

@@ -1,6 +1,7 @@
 """Writing and reading quantized checkpoint folders (safetensors shards + config), atomically.
 
-Folder layout (readable by GPTQ-aware tools):
+Folder layout (readable by GPTQ-aware tools; an AutoGPTQ folder whose quantize_config.json is its only
+quantization config, and whose one shard may be named after model_file_base_name, is read too):
   config.json                 the model config + "quantization_config" (see quantization_config())
   quantize_config.json        the same quantization_config alone (AutoGPTQ/GPTQModel convention)
   model.safetensors           or model-0000i-of-0000N.safetensors + model.safetensors.index.json
@@ -20,9 +21,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import codecs
+from quantkit.formats import codecs, gptq
 
 INDEX_NAME = "model.safetensors.index.json"
+QUANTIZE_CONFIG = "quantize_config.json"
 SINGLE_NAME = "model.safetensors"
 RECIPE_NAME = "quantkit_recipe.yaml"
 UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -110,16 +112,35 @@ def read_config(folder) -> dict:
     if not path.is_file():
         raise QuantkitError(f"{folder} has no config.json: pass a folder written by `quantkit quantize`")
     config = read_json(path)
-    qc = config.get("quantization_config")
+    qc = config.get("quantization_config") or _autogptq_config(folder)
     if not qc:
-        raise QuantkitError(f"{folder} has no quantization_config in config.json: it is not a quantized checkpoint "
-                            "(evaluate it as a floating-point model, or quantize it first with `quantkit quantize`)")
+        raise QuantkitError(f"{folder} has no quantization_config in config.json and no {QUANTIZE_CONFIG}: it is not "
+                            "a quantized checkpoint (evaluate it as a floating-point model, or quantize it first with "
+                            "`quantkit quantize`)")
+    config["quantization_config"] = qc
     if not isinstance(qc, dict):
         raise QuantkitError(f"{path} quantization_config must be a JSON object: the checkpoint is damaged")
     codecs.codec_named(qc, str(path)).check_config(qc, str(path))
     if qc["quant_method"] == "gptq":
         _check_recipe_agrees(folder, qc)
     return config
+
+
+def _autogptq_config(folder: Path):
+    """quantize_config.json of a folder whose config.json has no quantization_config (AutoGPTQ's layout);
+    AutoGPTQ before 0.7 wrote no quant_method, and every such file describes GPTQ tensors."""
+    path = folder / QUANTIZE_CONFIG
+    if not path.is_file():
+        return None
+    qc = read_json(path)
+    return {"quant_method": "gptq", **qc}
+
+
+def has_quantization_config(folder) -> bool:
+    """Whether a folder declares itself quantized (config.json's quantization_config or quantize_config.json)."""
+    folder = Path(folder)
+    cfg = folder / "config.json"
+    return cfg.is_file() and ("quantization_config" in read_json(cfg) or (folder / QUANTIZE_CONFIG).is_file())
 
 
 def _check_recipe_agrees(folder: Path, qc: dict) -> None:
@@ -129,7 +150,7 @@ def _check_recipe_agrees(folder: Path, qc: dict) -> None:
         written = yaml.safe_load(recipe.read_text()).get("checkpoint_format") if recipe.is_file() else None
     except (yaml.YAMLError, AttributeError, UnicodeDecodeError):
         written = None
-    declared = qc.get("checkpoint_format", "gptq")
+    declared = gptq.checkpoint_format(qc)
     if written is not None and written != declared:
         raise QuantkitError(f"{folder}/config.json says checkpoint_format {declared!r} but the checkpoint was written "
                             f"as {written!r} ({RECIPE_NAME}): restore checkpoint_format {written!r} in config.json")
@@ -152,6 +173,8 @@ def shard_files(folder: Path) -> list[Path]:
         except (json.JSONDecodeError, KeyError) as e:
             raise QuantkitError(f"{index} is damaged ({e}): quantize the model again") from e
         files = [folder / n for n in names]
+    elif not (folder / SINGLE_NAME).is_file() and len(others := sorted(folder.glob("*.safetensors"))) == 1:
+        files = others  # AutoGPTQ names its one shard after model_file_base_name (gptq_model-4bit-128g.safetensors)
     else:
         files = [folder / SINGLE_NAME]
     missing = [f.name for f in files if not f.is_file()]

@@ -8,7 +8,8 @@ Per quantized Linear `<name>` (K = in_features, N = out_features, G = number of 
   bias    (as the model's dtype, fp16 by default) [N], when the layer has one
 Checkpoint format "gptq" (v1) stores zero - 1 in qzeros (4-bit sym: every word 0x77777777);
 "gptq_v2" stores the true zero. We write v1 (what vLLM, TGI and transformers read); our grids keep
-asymmetric zeros >= 1 so v1 never wraps. K or N not aligned to the packing unit are zero-padded.
+asymmetric zeros >= 1 so v1 never wraps. Packed dims take ceil(K * bits / 32) words, the last one
+zero-filled (what GPTQModel, transformers/optimum and vLLM allocate, 3-bit included).
 """
 import re
 
@@ -57,28 +58,24 @@ def dequantize(t: dict, bits, in_features, out_features, checkpoint_format="gptq
 
 
 def quantization_config(bits, group_size, sym, act_order, checkpoint_format, results: dict, all_linears,
-                        extra=None) -> dict:
+                        extra=None, fused=None) -> dict:
     """config.json's "quantization_config" for GPTQ-aware readers.
 
-    Per-module exceptions use GPTQModel's "dynamic" map: "+:^name$" -> {bits, group_size, sym} for a
-    module quantized differently from the defaults, "-:^name$" -> {} for a linear left in float.
+    Per-module exceptions use GPTQModel's "dynamic" map (read the same way by vLLM): "+:<regex>" -> {bits,
+    group_size, sym} for modules quantized differently from the defaults, "-:<regex>" -> {} for linears left in
+    float. fused: {serving name: member linears} (quantkit.model.arch.fused_groups): a group whose members
+    share one exception gets one key matching the members and vLLM's fused name (q/k/v and qkv_proj).
+    desc_act says whether g_idx is out of order, which is what readers act on: quantkit's act-order uses
+    static groups, so g_idx stays k // group_size and desc_act is false; static_groups records the act-order.
     """
-    dynamic = {}
-    for name in all_linears:
-        res = results.get(name)
-        if res is None:
-            dynamic[f"-:^{re.escape(name)}$"] = {}
-            continue
-        q = res.quantizer
-        if (q.bits, res.group_size, q.sym) != (bits, group_size, sym):
-            dynamic[f"+:^{re.escape(name)}$"] = {"bits": q.bits, "group_size": res.group_size, "sym": q.sym}
+    dynamic = _dynamic((bits, group_size, sym), results, all_linears, fused or {})
     qc = {
         "quant_method": "gptq",
         "bits": bits,
         "group_size": group_size,
         "sym": sym,
-        "desc_act": act_order,       # what was done: only GPTQ reorders columns
-        "static_groups": act_order,  # act-order here always uses static groups: g_idx stays i // group_size
+        "desc_act": any(_reorders(r) for r in results.values()),
+        "static_groups": act_order,
         "checkpoint_format": checkpoint_format,
         "pack_dtype": "int32",
     }
@@ -86,6 +83,55 @@ def quantization_config(bits, group_size, sym, act_order, checkpoint_format, res
         qc["dynamic"] = dynamic
     qc.update(extra or {})
     return qc
+
+
+def _reorders(res: QuantResult) -> bool:
+    """Whether a layer's g_idx differs from k // group_size (act-order without static groups)."""
+    k = res.g_idx.numel()
+    plain = torch.zeros(k, dtype=torch.long) if res.group_size == -1 else torch.arange(k) // res.group_size
+    return not torch.equal(res.g_idx.long().cpu(), plain)
+
+
+def _exception(base: tuple, res) -> tuple | None:
+    """("-", {}) for a linear left in float, ("+", settings) for other settings, None for the defaults."""
+    if res is None:
+        return ("-", {})
+    q = res.quantizer
+    if (q.bits, res.group_size, q.sym) == base:
+        return None
+    return ("+", {"bits": q.bits, "group_size": res.group_size, "sym": q.sym})
+
+
+def _dynamic(base: tuple, results: dict, all_linears, fused: dict) -> dict:
+    group_of = {m: (serving, members) for serving, members in fused.items() for m in members}
+    dynamic, done = {}, set()
+    for name in all_linears:
+        if name in done:
+            continue
+        exc = _exception(base, results.get(name))
+        serving, members = group_of.get(name, (None, ()))
+        if members and all(_exception(base, results.get(m)) == exc for m in members):
+            done.update(members)
+            if exc:
+                dynamic[f"{exc[0]}:{_group_pattern(serving, members)}"] = exc[1]
+        elif exc:  # a group split by the recipe keeps per-linear keys (vLLM refuses it; the compat report says so)
+            dynamic[f"{exc[0]}:^{re.escape(name)}$"] = exc[1]
+    return dynamic
+
+
+def _group_pattern(serving: str, members) -> str:
+    """One anchored regex for a fused group: "^model\\.layers\\.0\\.self_attn\\.(?:q_proj|k_proj|v_proj|qkv_proj)$"."""
+    parent = serving.rpartition(".")[0]
+    names = [*members, serving]
+    if all(n.rpartition(".")[0] == parent for n in names):
+        return f"^{re.escape(parent)}\\.(?:{'|'.join(re.escape(n.rpartition('.')[2]) for n in names)})$"
+    return f"^(?:{'|'.join(re.escape(n) for n in names)})$"
+
+
+def checkpoint_format(qc: dict) -> str:
+    """The zero-point convention of a GPTQ config: "checkpoint_format" (GPTQModel, quantkit), else "format"
+    (transformers' GPTQConfig.to_dict), else "gptq" (AutoGPTQ wrote neither). Checked by validate."""
+    return qc.get("checkpoint_format") or qc.get("format") or "gptq"
 
 
 def parse_dynamic_key(key: str) -> tuple[str, str]:
@@ -96,12 +142,17 @@ def parse_dynamic_key(key: str) -> tuple[str, str]:
 
 
 def module_settings(qc: dict, name: str) -> tuple[int, int, bool]:
-    """(bits, group_size, sym) of module `name` under a quantization_config (with "dynamic")."""
+    """(bits, group_size, sym) of module `name` under a quantization_config (with "dynamic").
+
+    The first key that matches decides, as in GPTQModel (quantization/config.py _resolve_dynamic_override) and
+    vLLM (quantization/utils/gptq_utils.py get_dynamic_override); re.match, i.e. anchored at the start only."""
     settings = {"bits": qc["bits"], "group_size": qc["group_size"], "sym": qc.get("sym", True)}
     for key, override in (qc.get("dynamic") or {}).items():
         sign, pattern = parse_dynamic_key(key)
-        if sign == "+" and re.match(pattern, name):
-            settings.update({k: override[k] for k in settings if k in override})
+        if re.match(pattern, name):
+            if sign == "+":
+                settings.update({k: override[k] for k in settings if k in override})
+            break
     return settings["bits"], settings["group_size"], settings["sym"]
 
 
@@ -115,9 +166,9 @@ class GPTQCodec:
         return res.quantizer.name == "int" and res.rotation is None
 
     @staticmethod
-    def quantization_config(config, results: dict, all_linears, act_order: bool, extra=None) -> dict:
+    def quantization_config(config, results: dict, all_linears, act_order: bool, extra=None, fused=None) -> dict:
         return quantization_config(config.bits, config.group_size, config.sym, act_order, config.checkpoint_format,
-                                   results, all_linears, extra)
+                                   results, all_linears, extra, fused)
 
     @staticmethod
     def layer_tensors(res: QuantResult, config, bias_dtype) -> dict:
@@ -140,4 +191,4 @@ class GPTQCodec:
         from quantkit.nn.quant_linear import QuantLinear
 
         return QuantLinear(layer.in_features, layer.out_features, layer.bits, layer.group_size, layer.bias,
-                           qc.get("checkpoint_format", "gptq"), dtype=dtype, device="meta")
+                           checkpoint_format(qc), dtype=dtype, device="meta")

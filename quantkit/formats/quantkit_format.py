@@ -46,7 +46,7 @@ class QuantkitCodec:
         return True
 
     @staticmethod
-    def quantization_config(config, results: dict, all_linears, act_order: bool, extra=None) -> dict:
+    def quantization_config(config, results: dict, all_linears, act_order: bool, extra=None, fused=None) -> dict:
         layers = {name: _layer_settings(results[name]) for name in all_linears if name in results}
         qc = {"quant_method": "quantkit", "format_version": FORMAT_VERSION, "desc_act": act_order, "layers": layers}
         qc.update(extra or {})

@@ -16,7 +16,8 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import bitpack
-from quantkit.formats.gptq import CHECKPOINT_FORMATS, V1_ZERO_OFFSET, module_settings, parse_dynamic_key
+from quantkit.formats.gptq import (CHECKPOINT_FORMATS, V1_ZERO_OFFSET, checkpoint_format, module_settings,
+                                   parse_dynamic_key)
 from quantkit.methods.grid import check_bits, check_group_size
 from quantkit.methods.quantizer import n_groups
 
@@ -48,10 +49,20 @@ class LayerInfo:
 
 def check_gptq_config(qc: dict, where: str) -> None:
     """Every field quantkit reads from a GPTQ quantization_config: present, of the right type, in range."""
-    fmt = qc.get("checkpoint_format", "gptq")
-    if fmt not in CHECKPOINT_FORMATS:
+    fmt = checkpoint_format(qc)
+    declared = {qc[k] for k in ("checkpoint_format", "format") if qc.get(k)}
+    if len(declared) > 1:
+        raise QuantkitError(f"{where} says checkpoint_format {qc['checkpoint_format']!r} but format {qc['format']!r}: "
+                            "keep the one the checkpoint was written in")
+    if fmt not in CHECKPOINT_FORMATS:  # e.g. GPTQModel's "gptq_p" (planar bits) would decode to garbage as v2
         raise QuantkitError(f"{where} has checkpoint_format {fmt!r}, which quantkit cannot decode: "
                             f"it reads {' and '.join(CHECKPOINT_FORMATS)} only")
+    if qc.get("pack_dtype", "int32") != "int32":
+        raise QuantkitError(f"{where} has pack_dtype {qc['pack_dtype']!r}: quantkit reads int32-packed GPTQ "
+                            "checkpoints only (repack with GPTQModel's default pack_dtype int32)")
+    if qc.get("is_marlin_format"):
+        raise QuantkitError(f"{where} has is_marlin_format: true (AutoGPTQ's Marlin-repacked tensors): quantkit "
+                            "reads the plain GPTQ layout; use the checkpoint from before the Marlin repack")
     for key in ("bits", "group_size"):
         if key not in qc:
             raise QuantkitError(f"{where} quantization_config has no {key!r}: the checkpoint is damaged, quantize again")
@@ -94,7 +105,7 @@ def check_packed_layers(tensors: dict, qc: dict, where: str) -> list[LayerInfo]:
     prefixes = packed_prefixes(tensors)
     if not prefixes:
         raise QuantkitError(f"{where} holds no quantized layers (.qweight tensors): quantize the model again")
-    fmt = qc.get("checkpoint_format", "gptq")
+    fmt = checkpoint_format(qc)
     layers = []
     for name in prefixes:
         bits, group_size, sym = module_settings(qc, name)

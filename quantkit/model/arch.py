@@ -10,6 +10,9 @@ For each `config.model_type`:
               fc1->ReLU->fc2). A group whose shapes don't allow folding (v->o under GQA) is skipped at
               run time.
   norm_offset Gemma-style RMSNorm computes x * (1 + weight); folding must respect it.
+  fused       each (serving name, linears): linears that vLLM loads into one fused layer of that name
+              (q/k/v -> qkv_proj, gate/up -> gate_up_proj), so they must share one quantization setting;
+              recipe overrides apply to the whole group and the GPTQ `dynamic` map names both spellings.
 An unknown family still quantizes with RTN/GPTQ (blocks found by shape, all linears in one stage);
 AWQ needs an entry and says what is missing.
 """
@@ -27,7 +30,12 @@ class Arch:
     sequential: tuple[tuple[str, ...], ...]
     scale_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
     norm_offset: float = 0.0
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
+
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+# vLLM's packed_modules_mapping (vllm/model_executor/models/llama.py, LlamaForCausalLM; the Llama-style families share it)
+_LLAMA_FUSED = (("self_attn.qkv_proj", _QKV), ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
 
 _LLAMA = Arch(
     blocks="model.layers",
@@ -37,6 +45,7 @@ _LLAMA = Arch(
                   ("self_attn.v_proj", ("self_attn.o_proj",)),
                   ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
                   ("mlp.up_proj", ("mlp.down_proj",))),
+    fused=_LLAMA_FUSED,
 )
 
 ARCHS: dict[str, Arch] = {
@@ -44,7 +53,7 @@ ARCHS: dict[str, Arch] = {
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
-    "gemma": Arch(_LLAMA.blocks, _LLAMA.sequential, _LLAMA.scale_groups, norm_offset=1.0),
+    "gemma": Arch(_LLAMA.blocks, _LLAMA.sequential, _LLAMA.scale_groups, norm_offset=1.0, fused=_LLAMA_FUSED),
     "opt": Arch(
         blocks="model.decoder.layers",
         sequential=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.out_proj",),
@@ -141,3 +150,26 @@ def require_scale_groups(arch: Arch, model_type: str = "this model family") -> N
 
 def block_linears(arch: Arch) -> list[str]:
     return [name for stage in arch.sequential for name in stage]
+
+
+def fused_groups(arch: Arch, names) -> dict[str, tuple[str, ...]]:
+    """{full serving name: full names of its linears} for every fused group among `names`
+    ("model.layers.0.self_attn.qkv_proj" -> (".q_proj", ".k_proj", ".v_proj" of that block))."""
+    present, groups = set(names), {}
+    for name in names:
+        for fused, members in arch.fused:
+            if name.endswith("." + members[0]):
+                prefix = name[: -len(members[0])]
+                full = tuple(prefix + m for m in members)
+                if all(m in present for m in full):
+                    groups[prefix + fused] = full
+    return groups
+
+
+def fused_siblings(arch: Arch, names) -> dict[str, tuple[str, ...]]:
+    """{full linear name: the other linears of its fused group}."""
+    out = {}
+    for members in fused_groups(arch, names).values():
+        for m in members:
+            out[m] = tuple(x for x in members if x != m)
+    return out

@@ -1,0 +1,145 @@
+"""The compat report (which readers refuse a run's checkpoint, before any work), fused-group overrides and
+the `dynamic` map that vLLM's fused names match (issue 11)."""
+import json
+import re
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from quantkit.api import load_quantized, quantize
+from quantkit.cli import main
+from quantkit.config import QuantConfig
+from quantkit.errors import QuantkitError
+from quantkit.formats import compat, gptq
+
+LLAMA_QKV = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj")
+FUSED = {"model.layers.0.self_attn.qkv_proj": LLAMA_QKV}
+
+
+def _check(config, specs=None, shapes=None):
+    specs = specs or {n: config.spec_for(n) for n in LLAMA_QKV}
+    shapes = shapes or {n: (512, 512) for n in specs}
+    return compat.check(config, specs, shapes, FUSED)
+
+
+def _readers(problems):
+    return sorted({p.reader for p in problems})
+
+
+def test_sym_4bit_g128_on_aligned_shapes_is_accepted_everywhere():
+    assert _check(QuantConfig(bits=4, group_size=128, sym=True)) == []
+    assert _check(QuantConfig(bits=8, group_size=-1, sym=True)) == []
+
+
+@pytest.mark.parametrize("bits,sym", [(3, True), (2, True), (4, False), (8, False)])
+def test_vllm_serves_sym_4_and_8_bit_only(bits, sym):
+    problems = _check(QuantConfig(bits=bits, group_size=128, sym=sym))
+    assert _readers(problems) == ["vllm"]
+    assert f"{bits}-bit {'sym' if sym else 'asym'}" in problems[0].reason and "--sym" in problems[0].fix
+
+
+def test_group_size_without_a_kernel():
+    problems = _check(QuantConfig(bits=4, group_size=256))  # GPTQModel has one, Marlin not
+    assert _readers(problems) == ["vllm"]
+    problems = _check(QuantConfig(bits=4, group_size=48), shapes={n: (480, 512) for n in LLAMA_QKV})
+    assert _readers(problems) == ["gptqmodel", "transformers", "vllm"]
+
+
+def test_short_last_group_names_the_layer_and_a_group_size_that_divides():
+    problems = _check(QuantConfig(bits=4, group_size=128), shapes={n: (576, 576) for n in LLAMA_QKV})
+    assert _readers(problems) == ["vllm"]
+    assert "576 inputs" in problems[0].reason and problems[0].fix.startswith("--group-size 64")
+    problems = _check(QuantConfig(bits=4, group_size=32), shapes={n: (172, 64) for n in LLAMA_QKV})
+    assert problems[0].fix.startswith("--group-size -1")
+
+
+def test_overrides_spread_over_fused_groups_unless_split():
+    config = QuantConfig(bits=4, group_size=128, modules=[{"pattern": r"q_proj$", "bits": 8}])
+    config.bind_fused_groups({n: tuple(m for m in LLAMA_QKV if m != n) for n in LLAMA_QKV})
+    assert {config.spec_for(n).bits for n in LLAMA_QKV} == {8}
+    assert config.spec_for("model.layers.0.mlp.down_proj").bits == 4
+    assert _readers(_check(config)) == ["transformers"]  # overrides: GPTQConfig has no dynamic
+    split = QuantConfig(bits=4, group_size=128, modules=[{"pattern": r"q_proj$", "bits": 8, "split_fused": True}])
+    split.bind_fused_groups({n: tuple(m for m in LLAMA_QKV if m != n) for n in LLAMA_QKV})
+    assert [split.spec_for(n).bits for n in LLAMA_QKV] == [8, 4, 4]
+    problems = _check(split)
+    assert _readers(problems) == ["transformers", "vllm"]
+    assert any("qkv_proj" in p.reason and "split_fused" in p.fix for p in problems)
+
+
+def test_quantkit_format_is_refused_by_every_reader():
+    problems = _check(QuantConfig(method="turboquant", bits=4, group_size=128))
+    assert _readers(problems) == sorted(compat.READERS) and "quantkit" in problems[0].reason
+
+
+def test_enforce_raises_only_for_the_target():
+    problems = _check(QuantConfig(bits=3, group_size=128))
+    assert compat.enforce(problems, "none") == [
+        "vllm will refuse this checkpoint: its GPTQ path (Marlin) serves symmetric 4- and 8-bit only, not 3-bit sym "
+        "(fix: --bits 4 (or 8) --sym)"]
+    assert compat.enforce(problems, "gptqmodel") == compat.lines(problems)
+    for target in ("vllm", "any"):
+        with pytest.raises(QuantkitError, match=f"--compat {target}: vllm will refuse"):
+            compat.enforce(problems, target)
+
+
+def test_unknown_compat_target_is_refused():
+    with pytest.raises(QuantkitError, match="--compat 'tgi'"):
+        QuantConfig(compat="tgi")
+
+
+def test_dynamic_keys_match_hf_and_vllm_fused_names():
+    from quantkit.methods.grid import Grid
+    from quantkit.methods.rtn import rtn
+
+    mk = lambda bits: rtn(torch.randn(8, 32), Grid(bits), 32)  # noqa: E731
+    gate_up = ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj")
+    names = [*LLAMA_QKV, *gate_up, "model.layers.0.mlp.down_proj"]
+    results = {n: mk(8) for n in LLAMA_QKV} | {gate_up[0]: mk(8), "model.layers.0.mlp.down_proj": mk(4)}
+    fused = FUSED | {"model.layers.0.mlp.gate_up_proj": gate_up}
+    qc = gptq.quantization_config(4, 32, True, True, "gptq", results, names, fused=fused)
+    keys = list(qc["dynamic"])
+    # q/k/v share 8 bits: one key; gate/up are split (gate 8-bit, up in float): a key each
+    assert keys == [r"+:^model\.layers\.0\.self_attn\.(?:q_proj|k_proj|v_proj|qkv_proj)$",
+                    r"+:^model\.layers\.0\.mlp\.gate_proj$", r"-:^model\.layers\.0\.mlp\.up_proj$"]
+    pattern = keys[0][2:]
+    for name in [*LLAMA_QKV, "model.layers.0.self_attn.qkv_proj"]:
+        assert re.match(pattern, name)
+    assert not re.match(pattern, "model.layers.0.self_attn.o_proj")
+    assert not re.match(pattern, "model.layers.10.self_attn.q_proj")
+    assert gptq.module_settings(qc, LLAMA_QKV[1]) == (8, 32, True)
+    assert gptq.module_settings(qc, "model.layers.0.mlp.down_proj") == (4, 32, True)
+    # static-group act-order keeps g_idx = k // group_size: readers must not take the act-order path
+    assert qc["desc_act"] is False and qc["static_groups"] is True
+
+
+def test_dynamic_first_match_wins_like_the_readers():
+    qc = {"bits": 4, "group_size": 128, "dynamic": {r"+:.*q_proj": {"bits": 8}, r".*proj": {"bits": 2}}}
+    assert gptq.module_settings(qc, "m.q_proj") == (8, 128, True)
+    assert gptq.module_settings(qc, "m.k_proj") == (2, 128, True)   # a key without a sign is a positive match
+
+
+def test_quantize_fused_override_loads_and_warns(model_factory, tmp_path, capsys):
+    config = QuantConfig(bits=4, group_size=32, modules=[{"pattern": r"layers\.0\.self_attn\.k_proj", "bits": 8}])
+    quantize(str(model_factory("llama")), tmp_path / "q", config, device="cpu")
+    err = capsys.readouterr().err
+    assert "warning: transformers will refuse this checkpoint" in err and "vllm" not in err
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert list(qc["dynamic"]) == [r"+:^model\.layers\.0\.self_attn\.(?:q_proj|k_proj|v_proj|qkv_proj)$"]
+    model = load_quantized(tmp_path / "q")
+    assert [model.get_submodule(n).bits for n in LLAMA_QKV] == [8, 8, 8]
+    assert model.get_submodule("model.layers.0.self_attn.o_proj").bits == 4
+    report = json.loads((tmp_path / "q" / "quantkit_report.json").read_text())
+    assert report["compat"] and report["compat"][0].startswith("transformers")
+
+
+def test_cli_compat_error_before_any_work(model_factory, tmp_path):
+    out = tmp_path / "q"
+    result = CliRunner().invoke(main, ["quantize", str(model_factory("llama")), "-o", str(out), "--asym",
+                                       "--group-size", "32", "--compat", "vllm", "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "vllm will refuse" in errors[0] and "4-bit asym" in errors[0] and "--sym" in errors[0]
+    assert not out.exists()
