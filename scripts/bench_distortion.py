@@ -8,6 +8,7 @@ scale per block, so all of them spend b + 16/d bits per weight (turboquant_prod:
   rtn_mse         the same grid, scale searched per block for the least squared error (a clipping search)
   turboquant_norm TurboQuant_mse as the paper has it: Lloyd–Max codebook of the sphere density, scale = the
                   block's norm (quantkit.methods.turboquant, scale="norm")
+  turboquant_ratio the same with the norm-ratio correction: the scale makes ||x̂|| = ||x|| per block
   turboquant      quantkit's default: the same codebook, scale searched per block for the least squared error
   turboquant_prod TurboQuant_prod: (b-1)-bit turboquant_norm + 1-bit QJL of the residual (sign(S r), S
                   i.i.d. N(0, 1) d x d, and ||r||), decoded as x̂_mse + sqrt(pi/2)/d ||r|| Sᵀ sign(S r)
@@ -41,14 +42,10 @@ BITS = (1, 2, 3, 4, 5)
 CLIP = torch.linspace(0.3, 1.0, 36).tolist()  # rtn_mse: fractions of the absmax scale tried
 
 
-def uniform(x, bits, search):
-    """Symmetric uniform grid per row of x [rows, d] (GPTQ's: scale 2 absmax / (2^b - 1), zero 2^(b-1))."""
-    maxq, zero = 2**bits - 1, 2 ** (bits - 1)
-    base = (2 * x.abs().amax(dim=1, keepdim=True) / maxq).half().float().clamp(min=2**-24)
+def least_error(x, candidates):
+    """Per row of x, the reconstruction with the least squared error among candidates(s) for each scale s."""
     best, best_err = None, None
-    for f in (CLIP if search else [1.0]):
-        s = (base * f).half().float().clamp(min=2**-24)
-        xq = s * (torch.clamp(torch.round(x / s) + zero, 0, maxq) - zero)
+    for xq in candidates:
         err = (x - xq).pow(2).sum(dim=1, keepdim=True)
         if best is None:
             best, best_err = xq, err
@@ -56,6 +53,18 @@ def uniform(x, bits, search):
             better = err < best_err
             best, best_err = torch.where(better, xq, best), torch.where(better, err, best_err)
     return best
+
+
+def uniform(x, bits, search):
+    """Symmetric uniform grid per row of x [rows, d] (GPTQ's: scale 2 absmax / (2^b - 1), zero 2^(b-1))."""
+    maxq, zero = 2**bits - 1, 2 ** (bits - 1)
+    base = 2 * x.abs().amax(dim=1, keepdim=True) / maxq
+
+    def rounded(f):
+        s = fp16_scale(base * f)
+        return s * (torch.clamp(torch.round(x / s) + zero, 0, maxq) - zero)
+
+    return least_error(x, (rounded(f) for f in (CLIP if search else [1.0])))
 
 
 def turbo(x, bits, scale):
@@ -82,23 +91,19 @@ def e8_relaxed(x, bits):
     if bits not in NATURAL_SPREAD:
         return None
     s0 = x.pow(2).mean(dim=1, keepdim=True).sqrt() / NATURAL_SPREAD[bits]
-    best, best_err = None, None
-    for m in SEARCH:
+
+    def rounded(m):
         s = fp16_scale(s0 * m)
-        xq = nearest_relaxed((x / s).reshape(x.shape[0], -1, 8), bits, 0.25).float().reshape(x.shape) * s
-        err = (x - xq).pow(2).sum(dim=1, keepdim=True)
-        if best is None:
-            best, best_err = xq, err
-        else:
-            better = err < best_err
-            best, best_err = torch.where(better, xq, best), torch.where(better, err, best_err)
-    return best
+        return nearest_relaxed((x / s).reshape(x.shape[0], -1, 8), bits, 0.25).float().reshape(x.shape) * s
+
+    return least_error(x, (rounded(m) for m in SEARCH))
 
 
 METHODS = {
     "rtn": lambda x, b: uniform(x, b, search=False),
     "rtn_mse": lambda x, b: uniform(x, b, search=True),
     "turboquant_norm": lambda x, b: turbo(x, b, "norm"),
+    "turboquant_ratio": lambda x, b: turbo(x, b, "ratio"),
     "turboquant": lambda x, b: turbo(x, b, "mse"),
     "turboquant_prod": turbo_prod,
     "e8": e8,

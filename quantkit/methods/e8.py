@@ -21,7 +21,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.methods.grid import is_int
-from quantkit.methods.scales import searched_scale
+from quantkit.methods.scales import OneScalePerGroup, searched_scale
 
 
 def nearest_d8(y: torch.Tensor) -> torch.Tensor:
@@ -119,7 +119,7 @@ NATURAL_SPREAD = {1: 0.625, 2: 1.0, 3: 1.7, 4: 3.0}
 
 
 @dataclass(frozen=True)
-class E8Box:
+class E8Box(OneScalePerGroup):
     """The box-truncated E8 lattice as a quantizer: 8 columns at a time, one fp16 scale per row and group,
     w_hat = scale * point. `offset` shifts the lattice (¼, as QuIP#'s E8P, makes the two cosets' boxes
     mirror images and measured lower MSE than 0 at every rate)."""
@@ -141,14 +141,6 @@ class E8Box:
         if group_size != -1 and group_size % 8:
             raise QuantkitError(f"e8 rounds 8 weights at a time: --group-size must be a multiple of 8, got {group_size}")
         return cls(bits)
-
-    @property
-    def code_bits(self) -> int:
-        return self.bits
-
-    @property
-    def param_bits(self) -> dict:
-        return {"scale": 16}
 
     def settings(self) -> dict:
         return {"bits": self.bits, "offset": self.offset}

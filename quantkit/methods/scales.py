@@ -38,3 +38,16 @@ def searched_scale(quantizer, w: torch.Tensor, s0: torch.Tensor) -> torch.Tensor
     points = quantizer.round(w, {"scale": best_s})[1] / best_s[:, None]
     refit = fp16_scale((w * points).sum(dim=1) / (points * points).sum(dim=1).clamp(min=1e-30))
     return torch.where(squared_error(quantizer, w, refit) < best_err, refit, best_s)
+
+
+class OneScalePerGroup:
+    """What the codebook quantizers (turboquant, e8) share: b-bit codes and one fp16 "scale" per row and group."""
+    bits: int
+
+    @property
+    def code_bits(self) -> int:
+        return self.bits
+
+    @property
+    def param_bits(self) -> dict:
+        return {"scale": 16}

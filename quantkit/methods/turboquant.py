@@ -24,14 +24,14 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.methods.codebook import lloyd_max, nearest
 from quantkit.methods.grid import is_int
-from quantkit.methods.scales import fp16_scale, searched_scale
+from quantkit.methods.scales import OneScalePerGroup, fp16_scale, searched_scale
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5)
 SCALES = ("norm", "ratio", "mse")
 
 
 @dataclass(frozen=True)
-class TurboQuant:
+class TurboQuant(OneScalePerGroup):
     bits: int
     dim: int
     scale: str = "mse"
@@ -58,14 +58,6 @@ class TurboQuant:
             raise QuantkitError("turboquant quantizes blocks of --group-size weights: give a power of two such as 128, "
                                 "not -1")
         return cls(bits, group_size)
-
-    @property
-    def code_bits(self) -> int:
-        return self.bits
-
-    @property
-    def param_bits(self) -> dict:
-        return {"scale": 16}
 
     def settings(self) -> dict:
         return {"bits": self.bits, "dim": self.dim, "scale": self.scale, "codebook": list(self.codebook)}
