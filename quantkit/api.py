@@ -107,6 +107,7 @@ def check_compat(model, arch, names, config) -> list[str]:
     a QuantkitError for the --compat target, a warning line on stderr for each other reader."""
     specs = {n: config.spec_for(n) for n in names}
     shapes = {n: tuple(reversed(get_weight(model.get_submodule(n)).shape)) for n in names}
+    codecs.precheck(config, specs, shapes)
     found = compat.enforce(compat.check(config, specs, shapes, fused_groups(arch, names)), config.compat)
     for line in found:
         print(f"warning: {line}", file=sys.stderr)
@@ -114,7 +115,7 @@ def check_compat(model, arch, names, config) -> list[str]:
 
 
 def _write(model, tokenizer, results, names, config, method, report, save_dtype, staged):
-    codec = codecs.codec_for(results.values())
+    codec = codecs.codec_for(results, config.checkpoint_format)
     qc = codec.quantization_config(config, results, names, act_order=method.act_order, extra={
         "true_sequential": config.true_sequential, "damp_percent": config.damp,
         "quantizer": [f"quantkit:{__version__}"], "meta": {"method": config.method}},

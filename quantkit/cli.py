@@ -6,6 +6,7 @@ import click
 
 from quantkit.config import METHODS, QuantConfig, read_recipe
 from quantkit.errors import QuantkitError
+from quantkit.formats.gptq import WRITE_FORMATS
 
 
 class _Group(click.Group):
@@ -64,8 +65,11 @@ _CONFIG_OPTIONS = [
                       "quantized stages before it."),
     click.option("--awq-grid", type=int, default=20, help="AWQ: number of alpha values tried on [0, 1)."),
     click.option("--awq-clip/--no-awq-clip", default=True, help="AWQ: search a per-group clipping range too."),
-    click.option("--checkpoint-format", type=click.Choice(["gptq", "gptq_v2"]), default="gptq",
-                 help="gptq (v1, zero-1 stored; what vLLM/TGI/transformers read) or gptq_v2 (true zeros)."),
+    click.option("--checkpoint-format", type=click.Choice(WRITE_FORMATS), default="gptq",
+                 help="gptq (v1, zero-1 stored; what vLLM/TGI/transformers read), gptq_v2 (true zeros), awq "
+                      "(AutoAWQ GEMM: 4-bit, group size dividing every layer) or compressed-tensors "
+                      "(llm-compressor's pack-quantized). awq and compressed-tensors refuse rotated and codebook "
+                      "layers (gptq writes those in the quantkit format)."),
     click.option("--rotate", type=click.Choice(["none", "hadamard"]), default=None,
                  help="hadamard: quantize each linear as W Πᵀ with a seeded randomized Hadamard rotation Π along "
                       "its inputs (GPTQ then rounds against Π H Πᵀ); the layer computes Ŵ (Π x). Default: hadamard "

@@ -27,7 +27,7 @@ from typing import Optional
 import yaml
 
 from quantkit.errors import QuantkitError
-from quantkit.formats.gptq import CHECKPOINT_FORMATS
+from quantkit.formats.gptq import WRITE_FORMATS
 from quantkit.methods.grid import check_bits, check_group_size, is_int
 from quantkit.methods.quantizer import QUANTIZERS, quantizer_for
 
@@ -123,8 +123,9 @@ class QuantConfig:
                                 "scales are searched in the unrotated basis")
         if self.compat not in COMPAT_TARGETS:
             raise QuantkitError(f"unknown --compat '{self.compat}': use one of {', '.join(COMPAT_TARGETS)}")
-        if self.checkpoint_format not in CHECKPOINT_FORMATS:
-            raise QuantkitError(f"unknown checkpoint format '{self.checkpoint_format}': use gptq or gptq_v2")
+        if self.checkpoint_format not in WRITE_FORMATS:
+            raise QuantkitError(f"unknown checkpoint format '{self.checkpoint_format}': use one of "
+                                f"{', '.join(WRITE_FORMATS)}")
         self.modules = [self._check_override(o, i) for i, o in enumerate(self.modules)]
         self._check_quantizers()
 

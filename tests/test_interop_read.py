@@ -1,6 +1,7 @@
 """Reading checkpoints other GPTQ tools wrote (issue 11): AutoGPTQ folders whose only quantization config is
 quantize_config.json (and whose shard is named after model_file_base_name), GPTQModel `dynamic` keys with and
-without the "+:" sign, and formats quantkit cannot decode refused by name. The folders are laid out as those
+without the "+:" sign, and formats quantkit cannot decode refused by name (AWQ and compressed-tensors folders:
+tests/test_formats_foreign.py). The folders are laid out as those
 tools document them, starting from a quantkit checkpoint whose tensors are already the GPTQ layout."""
 import json
 import shutil
@@ -80,8 +81,10 @@ def test_dynamic_keys_without_sign_are_positive_matches(gptq_folder, tmp_path):
     ({"checkpoint_format": "gptq_p"}, ["checkpoint_format 'gptq_p'", "cannot decode"]),
     ({"checkpoint_format": None, "format": "marlin"}, ["checkpoint_format 'marlin'"]),
     ({"is_marlin_format": True}, ["is_marlin_format"]),
-    ({"quant_method": "awq"}, ["quant_method 'awq'", "'gptq' and 'quantkit'"]),
-    ({"quant_method": "compressed-tensors"}, ["quant_method 'compressed-tensors'"]),
+    ({"quant_method": "bitsandbytes"}, ["quant_method 'bitsandbytes'", "'gptq', 'quantkit', 'awq', 'compressed-tensors'"]),
+    # a GPTQ config relabelled: each codec refuses what is not its own layout, by name
+    ({"quant_method": "compressed-tensors"}, ["compressed-tensors checkpoint of format None", "'pack-quantized'"]),
+    ({"quant_method": "awq", "version": "exllama"}, ["AWQ checkpoint of version 'exllama'"]),
 ])
 def test_foreign_formats_are_refused_by_name(gptq_folder, tmp_path, edit, words):
     folder = _copy(gptq_folder, tmp_path / "foreign")

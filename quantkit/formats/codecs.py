@@ -8,28 +8,62 @@ A codec offers (duck-typed; see GPTQCodec and QuantkitCodec):
   check_config(qc, where)                              every field it reads, before tensors are read
   read_layers(qc, tensors, where) -> [LayerInfo]       each layer's tensors checked against the config
   build_module(layer, qc, dtype) -> nn.Module          on the meta device, buffers named as the tensors
-Writing picks the GPTQ layout whenever every layer fits it (what serving stacks read), the quantkit
-format otherwise; reading picks by quant_method. Loading, inspect and validation ask the codec.
+  refusal(result) -> str | None                        (awq, compressed-tensors) why it cannot store a layer
+Writing with --checkpoint-format gptq/gptq_v2 picks the GPTQ layout whenever every layer fits it (what serving
+stacks read), the quantkit format otherwise; awq and compressed-tensors write their layout or refuse. Reading
+picks by quant_method. Loading, inspect and validation ask the codec.
 """
 from quantkit.errors import QuantkitError
+from quantkit.formats.awq import AWQCodec
+from quantkit.formats.compressed_tensors import CompressedTensorsCodec
 from quantkit.formats.gptq import GPTQCodec
 from quantkit.formats.quantkit_format import QuantkitCodec
 
-CODECS = {codec.quant_method: codec for codec in (GPTQCodec, QuantkitCodec)}
+CODECS = {codec.quant_method: codec for codec in (GPTQCodec, QuantkitCodec, AWQCodec, CompressedTensorsCodec)}
 WRITE_PREFERENCE = (GPTQCodec, QuantkitCodec)
+STRICT = {"awq": AWQCodec, "compressed-tensors": CompressedTensorsCodec}  # their layout, or an error
 
 
-def codec_for(results) -> type:
-    """The first codec (in WRITE_PREFERENCE) that can store every result."""
-    results = list(results)
-    return next(c for c in WRITE_PREFERENCE if all(c.accepts(r) for r in results))
+def codec_for(results, checkpoint_format: str = "gptq", names=None) -> type:
+    """The codec that writes `results` (a dict or values) in `checkpoint_format`; a QuantkitError naming the
+    first layer a strict format cannot hold, with the fix."""
+    items = list(results.items()) if isinstance(results, dict) else [(None, r) for r in results]
+    codec = STRICT.get(checkpoint_format)
+    if codec is None:
+        return next(c for c in WRITE_PREFERENCE if all(c.accepts(r) for _, r in items))
+    for name, res in items:
+        why = codec.refusal(res)
+        if why:
+            raise QuantkitError(f"--checkpoint-format {checkpoint_format} cannot store {name or 'a layer'}: {why}")
+    return codec
+
+
+def precheck(config, specs: dict, shapes: dict) -> None:
+    """The refusals of a strict format that the settings alone decide, before any calibration."""
+    fmt = config.checkpoint_format
+    if fmt not in STRICT:
+        return
+    if config.quantizer != "int" or config.rotate != "none":
+        raise QuantkitError(f"--checkpoint-format {fmt} stores unrotated integer grids only: use --quantizer int "
+                            "--rotate none, or --checkpoint-format gptq (written in the quantkit format)")
+    for name, spec in specs.items():
+        k, n = shapes[name]
+        if spec is None:
+            continue
+        if fmt == "awq" and spec.bits != 4:
+            raise QuantkitError(f"--checkpoint-format awq stores 4-bit codes only ({name} has {spec.bits}): "
+                                "use --bits 4, or --checkpoint-format compressed-tensors")
+        if fmt == "awq" and (spec.group_size == -1 or k % spec.group_size or n % 8):
+            raise QuantkitError(f"--checkpoint-format awq needs a group size dividing every layer's inputs and outputs "
+                                f"in multiples of 8 ({name}: {k} inputs, {n} outputs, group size {spec.group_size}): "
+                                "pick such a --group-size, or use --checkpoint-format compressed-tensors")
 
 
 def codec_named(qc: dict, where: str):
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method not in CODECS:
         raise QuantkitError(f"{where} uses quant_method {method!r}, which this version cannot load: "
-                            f"it reads {' and '.join(repr(m) for m in CODECS)} checkpoints")
+                            f"it reads {', '.join(repr(m) for m in CODECS)} checkpoints")
     return CODECS[method]
 
 

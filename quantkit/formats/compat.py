@@ -35,7 +35,10 @@ def check(config, specs: dict, shapes: dict, fused: dict) -> list[Problem]:
     """Problems of the run's settings per reader.
 
     specs {linear: LayerSpec, or None when left in float}; shapes {linear: (in_features, out_features)};
-    fused {serving name: its linears} (quantkit.model.arch.fused_groups)."""
+    fused {serving name: its linears} (quantkit.model.arch.fused_groups). The rules are those of the GPTQ
+    layout; awq and compressed-tensors refuse what they cannot store themselves (formats/codecs.py precheck)."""
+    if config.checkpoint_format in ("awq", "compressed-tensors"):
+        return []
     if config.quantizer != "int" or config.rotate != "none":
         why = f"quant_method 'quantkit' ({'rotated' if config.rotate != 'none' else config.quantizer} layers)"
         fix = "only quantkit.load_quantized reads it; use --quantizer int --rotate none for a GPTQ checkpoint"

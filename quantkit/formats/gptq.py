@@ -15,17 +15,23 @@ import re
 
 import torch
 
+from quantkit.errors import QuantkitError
 from quantkit.formats import bitpack
+from quantkit.methods.grid import Grid
 from quantkit.methods.result import QuantResult
 
 V1_ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
 CHECKPOINT_FORMATS = tuple(V1_ZERO_OFFSET)
+WRITE_FORMATS = (*CHECKPOINT_FORMATS, "awq", "compressed-tensors")  # --checkpoint-format (formats/codecs.py)
 
 
 def to_tensors(res: QuantResult, checkpoint_format: str = "gptq", bias_dtype=None) -> dict:
     """Tensors (suffix -> tensor) for one Linear, in the GPTQ layout."""
     offset, bits = V1_ZERO_OFFSET[checkpoint_format], res.quantizer.bits
     zeros = res.params["zero"].to(torch.int32)
+    if offset and bool((zeros < offset).any()):  # v1's zero - 1 would wrap to -1 and spill into its neighbours
+        raise QuantkitError("a zero point of 0 cannot be stored in checkpoint format 'gptq' (v1 stores zero - 1): "
+                            "use --checkpoint-format gptq_v2")
     out = {
         "qweight": bitpack.pack(res.codes.t(), bits, dim=0),
         "qzeros": bitpack.pack((zeros - offset).t(), bits, dim=1),
@@ -46,6 +52,19 @@ def decode(qweight, qzeros, scales, g_idx, bits: int, in_features: int, zero_off
     z = (bitpack.unpack(qzeros, bits, scales.shape[1], dim=1) + zero_offset) & (2**bits - 1)
     g = g_idx.long()
     return (q - z.index_select(0, g)).float().mul_(scales.float().index_select(0, g))
+
+
+def to_result(tensors: dict, name: str, settings: dict, fmt: str) -> QuantResult:
+    """The integer codes, scales and zeros of one GPTQ-layout layer, exactly (the inverse of to_tensors):
+    what `quantkit convert` re-encodes in another layout."""
+    bits, k = settings["bits"], tensors[f"{name}.g_idx"].numel()
+    scales = tensors[f"{name}.scales"]
+    n = scales.shape[1]
+    zeros = (bitpack.unpack(tensors[f"{name}.qzeros"], bits, n, dim=1) + V1_ZERO_OFFSET[fmt]) & (2**bits - 1)
+    return QuantResult(codes=bitpack.unpack(tensors[f"{name}.qweight"], bits, k, dim=0).t().contiguous(),
+                       params={"scale": scales.float().t().contiguous(), "zero": zeros.t().contiguous()},
+                       g_idx=tensors[f"{name}.g_idx"].to(torch.int32), quantizer=Grid(bits, settings["sym"]),
+                       group_size=settings["group_size"], bias=tensors.get(f"{name}.bias"))
 
 
 def dequantize(t: dict, bits, in_features, out_features, checkpoint_format="gptq"):
