@@ -130,6 +130,23 @@ def quantize(ctx, model, out, recipe, device, dtype, overwrite, **params):
     click.echo(f"wrote {out} ({len(report['layers'])} quantized linears, {report['seconds']:.1f} s)")
 
 
+@main.command()
+@click.argument("src")
+@click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
+@click.option("--checkpoint-format", type=click.Choice(WRITE_FORMATS), required=True, help="The layout to write.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT if it holds a checkpoint quantkit wrote (never a folder with other files).")
+def convert(src, out, checkpoint_format, overwrite):
+    """Repack the quantized folder SRC (gptq v1/v2, awq, compressed-tensors, quantkit integer layers) into OUT
+    in another layout, exactly: codes, scales and zeros are decoded and re-encoded, never re-rounded. What the
+    target cannot store (e.g. 3-bit as awq, a zero of 0 as gptq v1) is refused with the reason."""
+    from quantkit.formats.convert import convert as run
+
+    report = run(src, out, checkpoint_format, overwrite)
+    click.echo(f"wrote {out} ({report['layers']} quantized linears, {report['source_quant_method']} -> "
+               f"{checkpoint_format})")
+
+
 @main.group()
 def eval():  # noqa: A001  (the command is called eval)
     """Evaluate a floating-point or quantized model."""
