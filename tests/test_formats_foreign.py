@@ -6,8 +6,10 @@ import shutil
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from quantkit.api import load_quantized, quantize
+from quantkit.cli import main
 from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
 from quantkit.formats import awq, checkpoint, compressed_tensors as ct, gptq
@@ -148,6 +150,9 @@ def test_quantize_writes_and_reads_back(model_factory, tmp_path, v2_folder, fmt)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == fmt
     assert torch.equal(_logits(out), _logits(v2_folder))
+    shown = CliRunner().invoke(main, ["inspect", str(out), "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output)["layers"]["model.layers.0.mlp.down_proj"]["bits"] == 4
 
 
 @pytest.mark.parametrize("settings,words", [
@@ -156,6 +161,7 @@ def test_quantize_writes_and_reads_back(model_factory, tmp_path, v2_folder, fmt)
     (dict(checkpoint_format="awq", group_size=48), ["group size dividing"]),
     (dict(checkpoint_format="compressed-tensors", rotate="hadamard"), ["unrotated integer grids only"]),
     (dict(checkpoint_format="awq", method="turboquant"), ["unrotated integer grids only"]),
+    (dict(checkpoint_format="awq", modules=[{"pattern": "down_proj", "bits": 8}]), ["one bits/group_size"]),
 ])
 def test_write_refusals(model_factory, tmp_path, settings, words):
     with pytest.raises(QuantkitError) as err:

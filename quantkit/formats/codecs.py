@@ -46,6 +46,10 @@ def precheck(config, specs: dict, shapes: dict) -> None:
     if config.quantizer != "int" or config.rotate != "none":
         raise QuantkitError(f"--checkpoint-format {fmt} stores unrotated integer grids only: use --quantizer int "
                             "--rotate none, or --checkpoint-format gptq (written in the quantkit format)")
+    kinds = sorted({(s.bits, s.group_size) for s in specs.values() if s is not None})
+    if fmt == "awq" and len(kinds) > 1:
+        raise QuantkitError(f"--checkpoint-format awq has one bits/group_size for every layer, and the recipe gives "
+                            f"{kinds}: drop its bits/group_size overrides, or use --checkpoint-format compressed-tensors")
     for name, spec in specs.items():
         k, n = shapes[name]
         if spec is None:
