@@ -91,7 +91,7 @@ def to_tensors(res: QuantResult, bias_dtype=None) -> dict:
 
 def _zeros(tensors, name, args, n, groups, where) -> torch.Tensor:
     bits = args["num_bits"]
-    if args["symmetric"]:
+    if args.get("symmetric", True):  # QuantizationArgs defaults to symmetric
         if f"{name}.weight_zero_point" in tensors:
             raise QuantkitError(f"{where}: {name} is declared symmetric but stores weight_zero_point")
         return torch.full((n, groups), 2 ** (bits - 1), dtype=torch.int32)
@@ -119,8 +119,8 @@ def from_tensors(tensors: dict, name: str, args: dict, where: str) -> QuantResul
     return QuantResult(codes=unpack_words(packed, bits, k, dim=1),
                        params={"scale": repack.fp16_scales(scale, name, where).float(),
                                "zero": _zeros(tensors, name, args, n, groups, where)},
-                       g_idx=g_idx.to(torch.int32), quantizer=Grid(bits, args["symmetric"]), group_size=group_size,
-                       bias=tensors.get(f"{name}.bias"))
+                       g_idx=g_idx.to(torch.int32), quantizer=Grid(bits, args.get("symmetric", True)),
+                       group_size=group_size, bias=tensors.get(f"{name}.bias"))
 
 
 def _matches(target: str, name: str) -> bool:

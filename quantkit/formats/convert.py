@@ -52,7 +52,8 @@ def _target_config(results: dict, fmt: str):
 def convert(src, out, checkpoint_format: str, overwrite: bool = False) -> dict:
     """Write the quantized folder `src` into `out` in `checkpoint_format`; returns the report."""
     if checkpoint_format not in gptq.WRITE_FORMATS:
-        raise QuantkitError(f"unknown checkpoint format '{checkpoint_format}': use one of {', '.join(gptq.WRITE_FORMATS)}")
+        raise QuantkitError(f"unknown checkpoint format '{checkpoint_format}': "
+                            f"use one of {', '.join(gptq.WRITE_FORMATS)}")
     output.claim_output(out, overwrite, sources=[src])
     src = Path(src)
     config, tensors, layers, codec = checkpoint.read_checkpoint(src)
