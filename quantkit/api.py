@@ -1,21 +1,23 @@
 """Python API: quantize() a model into a checkpoint folder; load_quantized() it back."""
+import contextlib
+import dataclasses
 import math
 import sys
 import time
 
 import torch
-from tqdm.auto import tqdm
 
 from quantkit import __version__
 from quantkit.config import QuantConfig, write_recipe
 from quantkit.errors import QuantkitError
-from quantkit.formats import checkpoint, codecs, compat, output
+from quantkit.formats import checkpoint, codecs, compat, output, shards
 from quantkit.loading import load_quantized  # noqa: F401  (public API)
 from quantkit.methods.registry import Method
 from quantkit.model.arch import (arch_for, block_linears, fused_groups, fused_siblings, get_submodule, get_weight,
                                  is_linear, require_scale_groups)
-from quantkit.model.loader import load_fp_model, resolve_device, stored_dtype
-from quantkit.model.sequential import run_sequential
+from quantkit.model.loader import resolve_device
+from quantkit.model.sequential import calibrated_blocks, data_free_blocks
+from quantkit.model.stream import open_model
 from quantkit.report import flag_outliers
 
 REPORT_NAME = output.REPORT_NAME
@@ -55,6 +57,8 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
              overwrite: bool = False, calibration_ids=None) -> dict:
     """Quantize `model` (hub id or folder) into the checkpoint folder `out`; returns the report.
 
+    The fp model is never held whole (quantkit.model.stream): one decoder block at a time is read from the
+    source's safetensors shards, quantized, packed into the staging folder and released.
     calibration_ids: optional LongTensor [nsamples, seqlen] used instead of loading config.dataset.
     """
     config = config or QuantConfig()
@@ -63,16 +67,20 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     t_start = time.perf_counter()
     # CPU half-precision matmuls are slow: calibrate in fp32 there, but write the source's dtype.
     compute_dtype = "float32" if device == "cpu" and dtype == "auto" else dtype
-    fp_model, tokenizer = load_fp_model(model, compute_dtype)
-    save_dtype = stored_dtype(fp_model) if dtype == "auto" else fp_model.dtype
+    source, tokenizer, declared = open_model(model, compute_dtype)
+    fp_model = source.model
+    save_dtype = declared if dtype == "auto" else source.dtype
     arch = arch_for(fp_model)
     names = quantizable_linears(fp_model, arch)
     config.bind_fused_groups(fused_siblings(arch, names))
-    if all(config.spec_for(n) is None for n in names):
+    specs = {n: config.spec_for(n) for n in names}
+    if all(s is None for s in specs.values()):
         raise QuantkitError(f"the recipe's module overrides skip all {len(names)} quantizable linears: nothing to "
                             "quantize; remove a skip: true or narrow its pattern")
     compat_lines = check_compat(fp_model, arch, names, config)
     method = Method(config, arch)
+    codec = codecs.codec_for_settings(config.checkpoint_format, {s.quantizer().name for s in specs.values() if s},
+                                      config.rotate != "none")
     if config.needs_calibration:
         if method.use_awq:
             require_scale_groups(arch, fp_model.config.model_type)
@@ -83,23 +91,77 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
         # RTN rounding (awq) ignores the data, so stage-by-stage forwards would only refine the error
         # report: one observing pass per block is enough there.
         staged = config.true_sequential and method.use_gptq
-        results = run_sequential(fp_model, arch, calibration_ids, method, device, staged)
+        blocks = calibrated_blocks(source, arch, calibration_ids, method, device, staged)
     else:  # data-free: the same per-layer path, without an observer
-        results = {n: method.quantize(n, None, fp_model.get_submodule(n))
-                   for n in tqdm(names, desc=config.method, unit="linear") if config.spec_for(n) is not None}
-    _check_finite_results(results)
-    report = {
-        "quantkit_version": __version__, "model": str(model), "method": config.method,
-        "seconds": round(time.perf_counter() - t_start, 2), "device": device,
-        "layers": _layer_report(results),
-    }
-    report["flagged"] = flag_outliers(report["layers"])
-    report["compat"] = compat_lines
-    if method.awq_report:
-        report["awq"] = method.awq_report
-    _write(fp_model, tokenizer, results, names, config, method, report, save_dtype,
-           output.staged_folder(out, overwrite, sources=[model]))
+        blocks = data_free_blocks(source, arch, method)
+    job = _Job(source, arch, config, codec, save_dtype)
+    # closing: a failure ends the generator (and its progress bar) before the error line is printed
+    with output.staged_folder(out, overwrite, sources=[model]) as tmp, contextlib.closing(blocks):
+        for i, block, results in blocks:
+            job.save_block(tmp, i, block, results)
+        job.save_outside(tmp)
+        report = {
+            "quantkit_version": __version__, "model": str(model), "method": config.method,
+            "seconds": round(time.perf_counter() - t_start, 2), "device": device,
+            "layers": _layer_report(job.summaries),
+        }
+        report["flagged"] = flag_outliers(report["layers"])
+        report["compat"] = compat_lines
+        if method.awq_report:
+            report["awq"] = method.awq_report
+        shards.assemble(tmp, job.order(), checkpoint.parse_size(config.max_shard_size))
+        _write_configs(tmp, fp_model, tokenizer, job.summaries, names, config, method, report, save_dtype, codec)
     return report
+
+
+class _Job:
+    """What a streamed run has written so far: each block's part (packed layers, its other tensors), the
+    light per-layer summaries (codes and parameters dropped) that the config and report need."""
+
+    def __init__(self, source, arch, config, codec, save_dtype):
+        self.source, self.arch, self.config, self.codec, self.save_dtype = source, arch, config, codec, save_dtype
+        self.summaries, self.packed = {}, []
+
+    def save_block(self, tmp, i, block, results):
+        _check_finite_results(results)
+        if self.config.checkpoint_format in codecs.STRICT:
+            codecs.codec_for(results, self.config.checkpoint_format)  # a strict format's refusals, by layer
+        prefix = f"{self.arch.blocks}.{i}"
+        tensors, packed = {}, []
+        for name in self.source.under(prefix):
+            module, _, leaf = name.rpartition(".")
+            t = getattr(self.source.model.get_submodule(module), leaf).detach()
+            if module not in results or leaf not in ("weight", "bias"):
+                tensors[name] = t.to(self.save_dtype) if t.is_floating_point() else t
+            if t.is_floating_point() and t.dtype != self.save_dtype and not (module in results and leaf == "weight"):
+                tensors[shards.RESUME_PREFIX + name] = t  # the exact in-loop value (AWQ-scaled norms), for --resume
+        for module, res in results.items():
+            bias = getattr(res, "bias", None)
+            for suffix, t in self.codec.layer_tensors(res, self.config, self.save_dtype if bias is not None
+                                                      else None).items():
+                tensors[f"{module}.{suffix}"] = t
+                packed.append(f"{module}.{suffix}")
+        shards.save_part(tmp, f"block-{i:05d}", tensors, {"packed": packed})
+        self.packed += packed
+        self.summaries.update({n: _summary(r) for n, r in results.items()})
+
+    def save_outside(self, tmp):
+        """Embeddings, final norm, lm_head: one tensor at a time from the source, in the stored dtype."""
+        outside = [n for n in self.source.names if not n.startswith(self.arch.blocks + ".")]
+        for j, name in enumerate(outside):
+            shards.save_part(tmp, f"top-{j:05d}", self.source.read([name], self.save_dtype))
+
+    def order(self) -> list[str]:
+        """The order the in-memory writer used: unquantized tensors in state-dict order, then packed layers."""
+        quantized = {f"{m}.{leaf}" for m in self.summaries for leaf in ("weight", "bias")}
+        return [n for n in self.source.names if n not in quantized] + self.packed
+
+
+def _summary(res):
+    """A QuantResult without its big tensors (meta): what the report and quantization_config read (g_idx, [in]
+    int32, is kept: desc_act is decided from its order)."""
+    meta = {k: torch.empty(v.shape, device="meta") for k, v in res.params.items()}
+    return dataclasses.replace(res, codes=torch.empty(res.codes.shape, device="meta"), params=meta, bias=None)
 
 
 def check_compat(model, arch, names, config) -> list[str]:
@@ -114,26 +176,20 @@ def check_compat(model, arch, names, config) -> list[str]:
     return found
 
 
-def _write(model, tokenizer, results, names, config, method, report, save_dtype, staged):
-    codec = codecs.codec_for(results, config.checkpoint_format)
+def _write_configs(tmp, model, tokenizer, results, names, config, method, report, save_dtype, codec):
     qc = codec.quantization_config(config, results, names, act_order=method.act_order, extra={
         "true_sequential": config.true_sequential, "damp_percent": config.damp,
         "quantizer": [f"quantkit:{__version__}"], "meta": {"method": config.method}},
         fused=fused_groups(method.arch, names))
-    state = checkpoint.drop_shared(model.state_dict())  # before casting, which would untie storages
-    state = {k: v.to(save_dtype) if v.is_floating_point() else v for k, v in state.items()}
-    tensors = codecs.model_tensors(state, results, codec, config)
     model_config = model.config.to_dict()
     model_config["dtype"] = str(save_dtype).removeprefix("torch.")
     model_config["quantization_config"] = qc
-    with staged as tmp:
-        checkpoint.write_tensors(tmp, tensors, checkpoint.parse_size(config.max_shard_size))
-        checkpoint.write_json(tmp / "config.json", model_config)
-        checkpoint.write_json(tmp / "quantize_config.json", qc)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        write_recipe(config, tmp / RECIPE_NAME)
-        report["files"] = output.file_list(tmp)  # what lets a later --overwrite recognise the folder as ours
-        checkpoint.write_json(tmp / REPORT_NAME, report)
+    checkpoint.write_json(tmp / "config.json", model_config)
+    checkpoint.write_json(tmp / "quantize_config.json", qc)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    write_recipe(config, tmp / RECIPE_NAME)
+    report["files"] = output.file_list(tmp)  # what lets a later --overwrite recognise the folder as ours
+    checkpoint.write_json(tmp / REPORT_NAME, report)

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 import quantkit.demo
 from quantkit.cli import main
-from quantkit.formats import checkpoint, output
+from quantkit.formats import checkpoint, output, shards
 
 
 def snapshot(root):
@@ -160,7 +160,7 @@ def test_interrupt_while_writing_keeps_the_old_checkpoint(world, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint, "write_tensors", interrupted)
+    monkeypatch.setattr(shards, "assemble", interrupted)
     result = WRITERS["quantize"]("out", "--overwrite")
     assert isinstance(result.exception, KeyboardInterrupt) or result.exit_code != 0
     assert snapshot(world) == before
@@ -240,7 +240,7 @@ def test_write_errors_are_one_line_and_leave_nothing(world, monkeypatch, code, t
     def fail(*args, **kwargs):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(checkpoint, "write_tensors", fail)
+    monkeypatch.setattr(shards, "assemble", fail)  # the step that writes the shards of a streamed run
     before = snapshot(world)
     assert_refused(WRITERS["quantize"](target), *words)
     assert snapshot(world) == before

@@ -83,10 +83,15 @@ def _save(tensors: dict, path: Path) -> None:
     try:
         save_file(tensors, path, metadata={"format": "pt"})
     except SafetensorError as e:
-        code = re.search(r"os error (\d+)", str(e))
-        if code is None:
-            raise
-        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
+        save_error(e, path)
+
+
+def save_error(e, path: Path):
+    """Raise a SafetensorError that reports an I/O failure as the OSError it is (ENOSPC says disk full)."""
+    code = re.search(r"os error (\d+)", str(e))
+    if code is None:
+        raise e
+    raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
 
 
 def write_json(path: Path, data) -> None:

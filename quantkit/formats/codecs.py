@@ -38,6 +38,15 @@ def codec_for(results, checkpoint_format: str = "gptq", names=None) -> type:
     return codec
 
 
+def codec_for_settings(checkpoint_format: str, quantizer_names, rotated: bool) -> type:
+    """The codec codec_for would pick, from the settings alone: a streamed run packs each block as it finishes,
+    before the other layers exist. GPTQCodec.accepts reads only the quantizer's name and the rotation."""
+    if checkpoint_format in STRICT:
+        return STRICT[checkpoint_format]
+    fits = not rotated and all(q == "int" for q in quantizer_names)
+    return GPTQCodec if fits else QuantkitCodec
+
+
 def precheck(config, specs: dict, shapes: dict) -> None:
     """The refusals of a strict format that the settings alone decide, before any calibration."""
     fmt = config.checkpoint_format

@@ -47,14 +47,10 @@ def load_fp_model(source: str, dtype="auto"):
 
     source = str(source)
     if looks_local(source):
-        path = Path(source).expanduser()
-        if not path.is_dir():
-            raise QuantkitError(f"model path {source} not found: pass an existing model folder or a hub id like org/name")
-        if not (path / "config.json").is_file():
-            raise QuantkitError(f"{source} has no config.json: pass a Hugging Face model folder (save_pretrained output)")
+        check_local_folder(source)
     try:
         config = AutoConfig.from_pretrained(source)
-        _refuse_quantized(source, config)
+        refuse_quantized(source, config)
         model, info = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=parse_dtype(dtype),
                                                            output_loading_info=True)
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -71,7 +67,15 @@ def load_fp_model(source: str, dtype="auto"):
     return model, tokenizer
 
 
-def _refuse_quantized(source, config) -> None:
+def check_local_folder(source: str) -> None:
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        raise QuantkitError(f"model path {source} not found: pass an existing model folder or a hub id like org/name")
+    if not (path / "config.json").is_file():
+        raise QuantkitError(f"{source} has no config.json: pass a Hugging Face model folder (save_pretrained output)")
+
+
+def refuse_quantized(source, config) -> None:
     qc = getattr(config, "quantization_config", None)
     if qc:
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "?")

@@ -7,6 +7,8 @@
    and write the quantized weights back; finally forward again with the quantized weights: those
    outputs are the next block's inputs (so later blocks calibrate on what they will really see).
 Only the current block sits on the compute device; calibration activations live on `store_device`.
+The model may be a streamed skeleton (quantkit.model.stream): each block is loaded from the source shards
+when its turn comes and released after it is written, so only one block is ever held.
 """
 from contextlib import contextmanager
 from typing import Callable
@@ -24,12 +26,19 @@ class _StopForward(Exception):
 
 
 def _move_except_blocks(model: nn.Module, blocks_path: str, device) -> None:
-    """Move every parameter and buffer outside the decoder blocks (embeddings, rotary, final norm)."""
+    """Move every parameter and buffer outside the decoder blocks (embeddings, rotary, final norm); tensors
+    still on the meta device (a streamed model's, loaded on first use) stay there."""
     for name, module in model.named_modules():
         if name == blocks_path or name.startswith(blocks_path + "."):
             continue
-        for key, t in list(module._parameters.items()) + list(module._buffers.items()):
-            if t is not None and t.device != torch.device(device):
+        _move(module, device, recurse=False)
+
+
+def _move(module: nn.Module, device, recurse=True) -> None:
+    mods = module.modules() if recurse else [module]
+    for m in mods:
+        for key, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is not None and not t.is_meta and t.device != torch.device(device):
                 t.data = t.data.to(device)
 
 
@@ -49,7 +58,7 @@ def capture_block_inputs(model, arch: Arch, input_ids: torch.Tensor, device, sto
         raise _StopForward
 
     _move_except_blocks(model, arch.blocks, device)
-    blocks[0].to(device)
+    _move(blocks[0], device)  # its weights are not needed (the hook stops before), so a streamed one may be meta
     handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
     try:
         with torch.inference_mode():
@@ -60,7 +69,7 @@ def capture_block_inputs(model, arch: Arch, input_ids: torch.Tensor, device, sto
                     pass
     finally:
         handle.remove()
-        blocks[0].to("cpu")
+        _move(blocks[0], "cpu")
         _move_except_blocks(model, arch.blocks, "cpu")
     kwargs_box["use_cache"] = False
     return inputs, kwargs_box
@@ -121,39 +130,83 @@ def _to(v, device):
 
 
 def run_sequential(model, arch: Arch, input_ids, method, device, true_sequential=True, store_device="cpu"):
-    """Quantize every block in order; returns {full module name: QuantResult}.
+    """Quantize every block of an in-memory model in order; returns {full module name: QuantResult}."""
+    from quantkit.model.stream import InMemoryModel
+
+    results = {}
+    for _, _, block_results in calibrated_blocks(InMemoryModel(model, ""), arch, input_ids, method, device,
+                                                 true_sequential, store_device):
+        results.update(block_results)
+    return results
+
+
+def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequential=True, store_device="cpu",
+                      start=0, replay=None):
+    """Quantize the blocks of `source` (quantkit.model.stream) in order, yielding (index, block, its results)
+    while the block is still loaded (its norms may carry AWQ's folded scales, to be written).
 
     `method` provides: prepare_block(runner, block, prefix) (may rescale weights, e.g. AWQ),
     names(block_prefix, stage) -> the names in the stage it quantizes,
     observer(full_name, weight) -> object with add_batch(x), and
     quantize(full_name, observer, module) -> QuantResult.
+    Blocks before `start` (--resume) are not quantized again: replay(i) rebuilds block i as it was written
+    (decoded weights), and it is only forwarded, to produce the next block's inputs.
     """
+    model = source.model
     blocks = get_submodule(model, arch.blocks)
-    inputs, kwargs = capture_block_inputs(model, arch, input_ids, device, store_device)
+    undo = source.load_outside(arch.blocks, device)  # embeddings etc. load on first use
+    try:
+        inputs, kwargs = capture_block_inputs(model, arch, input_ids, device, store_device)
+    finally:
+        undo()
     stages = arch.sequential if true_sequential else (tuple(n for s in arch.sequential for n in s),)
-    results = {}
-    for i, block in enumerate(tqdm(blocks, desc="blocks", unit="block")):
+    for i in tqdm(range(len(blocks)), desc="blocks", unit="block"):
         prefix = f"{arch.blocks}.{i}"
+        block = replay(i) if i < start else source.load(prefix)
         block.to(device)
         runner = BlockRunner(block, inputs, kwargs, device)
-        method.prepare_block(runner, block, prefix)
-        for stage in stages:
-            names = method.names(prefix, stage)
-            if not names:
-                continue
-            observers = {n: method.observer(f"{prefix}.{n}", get_weight(block.get_submodule(n))) for n in names}
-            with input_hooks(block, names, lambda n, x: observers[n].add_batch(x)):
-                runner.forward_all()
-            for n in names:
-                module = block.get_submodule(n)
-                try:
-                    res = method.quantize(f"{prefix}.{n}", observers.pop(n), module)
-                except QuantkitError as e:
-                    raise QuantkitError(f"{prefix}.{n}: {e}") from e
-                set_weight(module, res.dequantize())
-                results[f"{prefix}.{n}"] = res
+        results = {} if i < start else _quantize_block(runner, block, prefix, method, stages)
         inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)
         block.to("cpu")
+        if i >= start:
+            yield i, block, results
+        source.release(prefix)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _quantize_block(runner, block, prefix, method, stages) -> dict:
+    """Each stage: observe its linears' inputs, quantize them, put the quantized weights in place."""
+    method.prepare_block(runner, block, prefix)
+    results = {}
+    for stage in stages:
+        names = method.names(prefix, stage)
+        if not names:
+            continue
+        observers = {n: method.observer(f"{prefix}.{n}", get_weight(block.get_submodule(n))) for n in names}
+        with input_hooks(block, names, lambda n, x: observers[n].add_batch(x)):
+            runner.forward_all()
+        for n in names:
+            module = block.get_submodule(n)
+            try:
+                res = method.quantize(f"{prefix}.{n}", observers.pop(n), module)
+            except QuantkitError as e:
+                raise QuantkitError(f"{prefix}.{n}: {e}") from e
+            set_weight(module, res.dequantize())
+            results[f"{prefix}.{n}"] = res
     return results
+
+
+def data_free_blocks(source, arch: Arch, method, start=0):
+    """RTN-style methods: each block loaded, its linears rounded, yielded, released; no activations."""
+    from quantkit.model.arch import block_linears
+
+    blocks = get_submodule(source.model, arch.blocks)
+    for i in tqdm(range(start, len(blocks)), desc=method.config.method, unit="block", initial=start,
+                  total=len(blocks)):
+        prefix = f"{arch.blocks}.{i}"
+        block = source.load(prefix)
+        results = {f"{prefix}.{n}": method.quantize(f"{prefix}.{n}", None, block.get_submodule(n))
+                   for n in block_linears(arch) if method.config.spec_for(f"{prefix}.{n}") is not None}
+        yield i, block, results
+        source.release(prefix)

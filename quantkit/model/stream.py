@@ -1,0 +1,209 @@
+"""The fp source model without holding it: a meta-device skeleton whose tensors come from the safetensors shards.
+
+StreamedModel.load(prefix) reads the tensors under a module path (a decoder block) straight from the shards,
+casting them to the compute dtype; release(prefix) turns them back into meta tensors. Each read opens the
+shard with safe_open and closes it again: a memory-mapped file whose pages were touched counts in the
+process's resident memory for as long as it stays mapped, so keeping every shard open would grow RSS to the
+model's size. Modules outside the decoder blocks (embeddings, rotary, final norm, lm_head) load themselves on
+their first forward call (a pre-hook): capturing block 0's inputs touches only what runs before block 0.
+
+Sources that cannot be streamed (no safetensors, tensor names transformers would rename, hub ids) fall back
+to loading the whole model (quantkit.model.loader) behind the same interface: the old memory, the same result.
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.formats.checkpoint import INDEX_NAME, SINGLE_NAME
+from quantkit.model import loader
+
+
+class StreamedModel:
+    """model: the skeleton (parameters on meta); names: checkpoint tensor names in state-dict order, tied
+    duplicates dropped (what the in-memory writer kept)."""
+
+    def __init__(self, folder: Path, config, compute_dtype, files: dict, source_name: str):
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        self.folder, self.files, self.source_name, self.dtype = folder, files, source_name, compute_dtype
+        with init_empty_weights(include_buffers=False):
+            self.model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+        self.model.tie_weights()
+        self.model.eval()
+        if (folder / "generation_config.json").is_file():  # what from_pretrained would have read
+            from transformers import GenerationConfig
+
+            self.model.generation_config = GenerationConfig.from_pretrained(folder)
+        self.names = _distinct_state_names(self.model)
+
+    def read(self, names, dtype=None) -> dict:
+        """{name: tensor} from the shards (one open per shard, closed again), checked finite."""
+        from safetensors import SafetensorError, safe_open
+
+        by_file, out = {}, {}
+        for n in names:
+            by_file.setdefault(self.files[n], []).append(n)
+        for fname, group in by_file.items():
+            try:
+                with safe_open(self.folder / fname, framework="pt") as f:
+                    for n in group:
+                        out[n] = f.get_tensor(n)
+            except (SafetensorError, OSError) as e:
+                raise QuantkitError(f"a safetensors file of model '{self.source_name}' is truncated or corrupted "
+                                    f"({fname}: {e}): download or copy the model again") from e
+        for n, t in out.items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                bad = int((~torch.isfinite(t)).sum())
+                raise QuantkitError(f"model '{self.source_name}': tensor {n} has {bad} NaN/Inf value(s) of {t.numel()}: "
+                                    "the weights are damaged (or overflowed when cast to a half type: try --dtype "
+                                    "float32); fix the model first")
+            if dtype is not None and t.is_floating_point():
+                out[n] = t.to(dtype)
+        return out
+
+    def under(self, prefix: str) -> list[str]:
+        return [n for n in self.names if n.startswith(prefix + ".")]
+
+    def load(self, prefix: str) -> nn.Module:
+        """The module at `prefix` with its tensors real, in the compute dtype."""
+        for name, t in self.read(self.under(prefix), self.dtype).items():
+            _assign(self.model, name, t)
+        return self.model.get_submodule(prefix)
+
+    def release(self, prefix: str) -> None:
+        for name in self.under(prefix):
+            t = _get(self.model, name)
+            _assign(self.model, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+
+    def load_outside(self, blocks_path: str, device="cpu"):
+        """Pre-hooks that load each module outside the blocks on first use; returns a function undoing all."""
+        handles, loaded = [], []
+        for mod_name, module in self.model.named_modules():
+            own = [n for n in self.names if n.rpartition(".")[0] == mod_name]
+            if not own or mod_name == blocks_path or mod_name.startswith(blocks_path + "."):
+                continue
+
+            def hook(m, args, own=own):
+                for name, t in self.read([n for n in own if _get(self.model, n).is_meta], self.dtype).items():
+                    _assign(self.model, name, t.to(device))
+                    loaded.append(name)
+            handles.append(module.register_forward_pre_hook(hook))
+
+        def undo():
+            for h in handles:
+                h.remove()
+            for name in loaded:
+                t = _get(self.model, name)
+                _assign(self.model, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+        return undo
+
+
+class InMemoryModel(StreamedModel):
+    """The whole model loaded (sources that cannot be streamed): load/release are no-ops."""
+
+    def __init__(self, model, source_name: str):
+        from quantkit.formats.checkpoint import drop_shared
+
+        self.model, self.source_name, self.dtype = model, source_name, model.dtype
+        self.names = list(drop_shared(model.state_dict()))
+        self._state = model.state_dict()
+
+    def read(self, names, dtype=None) -> dict:
+        return {n: self._state[n].to(dtype) if dtype is not None and self._state[n].is_floating_point()
+                else self._state[n] for n in names}
+
+    def load(self, prefix):
+        return self.model.get_submodule(prefix)
+
+    def release(self, prefix):
+        pass
+
+    def load_outside(self, blocks_path, device="cpu"):
+        return lambda: None
+
+
+def _distinct_state_names(model) -> list[str]:
+    seen, names = set(), []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            names.append(name)
+    return names
+
+
+def _get(model, name):
+    mod, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(mod), leaf)
+
+
+def _assign(model, name, t):
+    mod, _, leaf = name.rpartition(".")
+    module = model.get_submodule(mod)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+    else:
+        module._buffers[leaf] = t
+
+
+def _shard_map(folder: Path) -> dict | None:
+    """{tensor name: shard file} of a safetensors folder, None when it has no safetensors."""
+    from safetensors import SafetensorError, safe_open
+
+    index = folder / INDEX_NAME
+    if index.is_file():
+        try:
+            return dict(json.loads(index.read_text())["weight_map"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise QuantkitError(f"{index} is damaged ({e}): download or copy the model again") from e
+    if (folder / SINGLE_NAME).is_file():
+        try:
+            with safe_open(folder / SINGLE_NAME, framework="pt") as f:
+                return {k: SINGLE_NAME for k in f.keys()}
+        except (SafetensorError, OSError) as e:
+            raise QuantkitError(f"a safetensors file of model '{folder}' is truncated or corrupted ({e}): "
+                                "download or copy the model again") from e
+    return None
+
+
+def compute_dtype_for(config, dtype):
+    """What from_pretrained(dtype=...) would give: the named dtype, or the config's for 'auto' (fp32 unknown)."""
+    parsed = loader.parse_dtype(dtype)
+    if parsed != "auto":
+        return parsed
+    declared = getattr(config, "dtype", None)
+    return declared if isinstance(declared, torch.dtype) else torch.float32
+
+
+def open_model(source: str, dtype="auto"):
+    """(StreamedModel or InMemoryModel, tokenizer, stored dtype) for a quantization run."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    source = str(source)
+    folder = Path(source).expanduser()
+    if loader.looks_local(source):
+        loader.check_local_folder(source)
+        files = _shard_map(folder)
+        if files is not None:
+            try:
+                config = AutoConfig.from_pretrained(folder)
+            except (OSError, ValueError) as e:
+                raise QuantkitError(f"could not load model '{source}' ({e}): check the path") from e
+            loader.refuse_quantized(source, config)
+            declared = _declared(config)  # before from_config, which sets config.dtype to the compute dtype
+            model = StreamedModel(folder, config, compute_dtype_for(config, dtype), files, source)
+            if all(n in files for n in model.names):  # else renamed or missing tensors: transformers decides
+                return model, AutoTokenizer.from_pretrained(folder), declared
+    print(f"note: {source} cannot be streamed block by block (not a local safetensors folder): loading it whole",
+          file=sys.stderr)
+    fp_model, tokenizer = loader.load_fp_model(source, dtype)
+    return InMemoryModel(fp_model, source), tokenizer, loader.stored_dtype(fp_model)
+
+
+def _declared(config):
+    declared = getattr(config, "dtype", None)
+    return declared if isinstance(declared, torch.dtype) else torch.float32
