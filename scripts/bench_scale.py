@@ -1,0 +1,161 @@
+"""Peak memory of quantizing and loading a model much larger than one block (issue 17).
+
+Builds a synthetic random Llama (fp16, multi-shard safetensors, shapes from the flags) one tensor at a time,
+quantizes it in a child process, loads the output and runs one forward in another child, and reports each
+child's peak resident memory (VmHWM from /proc/self/status, read by the child at its end) against the
+fp model's size on disk. A third child that only imports torch, transformers and quantkit gives the fixed
+cost every run pays whatever the model size.
+
+    python scripts/bench_scale.py --layers 12 --hidden 2048 --intermediate 5632 --workdir /tmp/bench_scale
+    python scripts/bench_scale.py ... --method gptq --nsamples 8 --seqlen 128
+The model and the output are deleted afterwards unless --keep is given.
+"""
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+IMPORTS = "import torch, transformers, quantkit.api, quantkit.loading"
+
+
+def build_model(folder: Path, args) -> int:
+    """Writes the model shard by shard (never more than one shard in memory); returns its size in bytes."""
+    import torch
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from quantkit.demo import bundled_model_path
+
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+                         tie_word_embeddings=False, dtype="float16")
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config)
+    folder.mkdir(parents=True)
+    config.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(folder)
+    gen = torch.Generator().manual_seed(0)
+    shards, current, size, total = [], {}, 0, 0
+
+    def flush():
+        name = f"model-{len(shards) + 1:05d}.safetensors"
+        save_file(current, folder / name, metadata={"format": "pt"})
+        shards.append((name, list(current)))
+
+    for name, p in skeleton.state_dict().items():
+        std = 1.0 if "norm" not in name else 0.0
+        t = (torch.randn(p.shape, generator=gen) * 0.02 + (1.0 if std == 0.0 else 0.0)).to(torch.float16)
+        if current and size + t.numel() * 2 > args.shard_bytes:
+            flush()
+            current, size = {}, 0
+        current[name] = t
+        size += t.numel() * 2
+        total += t.numel() * 2
+    flush()
+    weight_map = {n: f for f, names in shards for n in names}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return total
+
+
+def child_quantize(src, out, args):
+    import torch
+
+    from quantkit.api import quantize
+    from quantkit.config import QuantConfig
+
+    calib = torch.randint(0, 512, (args.nsamples, args.seqlen), generator=torch.Generator().manual_seed(1))
+    config = QuantConfig(method=args.method, bits=args.bits, group_size=args.group_size, nsamples=args.nsamples,
+                         seqlen=args.seqlen)
+    quantize(src, out, config, device="cpu", calibration_ids=calib if config.needs_calibration else None)
+
+
+def child_load(out, args):
+    import torch
+
+    from quantkit.loading import load_quantized
+    from quantkit.nn.quant_linear import QuantLinear
+
+    # QuantLinear's CPU path caches each layer's decoded fp32 weight by default (fast repeated evaluation):
+    # that cache alone is twice the fp16 model, so the bound is measured with it off (decode on every call).
+    QuantLinear.cache_dequantized = False
+    model = load_quantized(out)
+    with torch.inference_mode():
+        logits = model(torch.arange(16).unsqueeze(0)).logits
+    assert torch.isfinite(logits).all()
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes, from the OS (VmHWM). Not getrusage's ru_maxrss: Linux
+    carries that across exec, so a child forked from this (large) parent would report the parent's size."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit("no VmHWM in /proc/self/status (Linux only)")
+
+
+def run_child(argv, work: Path) -> tuple[float, float]:
+    """(peak RSS in bytes, seconds) of `python this_script --child argv`, as the child measured itself."""
+    t0 = time.perf_counter()
+    result = work / "peak.txt"
+    subprocess.run([sys.executable, __file__, "--child", str(result), *argv], check=True)
+    return int(result.read_text()), time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=5632)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--shard-bytes", type=int, default=500 * 10**6, help="source shard size (default 500 MB)")
+    ap.add_argument("--method", default="rtn", help="rtn (default) or gptq (calibrated on random token ids)")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--nsamples", type=int, default=8)
+    ap.add_argument("--seqlen", type=int, default=128)
+    ap.add_argument("--workdir", default="/tmp/quantkit_bench_scale")
+    ap.add_argument("--keep", action="store_true", help="keep the synthetic model and the output")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        result, kind, *paths = args.child
+        {"quantize": lambda: child_quantize(*paths, args), "load": lambda: child_load(*paths, args),
+         "imports": lambda: exec(IMPORTS)}[kind]()
+        Path(result).write_text(str(peak_rss()))
+        return
+    work = Path(args.workdir)
+    if work.exists():
+        raise SystemExit(f"{work} exists: pass another --workdir or delete it")
+    src, out = work / "fp", work / "q"
+    try:
+        t0 = time.perf_counter()
+        size = build_model(src, args)
+        print(f"built {src}: {size / 1e9:.2f} GB fp16 in {time.perf_counter() - t0:.0f} s", flush=True)
+        flags = [f"--{k}={v}" for k, v in (("method", args.method), ("bits", args.bits), ("group-size",
+                 args.group_size), ("nsamples", args.nsamples), ("seqlen", args.seqlen))]
+        base, _ = run_child(["imports"], work)
+        q_peak, q_s = run_child(["quantize", str(src), str(out), *flags], work)
+        out_size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+        l_peak, l_s = run_child(["load", str(out)], work)
+        rows = [("imports only (torch, transformers, quantkit)", base, 0.0),
+                (f"quantize {args.method} w{args.bits} g{args.group_size}", q_peak, q_s),
+                ("load_quantized + one forward (16 tokens)", l_peak, l_s)]
+        print(f"\nfp16 model {size / 1e9:.3f} GB, quantized checkpoint {out_size / 1e9:.3f} GB; bound = model / 4 = "
+              f"{size / 4e9:.3f} GB\n")
+        print("| step | peak RSS (GB) | peak / model | seconds |\n|---|---|---|---|")
+        for what, peak, secs in rows:
+            print(f"| {what} | {peak / 1e9:.3f} | {peak / size:.3f} | {secs:.0f} |")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
