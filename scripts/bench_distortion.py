@@ -39,6 +39,7 @@ from quantkit.methods.scales import SEARCH, fp16_scale
 from quantkit.methods.turboquant import TurboQuant
 
 BITS = (1, 2, 3, 4, 5)
+SOURCES = ("gaussian", "smollm2", "smollm2_rotated")
 CLIP = torch.linspace(0.3, 1.0, 36).tolist()  # rtn_mse: fractions of the absmax scale tried
 
 
@@ -166,14 +167,19 @@ def main(argv=None):
     p.add_argument("--vectors", type=int, default=100_000, help="Gaussian vectors")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bits", type=int, nargs="+", default=list(BITS))
+    p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES,
+                   help="what to measure (the smollm2 ones need --model)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of markdown")
     args = p.parse_args(argv)
-    torch.manual_seed(args.seed)
-    gauss = torch.randn(args.vectors, args.dim, generator=torch.Generator().manual_seed(args.seed))
-    results = {"theory": theory(args.bits, args.dim), "gaussian": measure(gauss, args.bits)}
-    if args.model:
-        results["smollm2"] = measure(smollm2_rows(args.model, args.dim, rotate=False), args.bits)
-        results["smollm2_rotated"] = measure(smollm2_rows(args.model, args.dim, rotate=True, seed=args.seed), args.bits)
+    results = {"theory": theory(args.bits, args.dim)}
+    for source in args.sources:
+        if source == "gaussian":
+            x = torch.randn(args.vectors, args.dim, generator=torch.Generator().manual_seed(args.seed))
+        elif args.model:
+            x = smollm2_rows(args.model, args.dim, rotate=source == "smollm2_rotated", seed=args.seed)
+        else:
+            continue
+        results[source] = measure(x, args.bits)
     print(json.dumps(results, indent=1) if args.json else markdown(results, args.bits))
 
 
