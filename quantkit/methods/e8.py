@@ -121,8 +121,8 @@ NATURAL_SPREAD = {1: 0.625, 2: 1.0, 3: 1.7, 4: 3.0}
 @dataclass(frozen=True)
 class E8Box(OneScalePerGroup):
     """The box-truncated E8 lattice as a quantizer: 8 columns at a time, one fp16 scale per row and group,
-    w_hat = scale * point. `offset` shifts the lattice (¼, as QuIP#'s E8P, makes the two cosets' boxes
-    mirror images and measured lower MSE than 0 at every rate)."""
+    w_hat = scale * point. `offset` shifts the lattice: with ¼ the two cosets' boxes are mirror images of each
+    other (the codebook is symmetric under negation), and it measured lower MSE than 0 at 1–4 bits."""
     bits: int
     offset: float = 0.25
 
