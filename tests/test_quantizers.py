@@ -10,7 +10,7 @@ from quantkit.api import quantize
 from quantkit.cli import main
 from quantkit.config import QuantConfig
 from quantkit.errors import QuantkitError
-from quantkit.formats import codecs
+from quantkit.methods.registry import Method
 from quantkit.loading import load_quantized
 from quantkit.methods.gptq import GPTQ, output_error
 from quantkit.methods.quantizer import QUANTIZERS, register_quantizer
@@ -99,14 +99,16 @@ def test_pair_quantizer_through_rtn_and_the_gptq_loop():
 
 
 def capture_results(monkeypatch):
+    """{linear name: QuantResult} of every layer a quantize() call rounds, as the method hands it on (the
+    streaming writer packs each block's results as they come, so they are caught where they are made)."""
     seen = {}
-    original = codecs.model_tensors
+    original = Method.quantize
 
-    def spy(state, results, codec, config):
-        seen.update(results)
-        return original(state, results, codec, config)
+    def spy(self, full_name, observer, module):
+        seen[full_name] = original(self, full_name, observer, module)
+        return seen[full_name]
 
-    monkeypatch.setattr(codecs, "model_tensors", spy)
+    monkeypatch.setattr(Method, "quantize", spy)
     return seen
 
 
