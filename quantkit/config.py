@@ -70,7 +70,7 @@ class LayerSpec:
 @dataclass
 class QuantConfig:
     method: str = "rtn"
-    quantizer: Optional[str] = None  # None: the method's (int; turboquant for the turboquant methods)
+    quantizer: Optional[str] = None  # None: the method's (int; turboquant or e8 for those methods)
     bits: int = 4
     group_size: int = 128
     sym: bool = True
@@ -85,7 +85,7 @@ class QuantConfig:
     awq_grid: int = 20
     awq_clip: bool = True
     checkpoint_format: str = "gptq"
-    rotate: Optional[str] = None     # None: the method's (none; hadamard for the turboquant methods)
+    rotate: Optional[str] = None     # None: the method's (none; hadamard for the turboquant and e8 methods)
     max_shard_size: str = "4GB"
     compat: str = "none"             # reader(s) whose refusal is an error before any work; none: warnings only
     modules: list = field(default_factory=list)
