@@ -76,6 +76,13 @@ class GPTQ:
         self.H.addmm_(x.t(), x, beta=self.nsamples / n, alpha=2.0 / n)
         self.nsamples = n
 
+    def share_statistics(self, other: "GPTQ") -> None:
+        """Use `other`'s Hessian (a linear fed the very same inputs, e.g. k_proj beside q_proj): accumulated
+        once, read by both (quantize() restores every change it makes to H)."""
+        if other.columns != self.columns:
+            raise ValueError(f"cannot share a Hessian of {other.columns} inputs with a layer of {self.columns}")
+        self.H, self.nsamples = other.H, other.nsamples
+
     def free(self) -> None:
         """Drop the Hessian and the weight copy; the object cannot quantize afterwards."""
         self.H = None

@@ -77,11 +77,11 @@ def capture_block_inputs(model, arch: Arch, input_ids: torch.Tensor, device, sto
 
 @contextmanager
 def input_hooks(block: nn.Module, names, sink: Callable[[str, torch.Tensor], None]):
-    """While active, every forward of block.<name> passes its input to sink(name, x)."""
+    """While active, every call of block.<name> first passes its input to sink(name, x)."""
     handles = []
     for name in names:
         module = block.get_submodule(name)
-        handles.append(module.register_forward_hook(lambda m, args, out, n=name: sink(n, args[0].detach())))
+        handles.append(module.register_forward_pre_hook(lambda m, args, n=name: sink(n, args[0].detach())))
     try:
         yield
     finally:
@@ -106,11 +106,37 @@ class BlockRunner:
                     outs.append(check_activations(y.detach(), f"the outputs of {name}").to(store_device))
         return outs
 
+    def observe(self, names, sink: Callable[[str, torch.Tensor, str], None]) -> None:
+        """Per sample, sink(name, x, source) gets the input x of every named linear, `source` being the first
+        of them that was fed the very same tensor (q/k/v read one normed input: a sink accumulates it once).
+        A sample's forward stops as soon as all of them have been fed: the modules after them (the MLP
+        while observing q/k/v, and the stage's own linears) are never computed."""
+        fed = {}  # this sample: name -> its input (held, so no later tensor can reuse the address)
+
+        def hook(name, x):
+            same = (x.data_ptr(), x.shape, x.stride())
+            source = next((n for n, y in fed.items() if (y.data_ptr(), y.shape, y.stride()) == same), name)
+            fed[name] = x
+            sink(name, x, source)
+            if len(fed) == len(names):
+                raise _StopForward
+
+        with torch.inference_mode(), input_hooks(self.block, names, hook):
+            for x in self.inputs:
+                fed.clear()
+                try:
+                    self.block(x.to(self.device), **self.kwargs)
+                except _StopForward:
+                    pass
+        missing = [n for n in names if n not in fed]
+        if missing:
+            raise QuantkitError(f"the block never calls {', '.join(missing)} in its forward: nothing to calibrate "
+                                "it on; skip it in the recipe (modules: ... skip: true)")
+
     def capture(self, names) -> dict[str, torch.Tensor]:
         """Inputs of the named linears over all samples, as [tokens, in] on the compute device."""
         got = {n: [] for n in names}
-        with input_hooks(self.block, names, lambda n, x: got[n].append(x.reshape(-1, x.shape[-1]))):
-            self.forward_all()
+        self.observe(names, lambda n, x, source: got[n].append(x.reshape(-1, x.shape[-1])))
         return {n: torch.cat(v) for n, v in got.items()}
 
 
@@ -184,8 +210,7 @@ def _quantize_block(runner, block, prefix, method, stages) -> dict:
         if not names:
             continue
         observers = {n: method.observer(f"{prefix}.{n}", get_weight(block.get_submodule(n))) for n in names}
-        with input_hooks(block, names, lambda n, x: observers[n].add_batch(x)):
-            runner.forward_all()
+        _observe_stage(runner, names, observers)
         for n in names:
             module = block.get_submodule(n)
             try:
@@ -195,6 +220,21 @@ def _quantize_block(runner, block, prefix, method, stages) -> dict:
             set_weight(module, res.dequantize())
             results[f"{prefix}.{n}"] = res
     return results
+
+
+def _observe_stage(runner, names, observers) -> None:
+    """Accumulate each linear's input statistics; linears fed one tensor share the first one's (once)."""
+    shared = {}
+
+    def sink(name, x, source):
+        if source == name:
+            observers[name].add_batch(x)
+        else:
+            shared[name] = source
+
+    runner.observe(names, sink)
+    for name, source in shared.items():
+        observers[name].share_statistics(observers[source])
 
 
 def data_free_blocks(source, arch: Arch, method, start=0):
