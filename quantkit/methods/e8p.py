@@ -147,8 +147,8 @@ def _nearest_s(y: torch.Tensor, tab: "_Tables", want: str):
     With u = |y| sorted ascending (u1 ≤ … ≤ u8) and C0 = Σ(u − ½)², the ball multisets cost C0 + Σ over their
     3/2 entries of (2 − 2u) (the k largest u) and, for the 5/2 entry, 6 − 4u8; the norm-12 pattern with ½ at T
     costs C0 + 10 − 2Σu + 2 Σ_T u. A wrong parity adds the cheapest sign flip, 4 min_i a_i u_i: 2 u1 for the
-    ball (the smallest u holds a ½), and for the norm-12 patterns a per-pattern minimum, computed only where
-    its lower bound 2 u1 leaves the pattern a chance."""
+    ball (the smallest u holds a ½), and for the norm-12 patterns a per-pattern minimum. The 29 are tried only
+    where a lower bound (Σ_T u ≥ u1 + u2 + u3, the flip ≥ 2 u1) leaves one of them a chance."""
     u = y.abs()
     neg = y < 0
     even = (neg.sum(-1) % 2 == 0).to(y.dtype)                                 # [n] 1: even number of negatives
@@ -167,16 +167,16 @@ def _nearest_s(y: torch.Tensor, tab: "_Tables", want: str):
         best, which = cost.amin(dim=-1), None
     else:
         best, which = cost.min(dim=-1)
-    sums = u @ tab.norm12_halves                                              # [n, 29] Σ_T u
-    smin = sums.amin(dim=-1)
     c12 = c0 + 10 - 2 * su
-    bound = c12 + 2 * smin + even * pen[:, 0]                                 # Σa = 9: wrong when even
+    # Lower bound over the 29: Σ_T u ≥ the sum of the three smallest u (the best of all 56 arrangements).
+    bound = c12 + 2 * us[:, :3].sum(-1) + even * pen[:, 0]                    # Σa = 9: wrong when even
     cand = (bound < best).nonzero().squeeze(-1)
     wi = rows = j = pen_at = None
     if cand.numel():
-        prod = tab.norm12[None] * u[cand, None, :]                            # [c, 29, 8]
+        uc = u[cand]
+        prod = tab.norm12[None] * uc[:, None, :]                              # [c, 29, 8]
         pen_val, pen_at = prod.min(dim=-1)
-        c_cost = (c12[cand, None] + 2 * sums[cand]) + even[cand, None] * 4 * pen_val
+        c_cost = (c12[cand, None] + 2 * (uc @ tab.norm12_halves)) + even[cand, None] * 4 * pen_val
         c_best, c_which = c_cost.min(dim=-1)
         wi = (c_best < best[cand]).nonzero().squeeze(-1)
         rows, j = cand[wi], c_which[wi]
