@@ -140,6 +140,20 @@ _MULTISETS = [[1] * (8 - k) + [3] * k for k in range(5)] + [[1] * (7 - k) + [3] 
 _MULTISET_ODD = [0, 1, 0, 1, 0, 0, 1]
 
 
+# A sorting network for 8 inputs (19 compare-exchanges): the sorted values, about twice as fast as torch.sort on
+# [n, 8] rows when the permutation is not needed (the scale search's error-only passes).
+_NETWORK8 = ((0, 2), (1, 3), (4, 6), (5, 7), (0, 4), (1, 5), (2, 6), (3, 7), (0, 1), (2, 3), (4, 5), (6, 7),
+             (2, 4), (3, 5), (1, 4), (3, 6), (1, 2), (3, 4), (5, 6))
+
+
+def _sort8(u: torch.Tensor) -> torch.Tensor:
+    """u [n, 8] sorted ascending along the last dim (the same values torch.sort gives)."""
+    c = list(u.t().unbind(0))
+    for i, j in _NETWORK8:
+        c[i], c[j] = torch.minimum(c[i], c[j]), torch.maximum(c[i], c[j])
+    return torch.stack(c, dim=-1)
+
+
 def _nearest_s(y: torch.Tensor, tab: "_Tables", want: str):
     """Nearest point of S (the unshifted set) to each row of y [n, 8]: squared error [n] and, unless want is
     "err", (|a| [n, 8], negative [n, 8] bool, abs index [n] or None unless want is "code") of the point.
@@ -152,7 +166,10 @@ def _nearest_s(y: torch.Tensor, tab: "_Tables", want: str):
     u = y.abs()
     neg = y < 0
     even = (neg.sum(-1) % 2 == 0).to(y.dtype)                                 # [n] 1: even number of negatives
-    us, perm = torch.sort(u, dim=-1)
+    if want == "err":
+        us, perm = _sort8(u), None
+    else:
+        us, perm = torch.sort(u, dim=-1)
     su = us.sum(-1)
     c0 = (us * us).sum(-1) - su + 2
     d = 2 - 2 * us[:, 4:].flip(-1)                                           # 2 − 2u for u8, u7, u6, u5
