@@ -1,5 +1,6 @@
 """Codebook dequant-GEMM (TurboQuant and E8 layers): y = x Ŵᵀ + bias with Ŵ[n, k] = scales[g, n] * value(code),
-value = codebook[code[k, n]] (turboquant) or the coordinate of an E8 lattice point (e8: 8 codes along K per point).
+value = codebook[code[k, n]] (turboquant) or the coordinate of an E8 lattice point (e8: 8 codes along K per point;
+e8p: the 8 codes of a point are one 8b-bit word, decoded through int32 tables, quantkit.methods.e8p).
 
 Layout (quantkit.formats.quantkit_format, generic layers): codes int32 [packed_len(K, bits), N], the
 b-bit codes of each output column packed along K as one LSB-first bit stream (quantkit.formats.bitpack:
@@ -18,10 +19,14 @@ from quantkit.kernels.dispatch import _choose_backend
 from quantkit.kernels.reference import linear_dequantized
 
 
-def decode_codebook(codes, scales, g_idx, codebook, bits, in_features, lattice_offset=None) -> torch.Tensor:
-    """Ŵᵀ [in_features, out_features], float32, exactly as the checkpoint says."""
+def decode_codebook(codes, scales, g_idx, codebook, bits, in_features, lattice_offset=None,
+                    e8p_ratio=None) -> torch.Tensor:
+    """Ŵᵀ [in_features, out_features], float32, exactly as the checkpoint says. e8p_ratio not None: an E8P layer,
+    `codebook` its int32 tables (256 abs patterns, then for 3 bits the 256 residual points)."""
     q = bitpack.unpack(codes, bits, in_features, dim=0).long()
-    if lattice_offset is None:
+    if e8p_ratio is not None:
+        values = _e8p_values(q, bits, codebook, e8p_ratio)
+    elif lattice_offset is None:
         values = codebook.float().to(q.device)[q]
     else:
         values = _lattice_values(q, bits, lattice_offset)
@@ -36,21 +41,34 @@ def _lattice_values(q, bits, offset):
     return box_point(k, coset, bits, offset).float().reshape(q.shape[1], -1).t()
 
 
-def codebook_linear_torch(x, codes, scales, g_idx, codebook, bits, in_features, bias=None, lattice_offset=None):
-    w = decode_codebook(codes, scales, g_idx, codebook, bits, in_features, lattice_offset).to(x.dtype)
+def _e8p_values(q, bits, tables, ratio):
+    """E8P points of codes q [K, N] (8 consecutive codes along K per point, one 8·bits-bit word), float32."""
+    from quantkit.methods.e8p import decode, join_word, table_len
+
+    if tables.numel() != table_len(bits):
+        raise ValueError(f"a {bits}-bit E8P layer needs {table_len(bits)} table entries, got {tables.numel()}")
+    word = join_word(q.t().reshape(q.shape[1], -1, 8), bits)
+    return decode(word, bits, ratio, tables=tables.to(q.device)).reshape(q.shape[1], -1).t()
+
+
+def codebook_linear_torch(x, codes, scales, g_idx, codebook, bits, in_features, bias=None, lattice_offset=None,
+                          e8p_ratio=None):
+    w = decode_codebook(codes, scales, g_idx, codebook, bits, in_features, lattice_offset, e8p_ratio).to(x.dtype)
     return linear_dequantized(x, w, bias)
 
 
 def codebook_linear(x, codes, scales, g_idx, codebook, bits, in_features, bias=None, *, lattice_offset=None,
-                    backend=None):
+                    e8p_ratio=None, backend=None):
     """y = x @ Ŵᵀ (+ bias), x [..., in_features]; backend "auto" | "triton" | "torch" (see dispatch.py).
-    lattice_offset: the layer is E8 (its codes decode to lattice points with this offset; codebook unused)."""
+    lattice_offset: the layer is E8 (its codes decode to lattice points with this offset; codebook unused).
+    e8p_ratio: the layer is E8P (codebook: its int32 tables; the ratio divides the residual stage)."""
     if _choose_backend(x, bits, backend) == "torch":
-        return codebook_linear_torch(x, codes, scales, g_idx, codebook, bits, in_features, bias, lattice_offset)
+        return codebook_linear_torch(x, codes, scales, g_idx, codebook, bits, in_features, bias, lattice_offset,
+                                     e8p_ratio)
     from quantkit.kernels.triton_codebook import codebook_matmul
 
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"x must be [..., in_features={in_features}], got {tuple(x.shape)}")
     y = codebook_matmul(x.reshape(-1, in_features).contiguous(), codes, scales, g_idx, codebook, bits, bias,
-                        lattice_offset)
+                        lattice_offset, e8p_ratio)
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -2,7 +2,8 @@
 
 One program per [BLOCK_M, BLOCK_N] output tile walks K in BLOCK_K steps: it loads the x tile, extracts
 the codes of the K x N weight tile from the packed words, decodes them (_decode: a lookup in the codebook,
-2^bits cache-resident floats, or the E8 lattice point of each 8 codes), multiplies by the group scales, rounds once to x's dtype (as the reference does) and
+2^bits cache-resident floats, the E8 lattice point of each 8 codes, or the E8P point of each 8 codes through a
+256-entry int32 table), multiplies by the group scales, rounds once to x's dtype (as the reference does) and
 accumulates x·Ŵᵀ in fp32 on the tensor cores. Correct for every M, K and group layout; its GPU speed is
 not measured yet (docs/BENCHMARKS.md).
 """
@@ -14,15 +15,48 @@ from quantkit.formats import bitpack
 from quantkit.kernels.triton_decode import _packed_codes
 
 
+TABLE, LATTICE, E8P = 0, 1, 2  # the DECODE variants of _decode
+
+
 @triton.jit
-def _decode(q, cb_ptr, mask, OFFSET, BITS: tl.constexpr, LATTICE: tl.constexpr, BLOCK_K: tl.constexpr,
+def _e8p_point(c, tab_ptr, j):
+    """E8P points of 16-bit codes c [P, BLOCK_N] (quantkit.methods.e8p) as [P, 8, BLOCK_N] float32; j = the
+    coordinate index as [1, 8, 1]. tab[c & 255] holds 2|a_j| at bits [4j, 4j + 4); bits 8–14 are the signs of
+    coordinates 0–6; coordinate 7 is negative when (their count + Σa) is odd; bit 15 picks −¼ over +¼."""
+    word = tl.load(tab_ptr + (c & 255))
+    nib = (word[:, None, :] >> (4 * j)) & 15
+    half_sum = tl.sum(nib, axis=1) >> 1                              # Σa = Σ 2|a| / 2, an integer
+    sbit = (c[:, None, :] >> (8 + j)) & 1
+    first7 = j < 7
+    last = (tl.sum(tl.where(first7, sbit, 0), axis=1) + half_sum) & 1
+    sbit = tl.where(first7, sbit, last[:, None, :])
+    shift = 0.25 - 0.5 * ((c >> 15) & 1).to(tl.float32)
+    return nib.to(tl.float32) * (0.5 - sbit.to(tl.float32)) + shift[:, None, :]
+
+
+@triton.jit
+def _decode(q, cb_ptr, mask, OFFSET, RATIO, BITS: tl.constexpr, DECODE: tl.constexpr, BLOCK_K: tl.constexpr,
             BLOCK_N: tl.constexpr):
     """Unit-scale values of the codes q [BLOCK_K, BLOCK_N]: the swappable decode step.
 
-    Table (turboquant): codebook[q]. Lattice (e8, box-truncated E8, quantkit.methods.e8): every 8 consecutive
+    TABLE (turboquant): codebook[q]. LATTICE (e8, box-truncated E8, quantkit.methods.e8): every 8 consecutive
     codes along K are one point; code 7 carries the coset bit in place of its lowest bit, which the parity
-    (Σk even) restores; the value is k − 2^(BITS−1) + OFFSET + coset / 2."""
-    if LATTICE:
+    (Σk even) restores; the value is k − 2^(BITS−1) + OFFSET + coset / 2. E8P (quantkit.methods.e8p): the 8 codes
+    of a point are one 8·BITS-bit word, code j at bits [BITS·j, BITS·j + BITS); bits 0–15 are an E8P code, and at
+    3 bits bits 16–23 index the 256 residual points (cb_ptr + 256, 2v + 8 nibbles), at 4 bits bits 16–31 are a
+    second E8P code; the residual adds its point / RATIO."""
+    if DECODE == 2:
+        j = tl.arange(0, 8)[None, :, None]
+        q3 = tl.reshape(q, (BLOCK_K // 8, 8, BLOCK_N))
+        c = tl.sum(q3 << (BITS * j), axis=1)                          # disjoint bit fields: the sum is the OR
+        v = _e8p_point(c & 0xFFFF, cb_ptr, j)
+        if BITS == 3:
+            word = tl.load(cb_ptr + 256 + ((c >> 16) & 255))
+            v += ((((word[:, None, :] >> (4 * j)) & 15) - 8).to(tl.float32) * 0.5) / RATIO
+        if BITS == 4:
+            v += _e8p_point((c >> 16) & 0xFFFF, cb_ptr, j) / RATIO
+        return tl.reshape(v, (BLOCK_K, BLOCK_N))
+    if DECODE == 1:
         q3 = tl.reshape(q, (BLOCK_K // 8, 8, BLOCK_N))
         last = (tl.arange(0, 8) == 7)[None, :, None]
         q7 = tl.sum(tl.where(last, q3, 0), axis=1)
@@ -35,8 +69,8 @@ def _decode(q, cb_ptr, mask, OFFSET, BITS: tl.constexpr, LATTICE: tl.constexpr, 
 
 
 @triton.jit
-def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, KW, OFFSET,
-                    BITS: tl.constexpr, LATTICE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, KW, OFFSET, RATIO,
+                    BITS: tl.constexpr, DECODE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,7 +85,7 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, K
         q = _packed_codes(c_ptr + offs_n[None, :], offs_k[:, None], N, mask, KW, BITS)
         g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
         s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
-        w = (_decode(q, cb_ptr, mask, OFFSET, BITS, LATTICE, BLOCK_K, BLOCK_N) * s.to(tl.float32)).to(x.dtype)
+        w = (_decode(q, cb_ptr, mask, OFFSET, RATIO, BITS, DECODE, BLOCK_K, BLOCK_N) * s.to(tl.float32)).to(x.dtype)
         if IEEE:
             acc += tl.dot(x, w, input_precision="ieee")
         else:
@@ -62,20 +96,28 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, K
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def codebook_matmul(x, codes, scales, g_idx, codebook, bits, bias=None, lattice_offset=None):
+def codebook_matmul(x, codes, scales, g_idx, codebook, bits, bias=None, lattice_offset=None, e8p_ratio=None):
     """x [M, K] (fp16/bf16/fp32, contiguous) @ Ŵᵀ -> [M, N] in x's dtype; ValueError on a malformed layer.
-    lattice_offset: decode E8 box points with this offset instead of looking codes up in `codebook`."""
+    lattice_offset: decode E8 box points with this offset instead of looking codes up in `codebook`.
+    e8p_ratio: decode E8P points (codebook: the int32 tables of quantkit.methods.e8p; the residual / e8p_ratio)."""
     m, k = x.shape
     n = scales.shape[1]
     kw = bitpack.packed_len(k, bits)
     if tuple(codes.shape) != (kw, n) or codes.dtype != torch.int32:
         raise ValueError(f"codes must be int32 [{kw}, {n}] for K={k} at {bits} bits, got {codes.dtype} {tuple(codes.shape)}")
-    lattice = lattice_offset is not None
-    if lattice:
-        if k % 8:
-            raise ValueError(f"E8 layers need K to be a multiple of 8, got {k}")
+    decode = E8P if e8p_ratio is not None else LATTICE if lattice_offset is not None else TABLE
+    if decode != TABLE and k % 8:
+        raise ValueError(f"E8 layers need K to be a multiple of 8, got {k}")
+    if decode == LATTICE:
         codebook = scales.new_zeros(1, dtype=torch.float32)  # unused by the lattice decode
-    if tuple(g_idx.shape) != (k,) or (not lattice and codebook.numel() != 1 << bits):
+    elif decode == E8P:
+        from quantkit.methods.e8p import table_len
+
+        if codebook.numel() != table_len(bits) or bits not in (2, 3, 4):
+            raise ValueError(f"a {bits}-bit E8P layer needs {table_len(bits)} int32 table entries, got "
+                             f"{codebook.numel()}")
+        codebook = codebook.to(torch.int32).contiguous()
+    if tuple(g_idx.shape) != (k,) or (decode == TABLE and codebook.numel() != 1 << bits):
         raise ValueError(f"g_idx must be [{k}] and the codebook hold {1 << bits} levels")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
@@ -87,8 +129,10 @@ def codebook_matmul(x, codes, scales, g_idx, codebook, bits, bias=None, lattice_
         return y
     block_m = 16 if m <= 16 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
-    codebook_kernel[grid](x, codes, scales, g_idx.to(torch.int32), codebook.float().contiguous(),
-                          bias if bias is not None else scales, y, m, n, k, kw, float(lattice_offset or 0.0), BITS=bits,
-                          LATTICE=lattice, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+    table = codebook if decode == E8P else codebook.float().contiguous()
+    codebook_kernel[grid](x, codes, scales, g_idx.to(torch.int32), table,
+                          bias if bias is not None else scales, y, m, n, k, kw, float(lattice_offset or 0.0),
+                          float(e8p_ratio or 1.0), BITS=bits,
+                          DECODE=decode, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
                           BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32)
     return y

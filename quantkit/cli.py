@@ -32,16 +32,17 @@ _CONFIG_OPTIONS = [
                  help="rtn: round to nearest; gptq: Hessian-aware error feedback; awq: activation-aware scales "
                       "folded into the model, then RTN; awq+gptq: AWQ scales, then GPTQ; turboquant: Hadamard "
                       "rotation + Lloyd-Max codebook per block, data-free; turboquant+gptq: the same codebook "
-                      "inside GPTQ's error feedback (rotated basis); e8: Hadamard rotation + box-truncated E8 "
-                      "lattice (8 weights per point), data-free; e8+gptq: the same with block LDLQ."),
+                      "inside GPTQ's error feedback (rotated basis); e8: Hadamard rotation + an E8 lattice codebook "
+                      "(8 weights per point: QuIP#'s E8P ball at 2 bits, E8P + a residual stage at 3 and 4, the "
+                      "box-truncated E8 at 1), data-free; e8+gptq: the same with block LDLQ."),
     click.option("--quantizer", default=None,
                  help="What rounds the weights. Default: the method's (int for rtn/gptq/awq; turboquant and e8 for "
                       "theirs). int: a per-group integer grid with scale and zero, the only one GPTQ-layout readers "
                       "run; turboquant: a 2^bits-level codebook times one fp16 scale per group; e8: E8 lattice "
-                      "points times one fp16 scale per group. Anything but unrotated int is written in the quantkit "
-                      "format."),
+                      "points times one fp16 scale per group (e8p at 2-4 bits, e8box at 1; e8p and e8box name "
+                      "one of them). Anything but unrotated int is written in the quantkit format."),
     click.option("--bits", type=int, default=4,
-                 help="Bits per weight code: 2, 3, 4 or 8 (int); 1 to 5 (turboquant); 1 to 4 (e8)."),
+                 help="Bits per weight code: 2, 3, 4 or 8 (int); 1 to 5 (turboquant); 1 to 4 (e8, e8box); 2 to 4 (e8p)."),
     click.option("--group-size", type=int, default=128,
                  help="Input columns sharing one scale (and zero); -1 = one group per row. A last shorter group is "
                       "fine. turboquant: the block d, a power of two >= 8; e8: a multiple of 8 (both cost 16/group "

@@ -29,7 +29,7 @@ import yaml
 from quantkit.errors import QuantkitError
 from quantkit.formats.gptq import WRITE_FORMATS
 from quantkit.methods.grid import check_bits, check_group_size, is_int
-from quantkit.methods.quantizer import QUANTIZERS, quantizer_for
+from quantkit.methods.quantizer import quantizer_for, quantizer_names
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq", "turboquant", "turboquant+gptq", "e8", "e8+gptq")
 DATA_FREE = ("rtn", "turboquant", "e8")
@@ -109,8 +109,8 @@ class QuantConfig:
                 raise QuantkitError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
         if not 0 < self.damp <= 1:
             raise QuantkitError(f"--damp {self.damp} is out of range: use a fraction in (0, 1], e.g. 0.01")
-        if self.quantizer not in QUANTIZERS:
-            raise QuantkitError(f"unknown quantizer '{self.quantizer}': choose one of {', '.join(sorted(QUANTIZERS))}")
+        if self.quantizer not in quantizer_names():
+            raise QuantkitError(f"unknown quantizer '{self.quantizer}': choose one of {', '.join(quantizer_names())}")
         implied = METHOD_DEFAULTS.get(self.method, {}).get("quantizer")
         if implied and self.quantizer != implied:
             raise QuantkitError(f"--method {self.method} rounds with the {implied} quantizer, not {self.quantizer}: "

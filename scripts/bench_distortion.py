@@ -12,10 +12,15 @@ scale per block, so all of them spend b + 16/d bits per weight (turboquant_prod:
   turboquant      quantkit's default: the same codebook, scale searched per block for the least squared error
   turboquant_prod TurboQuant_prod: (b-1)-bit turboquant_norm + 1-bit QJL of the residual (sign(S r), S
                   i.i.d. N(0, 1) d x d, and ||r||), decoded as x̂_mse + sqrt(pi/2)/d ||r|| Sᵀ sign(S r)
-  e8              box-truncated E8 lattice, 8 weights per point at exactly b bits per weight, scale searched
+  e8_box          box-truncated E8 lattice, 8 weights per point at exactly b bits per weight, scale searched
                   per block (quantkit.methods.e8; b = 1..4)
   e8_relaxed      the seed's relaxed-parity variant of the same box (half-integer coset without the parity
-                  rule): 1.5x the points, so b + 0.073 bits per weight; compare it with e8 at that rate
+                  rule): 1.5x the points, so b + 0.073 bits per weight; compare it with e8_box at that rate
+  e8p             QuIP#'s E8P ball (2^16 points of E8 + ¼, 16 bits per 8 weights) at b = 2; at b = 3 and 4 E8P
+                  plus a residual stage (the 256-point E8 codebook / E8P again, on the residual times a fixed
+                  ratio), scale searched per block (quantkit.methods.e8p)
+  e8              what --method e8 rounds with: the E8 codebook that measured best at each b (e8p at 2..4,
+                  e8_box at 1; quantkit.methods.quantizer.best_e8), the same numbers as that row
 Theory: Lloyd–Max MSE of the unit Gaussian (the d -> inf codebook with the exact norm), the lower bound
 4^-b and TurboQuant's upper bound sqrt(3) pi / 2 * 4^-b ≈ 2.72 * 4^-b.
 Rotated rows use quantkit's randomized Hadamard rotation (block = largest power of two dividing the width).
@@ -31,8 +36,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from quantkit.errors import QuantkitError
 from quantkit.methods.codebook import codebook_mse, lloyd_max
 from quantkit.methods.e8 import NATURAL_SPREAD, E8Box, nearest_relaxed
+from quantkit.methods.e8p import RATIO, SUPPORTED_BITS as E8P_BITS, E8P
+from quantkit.methods.quantizer import quantizer_for
 from quantkit.methods.rotation import Rotation
 from quantkit.methods.rtn import rtn
 from quantkit.methods.scales import SEARCH, fp16_scale
@@ -83,8 +91,30 @@ def turbo_prod(x, bits, seed=0):
     return base + math.sqrt(math.pi / 2) / d * norm * (torch.sign(r @ S.t()) @ S)
 
 
+_DECODED = {}
+
+
+def rtn_decoded(x, quantizer):
+    """rtn's decoded blocks, computed once per (quantizer, x): the e8 row repeats e8p's or e8_box's."""
+    key = (quantizer, x.data_ptr(), tuple(x.shape))
+    if key not in _DECODED:
+        _DECODED[key] = rtn(x, quantizer, x.shape[1]).decoded()
+    return _DECODED[key]
+
+
+def e8_box(x, bits):
+    return rtn_decoded(x, E8Box(bits)) if bits in NATURAL_SPREAD else None
+
+
+def e8p(x, bits, ratio=None):
+    return rtn_decoded(x, E8P(bits, ratio=ratio)) if bits in E8P_BITS and (ratio is None or bits > 2) else None
+
+
 def e8(x, bits):
-    return rtn(x, E8Box(bits), x.shape[1]).decoded() if bits in NATURAL_SPREAD else None
+    try:
+        return rtn_decoded(x, quantizer_for("e8", bits, True, x.shape[1]))
+    except QuantkitError:
+        return None
 
 
 def e8_relaxed(x, bits):
@@ -107,8 +137,10 @@ METHODS = {
     "turboquant_ratio": lambda x, b: turbo(x, b, "ratio"),
     "turboquant": lambda x, b: turbo(x, b, "mse"),
     "turboquant_prod": turbo_prod,
-    "e8": e8,
+    "e8_box": e8_box,
     "e8_relaxed": e8_relaxed,
+    "e8p": e8p,
+    "e8": e8,
 }
 
 
@@ -136,8 +168,10 @@ def smollm2_rows(model_dir, d, rotate, layers=(0, 15, 29), seed=0):
     return torch.cat(out)
 
 
-def measure(x, bits) -> dict:
-    return {m: {str(b): nmse(x, fn(x, b)) for b in bits} for m, fn in METHODS.items()}
+def measure(x, bits, methods=None, ratios=()) -> dict:
+    fns = {m: fn for m, fn in METHODS.items() if methods is None or m in methods}
+    fns.update({f"e8p_ratio{r:g}": (lambda x, b, r=r: e8p(x, b, r)) for r in ratios})
+    return {m: {str(b): nmse(x, fn(x, b)) for b in bits} for m, fn in fns.items()}
 
 
 def theory(bits, d) -> dict:
@@ -169,6 +203,9 @@ def main(argv=None):
     p.add_argument("--bits", type=int, nargs="+", default=list(BITS))
     p.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES,
                    help="what to measure (the smollm2 ones need --model)")
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), help="only these rows (default: all)")
+    p.add_argument("--e8p-ratios", type=float, nargs="*", default=(),
+                   help=f"extra e8p rows at 3 and 4 bits with this stage-2 ratio (default ratios: {RATIO})")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of markdown")
     args = p.parse_args(argv)
     results = {"theory": theory(args.bits, args.dim)}
@@ -179,7 +216,7 @@ def main(argv=None):
             x = smollm2_rows(args.model, args.dim, rotate=source == "smollm2_rotated", seed=args.seed)
         else:
             continue
-        results[source] = measure(x, args.bits)
+        results[source] = measure(x, args.bits, args.methods, args.e8p_ratios)
     print(json.dumps(results, indent=1) if args.json else markdown(results, args.bits))
 
 

@@ -1,4 +1,4 @@
-"""The codebook dequant-GEMM (kernels/codebook.py) of TurboQuant and E8 layers: the Triton kernel against the
+"""The codebook dequant-GEMM (kernels/codebook.py) of TurboQuant, E8 and E8P layers: the Triton kernel against the
 torch reference on awkward shapes (M = 1, 3, 17; K not a multiple of the block d or of the kernel's K tile;
 codes straddling words at 3 and 5 bits), and DecodedLinear's kernel path against its cached-weight path.
 
@@ -23,6 +23,7 @@ from quantkit.formats import bitpack  # noqa: E402
 from quantkit.kernels.codebook import codebook_linear, decode_codebook  # noqa: E402
 from quantkit.kernels import rotation  # noqa: E402
 from quantkit.methods.e8 import E8Box  # noqa: E402
+from quantkit.methods.e8p import E8P  # noqa: E402
 from quantkit.methods.rtn import rtn  # noqa: E402
 from quantkit.methods.turboquant import TurboQuant  # noqa: E402
 from quantkit.nn.decoded_linear import DecodedLinear  # noqa: E402
@@ -32,26 +33,29 @@ DEVICES = device_params("not importable" if rotation.triton is None else None, I
 
 
 def layer(n, k, quantizer, d, seed):
-    """Packed tensors of a TurboQuant or E8 layer [n, k] quantized from random weights."""
+    """Packed tensors of a TurboQuant, E8 or E8P layer [n, k] quantized from random weights."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
     res = rtn(w, quantizer, d)
     bits = quantizer.code_bits
+    kd = quantizer.kernel_decode
+    table = (torch.tensor(kd["e8p_table"], dtype=torch.int32) if "e8p_table" in kd
+             else torch.tensor(kd.get("table", [0.0])))
     return {"codes": bitpack.pack(res.codes.t(), bits, dim=0), "scales": res.params["scale"].t().half().contiguous(),
-            "g_idx": res.g_idx.to(torch.int32), "codebook": torch.tensor(quantizer.kernel_decode.get("table", [0.0])),
-            "lattice_offset": quantizer.kernel_decode.get("lattice_offset"), "bits": bits, "in_features": k,
-            "decoded": res.decoded()}
+            "g_idx": res.g_idx.to(torch.int32), "codebook": table, "lattice_offset": kd.get("lattice_offset"),
+            "e8p_ratio": kd.get("e8p_ratio"), "bits": bits, "in_features": k, "decoded": res.decoded()}
 
 
-@pytest.mark.parametrize("quantizer", [TurboQuant(5, 32), E8Box(3)])
+@pytest.mark.parametrize("quantizer", [TurboQuant(5, 32), E8Box(3), E8P(2), E8P(3), E8P(4)])
 def test_reference_decodes_the_quantizer_result(quantizer):
     t = layer(24, 104, quantizer, 32, 0)
     w = decode_codebook(t["codes"], t["scales"], t["g_idx"], t["codebook"], t["bits"], t["in_features"],
-                        t["lattice_offset"])
+                        t["lattice_offset"], t["e8p_ratio"])
     assert torch.equal(w, t["decoded"].t())
 
 
 CASES = [(72, 96, TurboQuant(3, 64), 64), (40, 80, TurboQuant(5, 32), 32), (64, 128, TurboQuant(4, 128), 128),
-         (33, 160, TurboQuant(2, 64), 64), (40, 104, E8Box(2), 64), (24, 96, E8Box(3), 32), (33, 64, E8Box(4), 64)]
+         (33, 160, TurboQuant(2, 64), 64), (40, 104, E8Box(2), 64), (24, 96, E8Box(3), 32), (33, 64, E8Box(4), 64),
+         (40, 104, E8P(2), 64), (24, 96, E8P(3), 32), (33, 80, E8P(4), 64), (20, 40, E8P(3), -1)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -65,16 +69,16 @@ def test_triton_matches_reference(device, dtype, m, n, k, quantizer, d):
     bits = t["bits"]
     args = [t[key].to(device) for key in ("codes", "scales", "g_idx", "codebook")] + [bits, k]
     y = codebook_linear(x.to(device), *args, bias=bias.to(device), lattice_offset=t["lattice_offset"],
-                        backend="triton").cpu()
+                        e8p_ratio=t["e8p_ratio"], backend="triton").cpu()
     ref = codebook_linear(x, *[a.cpu() if torch.is_tensor(a) else a for a in args], bias=bias,
-                          lattice_offset=t["lattice_offset"], backend="torch")
+                          lattice_offset=t["lattice_offset"], e8p_ratio=t["e8p_ratio"], backend="torch")
     scale = (x.float().abs() @ t["decoded"].t().abs()).max().item() + bias.abs().max().item()
     tol = (2.0**-11 if dtype == torch.float16 else 1e-5) * scale
     assert y.dtype == dtype and (y.float() - ref.float()).abs().max().item() <= tol
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("quantizer", [TurboQuant(3, 32), E8Box(2)])
+@pytest.mark.parametrize("quantizer", [TurboQuant(3, 32), E8Box(2), E8P(3), E8P(4)])
 def test_decoded_linear_kernel_path_matches_its_cached_weight(device, quantizer):
     t = layer(48, 96, quantizer, 32, seed=7)
     module = DecodedLinear(96, 48, quantizer, 32, 3, bias=False, dtype=torch.float32)

@@ -124,15 +124,18 @@ def test_block_ldlq_beats_data_free_on_correlated_inputs():
     assert output_error(W, fed_back.dequantize(), g.H) < 0.7 * output_error(W, rtn(W, E8Box(2), 64).dequantize(), g.H)
 
 
-@pytest.mark.parametrize("method", ["e8", "e8+gptq"])
-def test_writes_loads_and_gives_the_in_loop_logits(model_factory, tmp_path, monkeypatch, method):
+@pytest.mark.parametrize("method,quantizer,bits", [("e8", None, 1), ("gptq", "e8box", 2)])
+def test_writes_loads_and_gives_the_in_loop_logits(model_factory, tmp_path, monkeypatch, method, quantizer, bits):
+    """The box through a checkpoint: what --method e8 uses at 1 bit, and --quantizer e8box at any width (--method
+    e8 picks E8P at 2-4 bits: tests/test_e8p.py)."""
     src = model_factory("llama-tied-bias")
     results = capture_results(monkeypatch)
-    quantize(str(src), tmp_path / "q", QuantConfig(method=method, bits=2, group_size=64, nsamples=4, seqlen=32),
+    quantize(str(src), tmp_path / "q", QuantConfig(method=method, quantizer=quantizer, rotate="hadamard", bits=bits,
+                                                   group_size=64, nsamples=4, seqlen=32),
              device="cpu", calibration_ids=calibration())
     layer = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["layers"][
         "model.layers.0.mlp.down_proj"]
-    assert layer["quantizer"] == "e8" and layer["bits"] == 2 and layer["rotation"]["type"] == "hadamard"
+    assert layer["quantizer"] == "e8" and layer["bits"] == bits and layer["rotation"]["type"] == "hadamard"
     model = load_quantized(tmp_path / "q")
     assert isinstance(model.model.layers[0].mlp.down_proj, DecodedLinear)
     ids = calibration()[:2]

@@ -21,6 +21,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.methods.e8 import E8Box
+from quantkit.methods.e8p import E8P
 from quantkit.methods.grid import Grid
 from quantkit.methods.turboquant import TurboQuant
 
@@ -36,6 +37,25 @@ def register_quantizer(cls):
 register_quantizer(Grid)
 register_quantizer(TurboQuant)
 register_quantizer(E8Box)
+register_quantizer(E8P)
+
+
+def best_e8(bits: int, sym: bool, group_size: int):
+    """What `--quantizer e8` (the e8 methods' default) means: the E8 codebook with the least MSE at this width,
+    measured on unit Gaussians and rotated SmolLM2 rows (docs/QUALITY.md): E8P at 2, 3 and 4 bits, the
+    box-truncated E8 at 1 bit (E8P has no 1-bit form)."""
+    return (E8P if bits in (2, 3, 4) else E8Box).from_spec(bits, sym, group_size)
+
+
+# Names a run may give (--quantizer, a method's default) that pick a quantizer class by the settings instead of
+# naming one: "e8" the best E8 codebook per width, "e8box" the box-truncated E8 at any width. A checkpoint
+# records the class's own name: "e8" (the box, as before E8P existed) or "e8p".
+SPEC_NAMES = {"e8": best_e8, "e8box": E8Box.from_spec}
+
+
+def quantizer_names() -> list:
+    """Every name --quantizer takes."""
+    return sorted(set(QUANTIZERS) | set(SPEC_NAMES))
 
 
 def _class(name: str):
@@ -51,6 +71,8 @@ def make_quantizer(name: str, **settings):
 
 def quantizer_for(name: str, bits: int, sym: bool, group_size: int):
     """The quantizer a layer's run settings ask for (--quantizer, --bits, --sym, --group-size)."""
+    if name in SPEC_NAMES:
+        return SPEC_NAMES[name](bits, sym, group_size)
     return _class(name).from_spec(bits, sym, group_size)
 
 

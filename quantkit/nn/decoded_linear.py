@@ -4,8 +4,8 @@ Buffers mirror the checkpoint (quantkit.formats.quantkit_format): `codes` (the q
 along the input dim at its code_bits), one [n_groups, out] tensor per parameter (fp16 when the
 quantizer stores it in 16 bits, else float32), g_idx, bias, and rot_signs when rotated.
 
-Quantizers that name a kernel decode (`kernel_decode`: TurboQuant's table, w = scale * codebook[code], or E8's
-lattice offset) run the codebook dequant-GEMM (quantkit.kernels.codebook): a Triton kernel that decodes in
+Quantizers that name a kernel decode (`kernel_decode`: TurboQuant's table, w = scale * codebook[code], E8's
+lattice offset, or E8P's int32 tables and residual ratio) run the codebook dequant-GEMM (quantkit.kernels.codebook): a Triton kernel that decodes in
 registers on CUDA. Everywhere else, and
 for any other quantizer, forward decodes the weight once through the quantizer and keeps it (a dense
 fp32 copy per layer, like QuantLinear's CPU path; `cache_dequantized = False` decodes on every call).
@@ -42,9 +42,12 @@ class DecodedLinear(nn.Module):
         # of the quantizer's settings, not of the state dict.
         self.kernel = getattr(quantizer, "kernel_decode", None)
         table = (self.kernel or {}).get("table")
-        self.register_buffer("codebook", None if table is None else torch.tensor(table, dtype=torch.float32,
-                                                                                 device=None if device == "meta" else device),
-                             persistent=False)
+        e8p_table = (self.kernel or {}).get("e8p_table")
+        if e8p_table is not None:
+            table = torch.tensor(e8p_table, dtype=torch.int32, device=None if device == "meta" else device)
+        elif table is not None:
+            table = torch.tensor(table, dtype=torch.float32, device=None if device == "meta" else device)
+        self.register_buffer("codebook", table, persistent=False)
         add_rotation(self, in_features, rotation_block, device)
 
     def extra_repr(self):
@@ -71,7 +74,8 @@ class DecodedLinear(nn.Module):
             from quantkit.kernels.codebook import codebook_linear
 
             return codebook_linear(x, self.codes, self.scale, self.g_idx, self.codebook, self.quantizer.code_bits,
-                                   self.in_features, self.bias, lattice_offset=self.kernel.get("lattice_offset"))
+                                   self.in_features, self.bias, lattice_offset=self.kernel.get("lattice_offset"),
+                                   e8p_ratio=self.kernel.get("e8p_ratio"))
         return nn.functional.linear(x, self.weight().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
 
     def _apply(self, fn, *args, **kwargs):
