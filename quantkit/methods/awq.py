@@ -88,15 +88,17 @@ def search_scales(weights: Sequence[torch.Tensor], x: torch.Tensor, quantizer, g
     for w in ws:
         if w.shape[1] != x.shape[1]:
             raise ValueError(f"weight {tuple(w.shape)} does not read inputs of width {x.shape[1]}")
-    refs = [xs @ w.t() for w in ws]
+    # ||x (Wq - W)ᵀ||² summed over the tokens is tr(D G Dᵀ) with D = Wq - W and G = xᵀx: one [in, in]
+    # product instead of [tokens, out] outputs per alpha (7x fewer flops for an MLP's gate/up)
+    gram = xs.t() @ xs
     n_out = sum(w.shape[0] for w in ws) * xs.shape[0]
     errors = []
     for i in range(n_grid):
         s = _scales(x_mean, i / n_grid)
         err = 0.0
-        for w, ref in zip(ws, refs):
-            wq = fake_quant(w * s, quantizer, group_size) / s   # (x / s) Q(W s)ᵀ == x (Q(W s) / s)ᵀ
-            err += (xs @ wq.t() - ref).pow(2).sum().item()
+        for w in ws:
+            d = fake_quant(w * s, quantizer, group_size) / s - w   # (x / s) Q(W s)ᵀ == x (Q(W s) / s)ᵀ
+            err += ((d @ gram) * d).sum().item()
         errors.append(err / n_out)
     finite = [i for i, e in enumerate(errors) if math.isfinite(e)]
     best = min(finite, key=lambda i: (errors[i], i)) if finite else 0   # ties keep the smaller alpha
@@ -196,6 +198,9 @@ def clip_search(weight: torch.Tensor, x: torch.Tensor, grid: Grid, group_size: i
     pad = ng * size - cols
     xs = torch.nn.functional.pad(_subsample(x, CLIP_TOKENS).float(), (0, pad))
     xg = xs.view(-1, ng, size).transpose(0, 1)                      # [ng, tokens, size]
+    # mean over tokens of (x_g · d_g)² = d_g G_g d_gᵀ with G_g = x_gᵀ x_g / tokens: size² instead of
+    # tokens work per (row, group) and step
+    gram = torch.bmm(xg.transpose(1, 2), xg) / xg.shape[1]         # [ng, size, size]
     lo0, hi0 = _group_bounds(w, grid, group_size)
     best_lo, best_hi = lo0.clone(), hi0.clone()
     err0 = torch.empty(rows, ng, device=w.device)
@@ -204,15 +209,12 @@ def clip_search(weight: torch.Tensor, x: torch.Tensor, grid: Grid, group_size: i
     for r0 in range(0, rows, CLIP_ROW_BATCH):
         r1 = min(rows, r0 + CLIP_ROW_BATCH)
         wb = w[r0:r1]
-        wg = torch.nn.functional.pad(wb, (0, pad)).view(r1 - r0, ng, size)
-        ref = torch.bmm(xg, wg.permute(1, 2, 0))                     # [ng, tokens, rows]
         for i in range(n_steps):
             ratio = 1 - i / n_grid
             lo, hi = lo0[r0:r1] * ratio, hi0[r0:r1] * ratio
             wq = fake_quant(wb, grid, group_size, torch.stack([lo, hi], dim=-1))
-            wqg = torch.nn.functional.pad(wq, (0, pad)).view(r1 - r0, ng, size)
-            out = torch.bmm(xg, wqg.permute(1, 2, 0))
-            err = (out - ref).pow(2).mean(dim=1).t()                 # [rows, ng]
+            d = torch.nn.functional.pad(wq - wb, (0, pad)).view(r1 - r0, ng, size).transpose(0, 1)  # [ng, rows, size]
+            err = (torch.bmm(d, gram) * d).sum(dim=-1).t()           # [rows, ng]
             if i == 0:
                 err0[r0:r1] = err
                 best_err[r0:r1] = err
