@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""quantkit against llm-compressor on the same calibration samples and the same evaluation, one table.
+
+The calibration windows are drawn once (quantkit.data.calibration_ids) and handed to both tools. quantkit
+quantizes into a checkpoint that load_quantized reads back; llm-compressor runs in its own Python
+(--peer-python, a virtual environment with `pip install llmcompressor`: it pins other transformers
+versions than quantkit's) through scripts/peer_llmcompressor.py, which writes its dequantized weights as a
+plain checkpoint. Both models are then evaluated here by quantkit.eval.perplexity in fp32 on the same
+tokens (and on --heldout text when given). Seconds are each tool's quantization wall time in this run
+(quantkit: quantize() including reading the source and writing the checkpoint; llm-compressor: oneshot()
+only), measured one after the other on the same machine — read them as a ratio.
+
+Runs are method:bits:group[:asym][:one-pass], method gptq or rtn (llm-compressor's RTN is its
+QuantizationModifier). one-pass: quantkit collects every linear's statistics of a block in one forward, as
+llm-compressor does, instead of stage by stage (true-sequential, its default); runs that differ only in it
+share one llm-compressor run.
+
+    python -m venv /tmp/peer && /tmp/peer/bin/pip install llmcompressor torch   # CPU torch: see README
+    python scripts/bench_peer.py ~/.cache/quantkit-assets/smollm2-135m --peer-python /tmp/peer/bin/python \\
+        --calib ../shared/assets/text/wikitext2_tok_valid.txt --eval ../shared/assets/text/wikitext2_raw_test.txt \\
+        --nsamples 64 --runs gptq:4:64 gptq:4:64:asym gptq:3:64 rtn:4:64
+"""
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from quantkit.api import quantize
+from quantkit.config import QuantConfig
+from quantkit.data import calibration_ids, eval_ids
+from quantkit.eval import perplexity
+from quantkit.loading import load_quantized
+from quantkit.model.loader import load_fp_model
+
+PEER_SCRIPT = Path(__file__).with_name("peer_llmcompressor.py")
+
+
+def parse_run(text: str) -> tuple[dict, dict]:
+    """method:bits:group[:asym][:one-pass] -> (the scheme both tools run, quantkit-only options)."""
+    method, *rest = text.split(":")
+    flags = rest[2:]
+    if method not in ("gptq", "rtn") or len(rest) < 2 or not set(flags) <= {"sym", "asym", "one-pass"}:
+        raise SystemExit(f"run {text!r}: use method:bits:group[:asym][:one-pass] with method gptq or rtn")
+    scheme = {"method": method, "bits": int(rest[0]), "group_size": int(rest[1]), "sym": "asym" not in flags}
+    return scheme, ({"true_sequential": False} if "one-pass" in flags else {})
+
+
+def evaluate(model, texts: dict, seqlen: int) -> dict:
+    return {name: perplexity(model, ids, seqlen, progress=False)["ppl"] for name, ids in texts.items()}
+
+
+def run_quantkit(model_path, run, calib, texts, seqlen, extra) -> dict:
+    config = QuantConfig(**run, nsamples=calib.shape[0], seqlen=calib.shape[1], **extra)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        quantize(model_path, Path(tmp) / "q", config, device="cpu",
+                 calibration_ids=calib if config.needs_calibration else None)
+        seconds = time.perf_counter() - t0
+        model = load_quantized(Path(tmp) / "q", device_map="cpu", dtype="float32")
+        return {"seconds": seconds, **evaluate(model, texts, seqlen)}
+
+
+def run_peer(peer_python, model_path, run, calib_file, texts, seqlen) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peer"
+        cmd = [peer_python, str(PEER_SCRIPT), str(model_path), str(calib_file), str(out), "--method", run["method"],
+               "--bits", str(run["bits"]), "--group-size", str(run["group_size"]),
+               "--sym" if run["sym"] else "--no-sym"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"llm-compressor run failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
+        seconds = json.loads((out / "timing.json").read_text())["seconds"]
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()  # weights only, no tokenizer
+        return {"seconds": seconds, **evaluate(model, texts, seqlen)}
+
+
+def markdown(rows, text_names) -> str:
+    head = ["run"] + [f"quantkit {t} ppl" for t in text_names] + ["quantkit s"]
+    head += [f"llm-compressor {t} ppl" for t in text_names] + ["llm-compressor s", "time ratio"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        q, p = r["quantkit"], r["peer"]
+        cells = [r["run"]] + [f"{q[t]:.2f}" for t in text_names] + [f"{q['seconds']:.0f}"]
+        cells += [f"{p[t]:.2f}" for t in text_names] + [f"{p['seconds']:.0f}" if p["seconds"] else "—"]
+        cells.append(f"{q['seconds'] / p['seconds']:.2f}x" if p["seconds"] else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="model folder (safetensors)")
+    p.add_argument("--peer-python", required=True, help="a Python with llmcompressor installed")
+    p.add_argument("--calib", required=True, help="calibration text file or dataset")
+    p.add_argument("--eval", required=True, help="evaluation text (the first --max-tokens tokens)")
+    p.add_argument("--heldout", help="a second evaluation text, reported in its own column")
+    p.add_argument("--runs", nargs="+", required=True,
+                   help="method:bits:group[:asym][:one-pass], method gptq or rtn")
+    p.add_argument("--nsamples", type=int, default=64)
+    p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=32768)
+    p.add_argument("--json", help="write the rows here (after every run)")
+    args = p.parse_args(argv)
+
+    torch.manual_seed(0)
+    fp_model, tokenizer = load_fp_model(args.model, "float32")
+    texts = {"eval": eval_ids(tokenizer, args.eval, args.max_tokens)}
+    if args.heldout:
+        texts["heldout"] = eval_ids(tokenizer, args.heldout, args.max_tokens)
+    calib = calibration_ids(tokenizer, args.calib, args.nsamples, args.seqlen, seed=0)
+    rows = [{"run": "fp", "quantkit": {"seconds": 0.0, **evaluate(fp_model, texts, args.seqlen)}}]
+    rows[0]["peer"] = rows[0]["quantkit"]
+    del fp_model
+    with tempfile.TemporaryDirectory() as tmp:
+        calib_file = Path(tmp) / "calib.pt"
+        torch.save(calib, calib_file)
+        peer = {}  # one llm-compressor run per scheme
+        for spec in args.runs:
+            scheme, extra = parse_run(spec)
+            key = json.dumps(scheme, sort_keys=True)
+            if key not in peer:
+                peer[key] = run_peer(args.peer_python, args.model, scheme, calib_file, texts, args.seqlen)
+            row = {"run": spec, "quantkit": run_quantkit(args.model, scheme, calib, texts, args.seqlen, extra),
+                   "peer": peer[key]}
+            rows.append(row)
+            print(f"{spec}: {json.dumps(row)}", file=sys.stderr)
+            if args.json:
+                Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(markdown(rows, list(texts)))
+
+
+if __name__ == "__main__":
+    main()
