@@ -99,7 +99,8 @@ class Parts:
 
 
 def assemble(folder: Path, order: list[str], max_shard_bytes: int) -> None:
-    """The checkpoint's shards (and index) from the part files, tensors planned in `order`; parts deleted after."""
+    """The checkpoint's shards (and index) from the part files, tensors planned in `order`. The parts stay
+    (a run killed while copying can be resumed): delete them with delete_parts."""
     parts = Parts(folder)
     missing = [n for n in order if n not in parts.where]
     if missing:
@@ -125,6 +126,9 @@ def assemble(folder: Path, order: list[str], max_shard_bytes: int) -> None:
                 total += parts.nbytes(name)
         (folder / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                     indent=2))
+
+
+def delete_parts(folder: Path) -> None:
     for key in part_keys(folder):
         (folder / part_name(key)).unlink()
 
@@ -144,10 +148,10 @@ def _copy_shard(path: Path, names: list[str], parts: Parts) -> None:
                     nbytes -= len(chunk)
 
 
-def read_part(folder: Path, key: str) -> dict:
-    """Every tensor of one part (checkpoint and resume tensors), for --resume's replay."""
+def read_part(folder: Path, key: str, prefix: str = "") -> dict:
+    """The tensors of one part whose names start with `prefix` (all: checkpoint and resume tensors)."""
     with safe_open(folder / part_name(key), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+        return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
