@@ -10,7 +10,6 @@ their first forward call (a pre-hook): capturing block 0's inputs touches only w
 Sources that cannot be streamed (no safetensors, tensor names transformers would rename, hub ids) fall back
 to loading the whole model (quantkit.model.loader) behind the same interface: the old memory, the same result.
 """
-import json
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
+from quantkit.formats import checkpoint
 from quantkit.formats.checkpoint import INDEX_NAME, SINGLE_NAME
 from quantkit.model import loader
 
@@ -65,6 +65,27 @@ class StreamedModel:
             if dtype is not None and t.is_floating_point():
                 out[n] = t.to(dtype)
         return out
+
+    def check_shapes(self) -> None:
+        """Every tensor's shape in the shards (headers only) against the skeleton config.json builds."""
+        from safetensors import SafetensorError, safe_open
+
+        by_file = {}
+        for n in self.names:
+            by_file.setdefault(self.files[n], []).append(n)
+        for fname, group in by_file.items():
+            try:
+                with safe_open(self.folder / fname, framework="pt") as f:
+                    shapes = {n: list(f.get_slice(n).get_shape()) for n in group}
+            except (SafetensorError, OSError) as e:
+                raise QuantkitError(f"a safetensors file of model '{self.source_name}' is truncated or corrupted "
+                                    f"({fname}: {e}): download or copy the model again") from e
+            for n, shape in shapes.items():
+                want = list(_get(self.model, n).shape)
+                if shape != want:
+                    raise QuantkitError(f"model '{self.source_name}': tensor {n} is {shape} in {fname}, but "
+                                        f"config.json makes it {want}: the weights and config.json disagree; download "
+                                        "or copy the model again")
 
     def under(self, prefix: str) -> list[str]:
         return [n for n in self.names if n.startswith(prefix + ".")]
@@ -154,12 +175,13 @@ def _shard_map(folder: Path) -> dict | None:
     """{tensor name: shard file} of a safetensors folder, None when it has no safetensors."""
     from safetensors import SafetensorError, safe_open
 
-    index = folder / INDEX_NAME
-    if index.is_file():
-        try:
-            return dict(json.loads(index.read_text())["weight_map"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise QuantkitError(f"{index} is damaged ({e}): download or copy the model again") from e
+    fix = "download or copy the model again"
+    if (folder / INDEX_NAME).is_file():
+        return checkpoint.index_map(folder, fix)
+    shards = sorted(folder.glob("*.safetensors"))
+    if not (folder / SINGLE_NAME).is_file() and len(shards) > 1:
+        raise QuantkitError(f"model '{folder}' has {len(shards)} safetensors shards ({shards[0].name}, ...) but no "
+                            f"{INDEX_NAME}, which says which tensor is where: {fix}")
     if (folder / SINGLE_NAME).is_file():
         try:
             with safe_open(folder / SINGLE_NAME, framework="pt") as f:
@@ -197,6 +219,7 @@ def open_model(source: str, dtype="auto"):
             declared = _declared(config)  # before from_config, which sets config.dtype to the compute dtype
             model = StreamedModel(folder, config, compute_dtype_for(config, dtype), files, source)
             if all(n in files for n in model.names):  # else renamed or missing tensors: transformers decides
+                model.check_shapes()
                 return model, AutoTokenizer.from_pretrained(folder), declared
     print(f"note: {source} cannot be streamed block by block (not a local safetensors folder): loading it whole",
           file=sys.stderr)
