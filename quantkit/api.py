@@ -18,7 +18,7 @@ from quantkit.model.arch import (arch_for, block_linears, fused_groups, fused_si
                                  is_linear, require_scale_groups)
 from quantkit.model.loader import resolve_device
 from quantkit.model.sequential import calibrated_blocks, data_free_blocks
-from quantkit.model.stream import open_model
+from quantkit.model.stream import open_model, return_freed_memory
 from quantkit.report import flag_outliers
 
 REPORT_NAME = output.REPORT_NAME
@@ -118,13 +118,14 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
             # report: one observing pass per block is enough there.
             staged = config.true_sequential and method.use_gptq
             blocks = calibrated_blocks(source, arch, calibration_ids, method, device, staged, start=start,
-                                       replay=job.replay)
+                                       replay=job.replay, on_result=job.pack)
         else:  # data-free: the same per-layer path, without an observer
-            blocks = data_free_blocks(source, arch, method, start=start)
+            blocks = data_free_blocks(source, arch, method, start=start, on_result=job.pack)
         # closing: a failure ends the generator (and its progress bar) before the error line is printed
         with contextlib.closing(blocks):
             for i, block, results in blocks:
                 job.save_block(tmp, i, block, results)
+                return_freed_memory()
         job.save_outside(tmp)
         report = {
             "quantkit_version": __version__, "model": str(model), "method": config.method,
@@ -153,11 +154,25 @@ class _Job:
         self.source, self.arch, self.config, self.codec, self.save_dtype = source, arch, config, codec, save_dtype
         self.method = method
         self.summaries, self.packed, self.folder, self.device = {}, [], None, "cpu"
+        self.pending = {}  # {layer: (its checkpoint tensors, resume-only tensors, metadata)} until its block is saved
+
+    def pack(self, name, res):
+        """A layer as soon as it is quantized: checked, packed, its codes dropped; returns the summary."""
+        return_freed_memory()  # what the previous layer's work left in the heap
+        _check_finite_results({name: res})
+        if self.config.checkpoint_format in codecs.STRICT:
+            codecs.codec_for({name: res}, self.config.checkpoint_format)  # a strict format's refusals, by layer
+        bias = getattr(res, "bias", None)
+        tensors = {f"{name}.{suffix}": t.cpu() for suffix, t in self.codec.layer_tensors(
+            res, self.config, self.save_dtype if bias is not None else None).items()}
+        extra = {f"{shards.RESUME_PREFIX}{name}.g_idx": res.g_idx.to(torch.int32).cpu().clone()}  # for the summary
+        info = {"settings": quantkit_format._layer_settings(res), "stats": res.stats, "shape": list(res.shape),
+                "params": {k: list(v.shape) for k, v in res.params.items()}}
+        self.pending[name] = (tensors, extra, info)
+        return _summary(res)
 
     def save_block(self, tmp, i, block, results):
-        _check_finite_results(results)
-        if self.config.checkpoint_format in codecs.STRICT:
-            codecs.codec_for(results, self.config.checkpoint_format)  # a strict format's refusals, by layer
+        results = {n: r if n in self.pending else self.pack(n, r) for n, r in results.items()}
         prefix = f"{self.arch.blocks}.{i}"
         tensors, packed = {}, []
         for name in self.source.under(prefix):
@@ -168,19 +183,15 @@ class _Job:
             if t.is_floating_point() and t.dtype != self.save_dtype and not (module in results and leaf == "weight"):
                 tensors[shards.RESUME_PREFIX + name] = t  # the exact in-loop value (AWQ-scaled norms), for --resume
         layers = {}
-        for module, res in results.items():
-            bias = getattr(res, "bias", None)
-            for suffix, t in self.codec.layer_tensors(res, self.config, self.save_dtype if bias is not None
-                                                      else None).items():
-                tensors[f"{module}.{suffix}"] = t
-                packed.append(f"{module}.{suffix}")
-            tensors[f"{shards.RESUME_PREFIX}{module}.g_idx"] = res.g_idx.to(torch.int32).clone()  # for the summary
-            layers[module] = {"settings": quantkit_format._layer_settings(res), "stats": res.stats,
-                              "shape": list(res.shape), "params": {k: list(v.shape) for k, v in res.params.items()}}
+        for module in results:
+            layer_tensors, extra, layers[module] = self.pending.pop(module)
+            tensors.update(layer_tensors)
+            tensors.update(extra)
+            packed += list(layer_tensors)
         awq = {k: v for k, v in self.method.awq_report.items() if k.startswith(prefix + ".")}
         shards.save_part(tmp, resume_state.block_key(i), tensors, {"packed": packed, "layers": layers, "awq": awq})
         self.packed += packed
-        self.summaries.update({n: _summary(r) for n, r in results.items()})
+        self.summaries.update(results)
 
     def restore(self, tmp, start: int, device) -> int:
         """Summaries, packed names and AWQ report of the blocks 0..start-1 an interrupted run finished; start."""
@@ -223,6 +234,7 @@ class _Job:
         outside = [n for n in self.source.names if not n.startswith(self.arch.blocks + ".")]
         for j, name in enumerate(outside):
             shards.save_part(tmp, f"top-{j:05d}", self.source.read([name], self.save_dtype))
+            return_freed_memory()
 
     def order(self) -> list[str]:
         """The order the in-memory writer used: unquantized tensors in state-dict order, then packed layers."""

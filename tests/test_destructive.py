@@ -199,15 +199,29 @@ def test_sigterm_while_writing_cleans_up(world):
 
 
 def test_disk_full_is_one_error_line_and_nothing_written(world, monkeypatch):
+    def full(path, tensors, metadata=None):  # the first file a streamed run writes: block 0's part
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(shards, "write_file", full)
+    before = snapshot(world)
+    assert_refused(WRITERS["quantize"]("out"), "no space left")
+    assert snapshot(world) == before
+
+
+def test_disk_full_in_safetensors_is_one_error_line(world, monkeypatch):
     def full(tensors, path, metadata=None):
         with open(path, "wb") as f:
             f.write(b"partial")
         from safetensors import SafetensorError
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(checkpoint, "save_file", full)
+    monkeypatch.setattr(checkpoint, "save_file", full)  # convert writes with safetensors itself
+    assert WRITERS["quantize"]("out").exit_code == 0
     before = snapshot(world)
-    assert_refused(WRITERS["quantize"]("out"), "no space left")
+    result = run("convert", "out", "-o", "converted", "--checkpoint-format", "gptq_v2")
+    assert_refused(result, "no space left")
     assert snapshot(world) == before
 
 

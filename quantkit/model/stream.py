@@ -57,7 +57,7 @@ class StreamedModel:
                 raise QuantkitError(f"a safetensors file of model '{self.source_name}' is truncated or corrupted "
                                     f"({fname}: {e}): download or copy the model again") from e
         for n, t in out.items():
-            if t.is_floating_point() and not torch.isfinite(t).all():
+            if t.is_floating_point() and not _finite(t):
                 bad = int((~torch.isfinite(t)).sum())
                 raise QuantkitError(f"model '{self.source_name}': tensor {n} has {bad} NaN/Inf value(s) of {t.numel()}: "
                                     "the weights are damaged (or overflowed when cast to a half type: try --dtype "
@@ -90,14 +90,20 @@ class StreamedModel:
     def under(self, prefix: str) -> list[str]:
         return [n for n in self.names if n.startswith(prefix + ".")]
 
-    def load(self, prefix: str) -> nn.Module:
-        """The module at `prefix` with its tensors real, in the compute dtype."""
-        for name, t in self.read(self.under(prefix), self.dtype).items():
-            _assign(self.model, name, t)
+    def load(self, prefix: str, skip=()) -> nn.Module:
+        """The module at `prefix` with its tensors real (but those named in `skip`), in the compute dtype."""
+        self.load_names([n for n in self.under(prefix) if n not in set(skip)])
         return self.model.get_submodule(prefix)
 
+    def load_names(self, names) -> None:
+        for name, t in self.read(names, self.dtype).items():
+            _assign(self.model, name, t)
+
     def release(self, prefix: str) -> None:
-        for name in self.under(prefix):
+        self.release_names(self.under(prefix))
+
+    def release_names(self, names) -> None:
+        for name in names:
             t = _get(self.model, name)
             _assign(self.model, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
@@ -138,14 +144,45 @@ class InMemoryModel(StreamedModel):
         return {n: self._state[n].to(dtype) if dtype is not None and self._state[n].is_floating_point()
                 else self._state[n] for n in names}
 
-    def load(self, prefix):
+    def load(self, prefix, skip=()):
         return self.model.get_submodule(prefix)
+
+    def load_names(self, names):
+        pass
 
     def release(self, prefix):
         pass
 
+    def release_names(self, names):
+        pass
+
     def load_outside(self, blocks_path, device="cpu"):
         return lambda: None
+
+
+def return_freed_memory() -> None:
+    """Hand the heap pages freed by the last block back to the OS: glibc keeps them otherwise, and the resident
+    memory creeps up by fragments of every block. A no-op without glibc."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """torch.isfinite(t).all(), a slice at a time (no bool copy of a whole embedding)."""
+    return all(bool(torch.isfinite(c).all()) for c in t.reshape(-1).split(1 << 24))
 
 
 def _distinct_state_names(model) -> list[str]:
