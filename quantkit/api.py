@@ -63,8 +63,8 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     calibration_ids: optional LongTensor [nsamples, seqlen] used instead of loading config.dataset.
     resume: continue the interrupted run of `out` (quantkit.formats.resume) after its last finished block; the
     checkpoint is the one an uninterrupted run writes. Without it, an interrupted run of `out` is an error.
-    resumable: keep the finished blocks when the run is interrupted (Ctrl-C, SIGTERM, a full disk) so that
-    resume can continue it; False deletes them like any failure (`quantkit demo`, a 15-second job).
+    resumable: keep the finished blocks when the run is stopped from outside (Ctrl-C, SIGTERM, out of memory,
+    a full disk) so that resume can continue it; False deletes them like any failure (`quantkit demo`).
     """
     config = config or QuantConfig()
     out_path = output.claim_output(out, overwrite, sources=[model], resume=resume)  # before any heavy work
@@ -254,7 +254,8 @@ def _restored_summary(layer: dict, g_idx):
         rotation = Rotation(signs, s["rotation"]["block"], s["rotation"]["seed"])
     return QuantResult(codes=torch.empty(layer["shape"], device="meta"), g_idx=g_idx,
                        quantizer=quantkit_format._quantizer(s), group_size=s["group_size"], rotation=rotation,
-                       stats=layer["stats"], params={k: torch.empty(v, device="meta") for k, v in layer["params"].items()})
+                       stats=layer["stats"],
+                       params={k: torch.empty(v, device="meta") for k, v in layer["params"].items()})
 
 
 def _summary(res):
