@@ -65,3 +65,17 @@ def test_at_most_one_block_is_loaded_at_a_time(model_factory, tmp_path, monkeypa
         quantize(str(model_factory("llama")), tmp_path / method, QuantConfig(method=method, group_size=32,
                  nsamples=2, seqlen=16), device="cpu", calibration_ids=calib)
         assert peak and max(peak) == 1, (method, peak)
+
+
+def test_data_free_methods_hold_one_linear_weight_at_a_time(model_factory, tmp_path, monkeypatch):
+    held = []
+    load_names = stream.StreamedModel.load_names
+
+    def counting(self, names):
+        load_names(self, names)
+        linears = [n for n in self.names if n.startswith("model.layers.") and n.endswith("proj.weight")]
+        held.append(sum(not stream._get(self.model, n).is_meta for n in linears))
+
+    monkeypatch.setattr(stream.StreamedModel, "load_names", counting)
+    quantize(str(model_factory("llama")), tmp_path / "q", QuantConfig(method="rtn", group_size=32), device="cpu")
+    assert held and max(held) == 1, held
