@@ -23,9 +23,10 @@ Resumable runs (quantize; quantkit.formats.resume): a staging folder holding RES
 interrupted run's finished work. A run stopped from outside (Ctrl-C, SIGTERM, out of memory, a full
 disk) keeps it when it holds at least one finished block, and says how to continue (`--resume`) or
 discard it; a run that fails on its own (bad input, NaN, a bug) deletes it as before, since the same
-settings would fail the same way. SIGKILL and power loss keep it by nature. A dead run's resumable folder is never deleted by a later run: without
---resume the later run stops with an error naming it; with --resume it is adopted (renamed to the
-new run's `.OUT.tmp-PID`). OUT itself is untouched either way until the final rename.
+settings would fail the same way. SIGKILL and power loss keep it by nature. A dead run's resumable
+folder is never deleted by a later run: without --resume the later run stops with an error naming
+it; with --resume it is adopted (renamed to the new run's `.OUT.tmp-PID`). OUT itself is untouched
+either way until the final rename.
 """
 import errno
 import json
@@ -159,7 +160,7 @@ def _say(message: str) -> None:
 
 def recover_stale(out: Path, resume: bool = False) -> None:
     """Clean up (or report) the staging folders that interrupted runs left next to OUT; a dead run's
-    resumable folder is kept, and is an error unless `resume` (the caller adopts it: partial_run)."""
+    resumable folder is kept, and is an error unless `resume` (the caller adopts it: partial_runs)."""
     if not out.parent.is_dir():
         return
     partial = partial_runs(out)
@@ -243,8 +244,9 @@ def staged_folder(out, overwrite: bool, sources=(), adopt: Path | None = None, k
 
     keep(staging) -> str | None: for a resumable run, what the staging holds that is worth keeping ("7 of 30
     blocks"); when it says something, an interruption (Ctrl-C, SIGTERM), running out of memory or a full disk
-    keeps the folder and tells the user how to continue it. The caller writes files (no sub-folders) into it and lists them in
-    quantkit_report.json's `files`: that list is what lets a later --overwrite recognise the folder as quantkit's.
+    keeps the folder and tells the user how to continue it. The caller writes files (no sub-folders) into it and
+    lists them in quantkit_report.json's `files`: that list is what lets a later --overwrite recognise the folder
+    as quantkit's.
     """
     out = check_output(out, overwrite, sources)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
