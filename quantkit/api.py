@@ -11,13 +11,14 @@ from quantkit import __version__
 from quantkit.config import QuantConfig, write_recipe
 from quantkit.errors import QuantkitError
 from quantkit.formats import checkpoint, codecs, compat, output, shards
+from quantkit.formats import quantkit_format, resume as resume_state
 from quantkit.loading import load_quantized  # noqa: F401  (public API)
 from quantkit.methods.registry import Method
 from quantkit.model.arch import (arch_for, block_linears, fused_groups, fused_siblings, get_submodule, get_weight,
                                  is_linear, require_scale_groups)
 from quantkit.model.loader import resolve_device
 from quantkit.model.sequential import calibrated_blocks, data_free_blocks
-from quantkit.model.stream import open_model
+from quantkit.model.stream import open_model, return_freed_memory
 from quantkit.report import flag_outliers
 
 REPORT_NAME = output.REPORT_NAME
@@ -54,15 +55,20 @@ def _layer_report(results) -> dict:
 
 
 def quantize(model: str, out, config: QuantConfig | None = None, device: str = "auto", dtype: str = "auto",
-             overwrite: bool = False, calibration_ids=None) -> dict:
+             overwrite: bool = False, calibration_ids=None, resume: bool = False, resumable: bool = True) -> dict:
     """Quantize `model` (hub id or folder) into the checkpoint folder `out`; returns the report.
 
     The fp model is never held whole (quantkit.model.stream): one decoder block at a time is read from the
     source's safetensors shards, quantized, packed into the staging folder and released.
     calibration_ids: optional LongTensor [nsamples, seqlen] used instead of loading config.dataset.
+    resume: continue the interrupted run of `out` (quantkit.formats.resume) after its last finished block; the
+    checkpoint is the one an uninterrupted run writes. Without it, an interrupted run of `out` is an error.
+    resumable: keep the finished blocks when the run is stopped from outside (Ctrl-C, SIGTERM, out of memory,
+    a full disk) so that resume can continue it; False deletes them like any failure (`quantkit demo`).
     """
     config = config or QuantConfig()
-    output.claim_output(out, overwrite, sources=[model])  # fail before any heavy work; the writer checks again
+    out_path = output.claim_output(out, overwrite, sources=[model], resume=resume)  # before any heavy work
+    partial = (output.partial_runs(out_path) or [None])[0] if resume else None
     device = resolve_device(device)
     t_start = time.perf_counter()
     # CPU half-precision matmuls are slow: calibrate in fp32 there, but write the source's dtype.
@@ -88,44 +94,85 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
             from quantkit.data import calibration_ids as load_calibration
 
             calibration_ids = load_calibration(tokenizer, config.dataset, config.nsamples, config.seqlen, config.seed)
-        # RTN rounding (awq) ignores the data, so stage-by-stage forwards would only refine the error
-        # report: one observing pass per block is enough there.
-        staged = config.true_sequential and method.use_gptq
-        blocks = calibrated_blocks(source, arch, calibration_ids, method, device, staged)
-    else:  # data-free: the same per-layer path, without an observer
-        blocks = data_free_blocks(source, arch, method)
-    job = _Job(source, arch, config, codec, save_dtype)
-    # closing: a failure ends the generator (and its progress bar) before the error line is printed
-    with output.staged_folder(out, overwrite, sources=[model]) as tmp, contextlib.closing(blocks):
-        for i, block, results in blocks:
-            job.save_block(tmp, i, block, results)
+    n_blocks = len(get_submodule(fp_model, arch.blocks))
+    fingerprint = resume_state.fingerprint(model, config, device, compute_dtype, n_blocks,
+                                           calibration_ids if config.needs_calibration else None)
+    if partial is not None:
+        resume_state.check(partial, fingerprint)  # refused: the folder is left as it was
+    elif resume:
+        print(f"note: no interrupted run of {out} to resume: starting at block 0", file=sys.stderr)
+    job = _Job(source, arch, config, codec, save_dtype, method)
+    keep = (lambda folder: resume_state.progress(folder, n_blocks)) if resumable else None
+    with output.staged_folder(out, overwrite, sources=[model], adopt=partial, keep=keep) as tmp:
+        if partial is None:
+            resume_state.write(tmp, fingerprint)
+            start = 0
+        else:
+            resume_state.clean(tmp)
+            start = job.restore(tmp, resume_state.finished_blocks(tmp), device)
+            print(f"resuming {out}: blocks 0-{start - 1} of {n_blocks} are done", file=sys.stderr)
+        if start == n_blocks:
+            blocks = (b for b in ())
+        elif config.needs_calibration:
+            # RTN rounding (awq) ignores the data, so stage-by-stage forwards would only refine the error
+            # report: one observing pass per block is enough there.
+            staged = config.true_sequential and method.use_gptq
+            blocks = calibrated_blocks(source, arch, calibration_ids, method, device, staged, start=start,
+                                       replay=job.replay, on_result=job.pack)
+        else:  # data-free: the same per-layer path, without an observer
+            blocks = data_free_blocks(source, arch, method, start=start, on_result=job.pack)
+        # closing: a failure ends the generator (and its progress bar) before the error line is printed
+        with contextlib.closing(blocks):
+            for i, block, results in blocks:
+                job.save_block(tmp, i, block, results)
+                return_freed_memory()
         job.save_outside(tmp)
         report = {
             "quantkit_version": __version__, "model": str(model), "method": config.method,
             "seconds": round(time.perf_counter() - t_start, 2), "device": device,
             "layers": _layer_report(job.summaries),
         }
+        if start:
+            report["resumed_at_block"] = start
         report["flagged"] = flag_outliers(report["layers"])
         report["compat"] = compat_lines
         if method.awq_report:
             report["awq"] = method.awq_report
         shards.assemble(tmp, job.order(), checkpoint.parse_size(config.max_shard_size))
+        resume_state.finish(tmp)
         _write_configs(tmp, fp_model, tokenizer, job.summaries, names, config, method, report, save_dtype, codec)
     return report
 
 
 class _Job:
-    """What a streamed run has written so far: each block's part (packed layers, its other tensors), the
-    light per-layer summaries (codes and parameters dropped) that the config and report need."""
+    """What a streamed run has written so far: each block's part (packed layers, its other tensors, and in its
+    metadata what the config and report need of each layer), the light per-layer summaries (codes and
+    parameters dropped). restore() reads them back from an interrupted run's parts, replay() rebuilds a
+    finished block for --resume (quantkit.formats.resume)."""
 
-    def __init__(self, source, arch, config, codec, save_dtype):
+    def __init__(self, source, arch, config, codec, save_dtype, method):
         self.source, self.arch, self.config, self.codec, self.save_dtype = source, arch, config, codec, save_dtype
-        self.summaries, self.packed = {}, []
+        self.method = method
+        self.summaries, self.packed, self.folder, self.device = {}, [], None, "cpu"
+        self.pending = {}  # {layer: (its checkpoint tensors, resume-only tensors, metadata)} until its block is saved
+
+    def pack(self, name, res):
+        """A layer as soon as it is quantized: checked, packed, its codes dropped; returns the summary."""
+        return_freed_memory()  # what the previous layer's work left in the heap
+        _check_finite_results({name: res})
+        if self.config.checkpoint_format in codecs.STRICT:
+            codecs.codec_for({name: res}, self.config.checkpoint_format)  # a strict format's refusals, by layer
+        bias = getattr(res, "bias", None)
+        tensors = {f"{name}.{suffix}": t.cpu() for suffix, t in self.codec.layer_tensors(
+            res, self.config, self.save_dtype if bias is not None else None).items()}
+        extra = {f"{shards.RESUME_PREFIX}{name}.g_idx": res.g_idx.to(torch.int32).cpu().clone()}  # for the summary
+        info = {"settings": quantkit_format._layer_settings(res), "stats": res.stats, "shape": list(res.shape),
+                "params": {k: list(v.shape) for k, v in res.params.items()}}
+        self.pending[name] = (tensors, extra, info)
+        return _summary(res)
 
     def save_block(self, tmp, i, block, results):
-        _check_finite_results(results)
-        if self.config.checkpoint_format in codecs.STRICT:
-            codecs.codec_for(results, self.config.checkpoint_format)  # a strict format's refusals, by layer
+        results = {n: r if n in self.pending else self.pack(n, r) for n, r in results.items()}
         prefix = f"{self.arch.blocks}.{i}"
         tensors, packed = {}, []
         for name in self.source.under(prefix):
@@ -135,26 +182,80 @@ class _Job:
                 tensors[name] = t.to(self.save_dtype) if t.is_floating_point() else t
             if t.is_floating_point() and t.dtype != self.save_dtype and not (module in results and leaf == "weight"):
                 tensors[shards.RESUME_PREFIX + name] = t  # the exact in-loop value (AWQ-scaled norms), for --resume
-        for module, res in results.items():
-            bias = getattr(res, "bias", None)
-            for suffix, t in self.codec.layer_tensors(res, self.config, self.save_dtype if bias is not None
-                                                      else None).items():
-                tensors[f"{module}.{suffix}"] = t
-                packed.append(f"{module}.{suffix}")
-        shards.save_part(tmp, f"block-{i:05d}", tensors, {"packed": packed})
+        layers = {}
+        for module in results:
+            layer_tensors, extra, layers[module] = self.pending.pop(module)
+            tensors.update(layer_tensors)
+            tensors.update(extra)
+            packed += list(layer_tensors)
+        awq = {k: v for k, v in self.method.awq_report.items() if k.startswith(prefix + ".")}
+        shards.save_part(tmp, resume_state.block_key(i), tensors, {"packed": packed, "layers": layers, "awq": awq})
         self.packed += packed
-        self.summaries.update({n: _summary(r) for n, r in results.items()})
+        self.summaries.update(results)
+
+    def restore(self, tmp, start: int, device) -> int:
+        """Summaries, packed names and AWQ report of the blocks 0..start-1 an interrupted run finished; start."""
+        self.folder, self.device = tmp, device
+        for i in range(start):
+            info = shards.part_info(tmp, resume_state.block_key(i))
+            g_idx = shards.read_part(tmp, resume_state.block_key(i), prefix=shards.RESUME_PREFIX)
+            for module, layer in info["layers"].items():
+                self.summaries[module] = _restored_summary(layer, g_idx[f"{shards.RESUME_PREFIX}{module}.g_idx"])
+            self.packed += info["packed"]
+            self.method.awq_report.update(info["awq"])
+        return start
+
+    def replay(self, i: int):
+        """Block i as the interrupted run left it after quantizing it: decoded weights in its linears, every
+        other tensor at its exact in-loop value; for forwarding only."""
+        from quantkit.model.arch import is_conv1d
+        from quantkit.model.stream import _assign
+
+        key, prefix = resume_state.block_key(i), f"{self.arch.blocks}.{i}"
+        layers = shards.part_info(self.folder, key)["layers"]
+        tensors = shards.read_part(self.folder, key)
+        for name in self.source.under(prefix):
+            module, _, leaf = name.rpartition(".")
+            if module in layers and leaf == "weight":
+                part = {k: v.to(self.device) for k, v in tensors.items() if k.startswith(module + ".")}
+                res = codecs.layer_result(self.codec, part, module, layers[module]["settings"],
+                                          self.config.checkpoint_format)
+                w = res.dequantize()
+                if is_conv1d(self.source.model.get_submodule(module)):
+                    w = w.t()
+                value = w.to(self.source.dtype).cpu()
+            else:
+                value = tensors.get(shards.RESUME_PREFIX + name, tensors[name])
+            _assign(self.source.model, name, value.contiguous())
+        return self.source.model.get_submodule(prefix)
 
     def save_outside(self, tmp):
         """Embeddings, final norm, lm_head: one tensor at a time from the source, in the stored dtype."""
         outside = [n for n in self.source.names if not n.startswith(self.arch.blocks + ".")]
         for j, name in enumerate(outside):
             shards.save_part(tmp, f"top-{j:05d}", self.source.read([name], self.save_dtype))
+            return_freed_memory()
 
     def order(self) -> list[str]:
         """The order the in-memory writer used: unquantized tensors in state-dict order, then packed layers."""
         quantized = {f"{m}.{leaf}" for m in self.summaries for leaf in ("weight", "bias")}
         return [n for n in self.source.names if n not in quantized] + self.packed
+
+
+def _restored_summary(layer: dict, g_idx):
+    """The summary of a layer an interrupted run finished, from its part's metadata."""
+    from quantkit.methods.result import QuantResult
+    from quantkit.methods.rotation import Rotation
+
+    s = layer["settings"]
+    rotation = None
+    if s["rotation"] is not None:
+        signs = torch.empty(layer["shape"][1], dtype=torch.int8, device="meta")
+        rotation = Rotation(signs, s["rotation"]["block"], s["rotation"]["seed"])
+    return QuantResult(codes=torch.empty(layer["shape"], device="meta"), g_idx=g_idx,
+                       quantizer=quantkit_format._quantizer(s), group_size=s["group_size"], rotation=rotation,
+                       stats=layer["stats"],
+                       params={k: torch.empty(v, device="meta") for k, v in layer["params"].items()})
 
 
 def _summary(res):

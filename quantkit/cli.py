@@ -119,14 +119,21 @@ def build_config(ctx, params: dict, recipe_path) -> QuantConfig:
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT if it holds a checkpoint quantkit wrote, once the new one is complete. A folder with "
                    "other files, the source model folder or the current directory is never replaced.")
+@click.option("--resume", is_flag=True,
+              help="Continue the interrupted run of OUT (Ctrl-C, SIGTERM, SIGKILL, out of memory, a full disk) "
+                   "after its last finished block: give the same command plus --resume. The result is byte-identical "
+                   "to an uninterrupted run on the same device. Refused, naming what changed, when the settings, "
+                   "device, versions, source model or calibration data differ. Without --resume an interrupted run "
+                   "of OUT is an error (never silently deleted or reused): resume it, or delete its .OUT.tmp-PID "
+                   "folder to start over.")
 @click.pass_context
-def quantize(ctx, model, out, recipe, device, dtype, overwrite, **params):
+def quantize(ctx, model, out, recipe, device, dtype, overwrite, resume, **params):
     """Quantize MODEL (hub id or local folder) into the checkpoint folder OUT."""
     from quantkit.api import quantize as run
     from quantkit.report import layer_table
 
     config = build_config(ctx, params, recipe)
-    report = run(model, out, config, device=device, dtype=dtype, overwrite=overwrite)
+    report = run(model, out, config, device=device, dtype=dtype, overwrite=overwrite, resume=resume)
     click.echo(layer_table(report))
     click.echo(f"wrote {out} ({len(report['layers'])} quantized linears, {report['seconds']:.1f} s)")
 

@@ -49,7 +49,8 @@ def run_demo(out, bits, group_size, method, n_tokens, overwrite=False) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(out) if out else Path(tmp) / "stories260k-quantized"
         t0 = time.perf_counter()
-        quantize(str(src), target, config, device="cpu", overwrite=overwrite, calibration_ids=calib_rows)
+        quantize(str(src), target, config, device="cpu", overwrite=overwrite, calibration_ids=calib_rows,
+                 resumable=False)
         seconds = time.perf_counter() - t0
         q_model = load_quantized(target)
         stream = eval_rows.reshape(1, -1)

@@ -2,13 +2,18 @@
 
 Builds a synthetic random Llama (fp16, multi-shard safetensors, shapes from the flags) one tensor at a time,
 quantizes it in a child process, loads the output and runs one forward in another child, and reports each
-child's peak resident memory (VmHWM from /proc/self/status, read by the child at its end) against the
-fp model's size on disk. A third child that only imports torch, transformers and quantkit gives the fixed
-cost every run pays whatever the model size.
+child's peak resident memory against the fp model's size on disk. A third child that only imports torch,
+transformers and quantkit gives the fixed cost every run pays whatever the model size.
+
+Peak RSS is VmHWM from /proc/self/status, read by the child at its end: everything resident, including
+file-backed pages (the shared libraries' code, pages of memory-mapped safetensors files), which the kernel
+can drop and re-read under memory pressure. A thread in the child also samples RssAnon (memory only the
+process holds: tensors, heap) and RssFile every 10 ms; their peaks are reported too.
 
     python scripts/bench_scale.py --layers 12 --hidden 2048 --intermediate 5632 --workdir /tmp/bench_scale
     python scripts/bench_scale.py ... --method gptq --nsamples 8 --seqlen 128
-The model and the output are deleted afterwards unless --keep is given.
+    python scripts/bench_scale.py --source /tmp/bench_scale/fp --method gptq --workdir /tmp/other   (reuse a model)
+The model and the output are deleted afterwards unless --keep is given (a --source model is never deleted).
 """
 import argparse
 import json
@@ -89,6 +94,19 @@ def child_load(out, args):
     assert torch.isfinite(logits).all()
 
 
+def _status() -> dict:
+    return {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in
+            Path("/proc/self/status").read_text().splitlines()) if k in ("VmHWM", "RssAnon", "RssFile")}
+
+
+def sample_peaks(peaks: dict) -> None:
+    """Keep the highest RssAnon and RssFile seen, every 10 ms (runs in a daemon thread of the child)."""
+    while True:
+        for k, v in _status().items():
+            peaks[k] = max(peaks.get(k, 0), v)
+        time.sleep(0.01)
+
+
 def peak_rss() -> int:
     """This process's peak resident memory in bytes, from the OS (VmHWM). Not getrusage's ru_maxrss: Linux
     carries that across exec, so a child forked from this (large) parent would report the parent's size."""
@@ -98,12 +116,13 @@ def peak_rss() -> int:
     raise SystemExit("no VmHWM in /proc/self/status (Linux only)")
 
 
-def run_child(argv, work: Path) -> tuple[float, float]:
-    """(peak RSS in bytes, seconds) of `python this_script --child argv`, as the child measured itself."""
+def run_child(argv, work: Path) -> tuple[dict, float]:
+    """({VmHWM, RssAnon, RssFile} peaks in bytes, seconds) of `python this_script --child argv`, as the child
+    measured itself."""
     t0 = time.perf_counter()
     result = work / "peak.txt"
     subprocess.run([sys.executable, __file__, "--child", str(result), *argv], check=True)
-    return int(result.read_text()), time.perf_counter() - t0
+    return json.loads(result.read_text()), time.perf_counter() - t0
 
 
 def main():
@@ -122,22 +141,32 @@ def main():
     ap.add_argument("--seqlen", type=int, default=128)
     ap.add_argument("--workdir", default="/tmp/quantkit_bench_scale")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic model and the output")
+    ap.add_argument("--source", help="an existing model folder (e.g. a kept fp/ of an earlier run) instead of building")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
+        import threading
+
+        peaks = {}
+        threading.Thread(target=sample_peaks, args=(peaks,), daemon=True).start()
         result, kind, *paths = args.child
         {"quantize": lambda: child_quantize(*paths, args), "load": lambda: child_load(*paths, args),
          "imports": lambda: exec(IMPORTS)}[kind]()
-        Path(result).write_text(str(peak_rss()))
+        peaks.update({k: max(peaks.get(k, 0), v) for k, v in _status().items()})
+        Path(result).write_text(json.dumps({**peaks, "VmHWM": peak_rss()}))
         return
     work = Path(args.workdir)
     if work.exists():
         raise SystemExit(f"{work} exists: pass another --workdir or delete it")
-    src, out = work / "fp", work / "q"
+    src, out = (Path(args.source) if args.source else work / "fp"), work / "q"
+    work.mkdir(parents=True)
     try:
         t0 = time.perf_counter()
-        size = build_model(src, args)
-        print(f"built {src}: {size / 1e9:.2f} GB fp16 in {time.perf_counter() - t0:.0f} s", flush=True)
+        if args.source:
+            size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        else:
+            size = build_model(src, args)
+            print(f"built {src}: {size / 1e9:.2f} GB fp16 in {time.perf_counter() - t0:.0f} s", flush=True)
         flags = [f"--{k}={v}" for k, v in (("method", args.method), ("bits", args.bits), ("group-size",
                  args.group_size), ("nsamples", args.nsamples), ("seqlen", args.seqlen))]
         base, _ = run_child(["imports"], work)
@@ -149,9 +178,11 @@ def main():
                 ("load_quantized + one forward (16 tokens)", l_peak, l_s)]
         print(f"\nfp16 model {size / 1e9:.3f} GB, quantized checkpoint {out_size / 1e9:.3f} GB; bound = model / 4 = "
               f"{size / 4e9:.3f} GB\n")
-        print("| step | peak RSS (GB) | peak / model | seconds |\n|---|---|---|---|")
+        print("| step | peak RSS (GB) | peak / model | peak RssAnon (GB) | RssAnon / model | peak RssFile (GB) | "
+              "seconds |\n|---|---|---|---|---|---|---|")
         for what, peak, secs in rows:
-            print(f"| {what} | {peak / 1e9:.3f} | {peak / size:.3f} | {secs:.0f} |")
+            print(f"| {what} | {peak['VmHWM'] / 1e9:.3f} | {peak['VmHWM'] / size:.3f} | {peak['RssAnon'] / 1e9:.3f} | "
+                  f"{peak['RssAnon'] / size:.3f} | {peak['RssFile'] / 1e9:.3f} | {secs:.0f} |")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -7,7 +7,7 @@ from safetensors import safe_open
 
 from quantkit.api import quantize
 from quantkit.config import QuantConfig
-from quantkit.formats import checkpoint, gptq
+from quantkit.formats import checkpoint, gptq, shards
 from quantkit.loading import load_quantized
 from quantkit.methods.grid import Grid
 from quantkit.methods.rtn import rtn
@@ -118,7 +118,7 @@ def test_failed_run_leaves_nothing(model_factory, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(checkpoint, "save_file", boom)
+    monkeypatch.setattr(shards, "write_file", boom)  # what a streamed run writes its part files with
     with pytest.raises(RuntimeError):
         quantize(str(model_factory("llama")), out, QuantConfig(), device="cpu")
     assert list(tmp_path.iterdir()) == []

@@ -18,6 +18,10 @@ def test_header_matches_safetensors_for_every_dtype(tmp_path):
     entries = [(n, shards.dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()]
     head, _ = shards.header_bytes(entries, {"format": "pt"})
     assert (tmp_path / "ref.safetensors").read_bytes()[:len(head)] == head
+    tensors = {n: torch.randn(t.shape).to(t.dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    shards.write_file(tmp_path / "ours.safetensors", tensors, {"format": "pt"})  # what the part files are
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
 
 
 def in_memory_checkpoint(src, folder, config):
@@ -48,8 +52,8 @@ def test_at_most_one_block_is_loaded_at_a_time(model_factory, tmp_path, monkeypa
     peak = []
     load = stream.StreamedModel.load
 
-    def counting(self, prefix):
-        module = load(self, prefix)
+    def counting(self, prefix, **kwargs):
+        module = load(self, prefix, **kwargs)
         blocks = self.model.get_submodule("model.layers")
         peak.append(sum(any(not p.is_meta for p in b.parameters()) for b in blocks))
         return module
@@ -61,3 +65,17 @@ def test_at_most_one_block_is_loaded_at_a_time(model_factory, tmp_path, monkeypa
         quantize(str(model_factory("llama")), tmp_path / method, QuantConfig(method=method, group_size=32,
                  nsamples=2, seqlen=16), device="cpu", calibration_ids=calib)
         assert peak and max(peak) == 1, (method, peak)
+
+
+def test_data_free_methods_hold_one_linear_weight_at_a_time(model_factory, tmp_path, monkeypatch):
+    held = []
+    load_names = stream.StreamedModel.load_names
+
+    def counting(self, names):
+        load_names(self, names)
+        linears = [n for n in self.names if n.startswith("model.layers.") and n.endswith("proj.weight")]
+        held.append(sum(not stream._get(self.model, n).is_meta for n in linears))
+
+    monkeypatch.setattr(stream.StreamedModel, "load_names", counting)
+    quantize(str(model_factory("llama")), tmp_path / "q", QuantConfig(method="rtn", group_size=32), device="cpu")
+    assert held and max(held) == 1, held

@@ -27,9 +27,22 @@ def packed_len(k: int, bits: int) -> int:
     return -(-k * bits // 32)
 
 
+CHUNK = 1 << 20  # codes packed at a time: the int64 working copies stay ~25 MB whatever the layer's size
+
+
 def pack(codes: torch.Tensor, bits: int, dim: int = 0) -> torch.Tensor:
     """Pack integer codes (any int dtype, values < 2^bits) along `dim` into int32 words."""
-    c = codes.movedim(dim, 0).to(torch.int64)
+    c = codes.movedim(dim, 0)
+    if c.dim() == 2 and c.numel() > CHUNK:  # column slices are packed independently: the same words
+        step = max(1, CHUNK // c.shape[0])
+        words = [_pack(c[:, j:j + step], bits) for j in range(0, c.shape[1], step)]
+        return torch.cat(words, dim=1).movedim(0, dim).contiguous()
+    return _pack(c, bits).movedim(0, dim).contiguous()
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """pack along dim 0."""
+    c = codes.to(torch.int64)
     k = c.shape[0]
     kp = padded_len(k, bits)
     if kp != k:
@@ -45,7 +58,7 @@ def pack(codes: torch.Tensor, bits: int, dim: int = 0) -> torch.Tensor:
         high = c[spill] >> (32 - offset[spill]).view(view)
         words.index_add_(0, word[spill] + 1, high)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words[:packed_len(k, bits)].movedim(0, dim).contiguous()  # the dropped words hold only padding
+    return words[:packed_len(k, bits)]  # the dropped words hold only padding
 
 
 def unpack(words: torch.Tensor, bits: int, k: int, dim: int = 0) -> torch.Tensor:

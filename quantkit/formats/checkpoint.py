@@ -171,21 +171,66 @@ def read_checkpoint(folder):
 
 
 def shard_files(folder: Path) -> list[Path]:
-    index = folder / INDEX_NAME
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise QuantkitError(f"{index} is damaged ({e}): quantize the model again") from e
-        files = [folder / n for n in names]
-    elif not (folder / SINGLE_NAME).is_file() and len(others := sorted(folder.glob("*.safetensors"))) == 1:
+    """The safetensors files of a quantized folder; a sharded one's index checked against them (index_map)."""
+    fix = "the checkpoint is damaged, quantize again"
+    others = sorted(folder.glob("*.safetensors"))
+    if (folder / INDEX_NAME).is_file():
+        files = [folder / n for n in sorted(set(index_map(folder, fix).values()))]
+    elif not (folder / SINGLE_NAME).is_file() and len(others) == 1:
         files = others  # AutoGPTQ names its one shard after model_file_base_name (gptq_model-4bit-128g.safetensors)
+    elif not (folder / SINGLE_NAME).is_file() and len(others) > 1:
+        raise QuantkitError(f"{folder} has {len(others)} safetensors shards ({others[0].name}, ...) but no "
+                            f"{INDEX_NAME}, which says which tensor is where: {fix}")
     else:
         files = [folder / SINGLE_NAME]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise QuantkitError(f"{folder} is missing {', '.join(missing)}: the checkpoint is incomplete, quantize again")
     return files
+
+
+def index_map(folder: Path, fix: str) -> dict:
+    """{tensor: shard file} from a folder's model.safetensors.index.json, checked against the shards' own
+    headers (no tensor data is read): the index is a JSON weight_map of tensor names to file names in the
+    folder, every file it names exists and opens, each tensor is in the file the index names, and no shard
+    holds a tensor the index does not list (a reader would silently miss it). Every problem is a
+    QuantkitError naming the tensor and the files; `fix` says what to do."""
+    index = folder / INDEX_NAME
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise QuantkitError(f"{index} is damaged ({type(e).__name__}: {e}): {fix}") from e
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise QuantkitError(f"{index}: weight_map must map tensor names to shard file names: {fix}")
+    files = sorted(set(weight_map.values()))
+    for f in files:
+        if Path(f).name != f or not f.endswith(".safetensors"):
+            raise QuantkitError(f"{index} names {f!r}, not a .safetensors file in {folder}: {fix}")
+    missing = [f for f in files if not (folder / f).is_file()]
+    if missing:
+        first = next(n for n, f in weight_map.items() if f == missing[0])
+        raise QuantkitError(f"{index} puts {first} (and more) in {missing[0]}, which is missing"
+                            f"{f' (as are {len(missing) - 1} more shards)' if len(missing) > 1 else ''}: {fix}")
+    held = {}
+    for f in files:
+        try:
+            with safe_open(folder / f, framework="pt") as sf:
+                for name in sf.keys():
+                    held.setdefault(name, []).append(f)
+        except (SafetensorError, OSError) as e:
+            raise QuantkitError(f"{folder / f} is truncated or corrupted ({e}): {fix}") from e
+    for name, f in weight_map.items():
+        if name not in held:
+            raise QuantkitError(f"{index} puts tensor {name} in {f}, but no shard holds it: {fix}")
+        if f not in held[name]:
+            raise QuantkitError(f"{index} puts tensor {name} in {f}, but it is in {held[name][0]}: {fix}")
+    for name, where in held.items():
+        if len(where) > 1:
+            raise QuantkitError(f"tensor {name} is in both {where[0]} and {where[1]} of {folder}: {fix}")
+        if name not in weight_map:
+            raise QuantkitError(f"{folder / where[0]} holds tensor {name}, which {INDEX_NAME} does not list: {fix}")
+    return weight_map
 
 
 def read_tensors(folder) -> dict:

@@ -93,3 +93,39 @@ def model_tensors(state_dict: dict, results: dict, codec, config) -> dict:
         for suffix, t in codec.layer_tensors(res, config, bias.dtype if bias is not None else None).items():
             out[f"{module}.{suffix}"] = t
     return out
+
+
+def layer_result(codec, tensors: dict, name: str, settings: dict, checkpoint_format: str):
+    """One layer back from the tensors `codec.layer_tensors` wrote for it (settings: its quantizer, group size
+    and rotation, as the quantkit format lists them): what --resume decodes to replay a finished block. Exact:
+    codes, fp16 scales, integer zeros and rotation signs round-trip unchanged, so res.dequantize() equals the
+    weight the run computed with, bit for bit, on the same device."""
+    import dataclasses
+
+    import torch
+
+    from quantkit.formats import awq, bitpack, compressed_tensors, gptq, quantkit_format
+    from quantkit.methods.result import QuantResult
+    from quantkit.methods.rotation import Rotation
+
+    quantizer = quantkit_format._quantizer(settings)
+    where = "the run being resumed"
+    if codec is AWQCodec:
+        res = awq.from_tensors(tensors, name, settings["group_size"], where)
+    elif codec is CompressedTensorsCodec:
+        args = compressed_tensors.weights_args(settings["bits"], settings["group_size"], settings["sym"])
+        res = compressed_tensors.from_tensors(tensors, name, args, where)
+    elif quantizer.name == "int":
+        fmt = checkpoint_format if codec is GPTQCodec else quantkit_format.INT_FORMAT
+        res = gptq.to_result(tensors, name, settings, fmt)
+    else:
+        g_idx = tensors[f"{name}.g_idx"]
+        codes = bitpack.unpack(tensors[f"{name}.codes"], quantizer.code_bits, g_idx.numel(), dim=0)
+        res = QuantResult(codes=codes.t().contiguous(), g_idx=g_idx, quantizer=quantizer,
+                          group_size=settings["group_size"],
+                          params={k: tensors[f"{name}.{k}"].float().t().contiguous() for k in quantizer.param_bits})
+    rotation = settings.get("rotation")
+    if rotation is not None:
+        signs = tensors[f"{name}.rot_signs"]
+        rotation = Rotation(signs.to(torch.int8), rotation["block"], rotation["seed"])
+    return dataclasses.replace(res, quantizer=quantizer, rotation=rotation, bias=None)

@@ -12,12 +12,21 @@ The rule (`claim_output` before any heavy work, `check_output` again just before
 
 Writing (`staged_folder`): everything goes into a hidden staging folder next to OUT
 (`.OUT.tmp-PID`, marked with STAGING_MARKER) that is renamed to OUT at the end; an existing OUT is
-first renamed to `.OUT.old-PID` and deleted only once the new folder is in place. A failure or
-Ctrl-C deletes the staging folder and leaves OUT as it was. A run that was killed outright cannot
+first renamed to `.OUT.old-PID` and deleted only once the new folder is in place. A failure
+deletes the staging folder and leaves OUT as it was. A run that was killed outright cannot
 clean up, so every write first looks for staging folders of OUT left by dead quantkit processes on
 this host: it deletes a dead run's `.tmp` folder, deletes its `.old` folder when OUT exists, or
 renames it back to OUT when OUT is missing (the kill fell between the two renames). Anything it
 cannot prove to be a dead run's is reported and left alone.
+
+Resumable runs (quantize; quantkit.formats.resume): a staging folder holding RESUME_NAME is an
+interrupted run's finished work. A run stopped from outside (Ctrl-C, SIGTERM, out of memory, a full
+disk) keeps it when it holds at least one finished block, and says how to continue (`--resume`) or
+discard it; a run that fails on its own (bad input, NaN, a bug) deletes it as before, since the same
+settings would fail the same way. SIGKILL and power loss keep it by nature. A dead run's resumable
+folder is never deleted by a later run: without --resume the later run stops with an error naming
+it; with --resume it is adopted (renamed to the new run's `.OUT.tmp-PID`). OUT itself is untouched
+either way until the final rename.
 """
 import errno
 import json
@@ -36,6 +45,7 @@ from quantkit.errors import QuantkitError
 
 REPORT_NAME = "quantkit_report.json"
 STAGING_MARKER = ".quantkit-staging.json"
+RESUME_NAME = ".quantkit-resume.json"  # a resumable run's fingerprint (quantkit.formats.resume)
 
 
 def foreign_entries(folder: Path) -> list[str]:
@@ -51,7 +61,7 @@ def foreign_entries(folder: Path) -> list[str]:
 
 def file_list(staging: Path) -> list[str]:
     """What goes in the report's `files`: every file written so far plus the report itself."""
-    return sorted({p.name for p in staging.iterdir()} - {STAGING_MARKER} | {REPORT_NAME})
+    return sorted({p.name for p in staging.iterdir()} - {STAGING_MARKER, RESUME_NAME} | {REPORT_NAME})
 
 
 def _contains(parent: Path, child: Path) -> bool:
@@ -69,11 +79,11 @@ def _local_folders(sources) -> list[Path]:
     return [Path(os.path.realpath(p)) for p in paths if p.exists()]
 
 
-def claim_output(out, overwrite: bool, sources=()) -> Path:
+def claim_output(out, overwrite: bool, sources=(), resume: bool = False) -> Path:
     """check_output at the start of a run, after dealing with the staging folders that dead runs left
     next to OUT (recover_stale): one of them may be the user's previous checkpoint, to be put back
-    before OUT is judged."""
-    recover_stale(_place(out, sources))
+    before OUT is judged. An interrupted resumable run of OUT is an error unless `resume`."""
+    recover_stale(_place(out, sources), resume)
     return check_output(out, overwrite, sources)
 
 
@@ -148,13 +158,17 @@ def _say(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
 
-def recover_stale(out: Path) -> None:
-    """Clean up (or report) the staging folders that interrupted runs left next to OUT."""
+def recover_stale(out: Path, resume: bool = False) -> None:
+    """Clean up (or report) the staging folders that interrupted runs left next to OUT; a dead run's
+    resumable folder is kept, and is an error unless `resume` (the caller adopts it: partial_runs)."""
     if not out.parent.is_dir():
         return
+    partial = partial_runs(out)
     for kind in ("tmp", "old"):
         for stale in sorted(out.parent.glob(f".{out.name}.{kind}-*")):
             pid_text = stale.name.rsplit("-", 1)[1]
+            if stale in partial:
+                continue
             if not _dead_run_of_this_host(stale, pid_text):
                 _say(f"note: {stale} was left by another or a still-running quantkit process "
                      "(or is not quantkit's): it is left alone; delete it yourself if it is not in use")
@@ -165,6 +179,22 @@ def recover_stale(out: Path) -> None:
             else:
                 shutil.rmtree(stale)
                 _say(f"note: removed {stale.name}, left by an interrupted quantkit run (pid {pid_text})")
+    if partial and not resume:
+        raise QuantkitError(f"an interrupted quantize run of {out} left its finished blocks in {partial[0]}: run the "
+                            "same quantize command with --resume to continue it, or delete that folder to start over")
+    if len(partial) > 1:
+        names = ", ".join(p.name for p in partial)
+        raise QuantkitError(f"{len(partial)} interrupted quantize runs of {out} can be resumed ({names}): delete "
+                            "all but the one to continue")
+
+
+def partial_runs(out: Path) -> list[Path]:
+    """The staging folders of OUT that dead quantkit runs of this host left with resumable work in them."""
+    found = []
+    for stale in sorted(out.parent.glob(f".{out.name}.tmp-*")):
+        if (stale / RESUME_NAME).is_file() and _dead_run_of_this_host(stale, stale.name.rsplit("-", 1)[1]):
+            found.append(stale)
+    return found
 
 
 def _mark(folder: Path) -> None:
@@ -208,11 +238,15 @@ def _write_error(out: Path, e: OSError) -> QuantkitError:
 
 
 @contextmanager
-def staged_folder(out, overwrite: bool, sources=()):
-    """Yields an empty staging folder; on success its files replace OUT, on any failure it is deleted.
+def staged_folder(out, overwrite: bool, sources=(), adopt: Path | None = None, keep=None):
+    """Yields an empty staging folder (or `adopt`, a dead run's resumable one, renamed to this run's); on
+    success its files replace OUT, on a failure it is deleted.
 
-    The caller writes files (no sub-folders) into it and lists them in quantkit_report.json's
-    `files`: that list is what lets a later --overwrite recognise the folder as quantkit's.
+    keep(staging) -> str | None: for a resumable run, what the staging holds that is worth keeping ("7 of 30
+    blocks"); when it says something, an interruption (Ctrl-C, SIGTERM), running out of memory or a full disk
+    keeps the folder and tells the user how to continue it. The caller writes files (no sub-folders) into it and
+    lists them in quantkit_report.json's `files`: that list is what lets a later --overwrite recognise the folder
+    as quantkit's.
     """
     out = check_output(out, overwrite, sources)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -221,7 +255,10 @@ def staged_folder(out, overwrite: bool, sources=()):
     try:
         with _sigterm_as_interrupt():
             out.parent.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir()
+            if adopt is not None:
+                adopt.rename(tmp)
+            else:
+                tmp.mkdir()
             staging = tmp
             _mark(tmp)
             yield tmp
@@ -230,11 +267,36 @@ def staged_folder(out, overwrite: bool, sources=()):
             check_output(out, overwrite, sources)  # the world may have changed during a long run
             _replace(out, tmp)
     except OSError as e:
-        _discard(staging, created)
-        raise _write_error(out, e) from e
-    except BaseException:
-        _discard(staging, created)
+        kept = _keep(staging, keep) if e.errno in (errno.ENOSPC, errno.EDQUOT) else None
+        if kept is None:
+            _discard(staging, created)
+            raise _write_error(out, e) from e
+        raise QuantkitError(f"could not write {out} ({e.strerror or e}): no space left on the device; {kept}: "
+                            "free some space and run the same command with --resume, or delete that folder") from e
+    except BaseException as e:
+        kept = _keep(staging, keep) if _from_outside(e) else None
+        if kept is None:
+            _discard(staging, created)
+        else:
+            what = "interrupted" if isinstance(e, KeyboardInterrupt) else "out of memory"
+            _say(f"{what}: {kept}; run the same command with --resume to continue, or delete that folder")
         raise
+
+
+def _from_outside(e: BaseException) -> bool:
+    """A failure that another try can get past: Ctrl-C/SIGTERM, or memory (CPU, or torch's CUDA OOM)."""
+    return isinstance(e, (KeyboardInterrupt, MemoryError)) or type(e).__name__ == "OutOfMemoryError"
+
+
+def _keep(staging, keep) -> str | None:
+    """'the N of M blocks finished are kept in PATH' when the staging holds resumable work, else None."""
+    if staging is None or keep is None:
+        return None
+    try:
+        what = keep(staging)
+    except Exception:  # deciding must never hide the original error
+        return None
+    return f"the {what} finished are kept in {staging}" if what else None
 
 
 def _discard(staging, created: list[Path]) -> None:

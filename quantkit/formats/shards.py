@@ -17,9 +17,8 @@ import struct
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 
-from quantkit.formats import checkpoint
 from quantkit.formats.checkpoint import INDEX_NAME, SINGLE_NAME
 
 PART_PREFIX = "part-"
@@ -42,12 +41,22 @@ def save_part(folder: Path, key: str, tensors: dict, info: dict | None = None) -
     that exists is whole. info (JSON) goes into the file's metadata: the packed layers' order and report."""
     path = folder / part_name(key)
     tmp = path.with_suffix(".partial")
-    metadata = {"format": "pt", "quantkit": json.dumps(info or {})}
-    try:
-        checkpoint.save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
-    except SafetensorError as e:
-        checkpoint.save_error(e, tmp)
+    write_file(tmp, {k: v.detach().cpu() for k, v in tensors.items()},
+               {"format": "pt", "quantkit": json.dumps(info or {})})
     os.replace(tmp, path)
+
+
+def write_file(path: Path, tensors: dict, metadata: dict) -> None:
+    """A safetensors file, as safetensors' save_file writes it (header_bytes), each tensor's bytes written straight
+    from its memory: save_file would first build the whole file in memory (an embedding's size, again)."""
+    entries = [(n, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()]
+    head, order = header_bytes(entries, metadata)
+    with open(path, "wb") as out:
+        out.write(head)
+        for name, *_ in order:
+            t = tensors[name].contiguous()
+            if t.numel():
+                out.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
 
 
 def part_info(folder: Path, key: str) -> dict:
@@ -99,7 +108,8 @@ class Parts:
 
 
 def assemble(folder: Path, order: list[str], max_shard_bytes: int) -> None:
-    """The checkpoint's shards (and index) from the part files, tensors planned in `order`; parts deleted after."""
+    """The checkpoint's shards (and index) from the part files, tensors planned in `order`. The parts stay
+    (a run killed while copying can be resumed): delete them with delete_parts."""
     parts = Parts(folder)
     missing = [n for n in order if n not in parts.where]
     if missing:
@@ -125,6 +135,9 @@ def assemble(folder: Path, order: list[str], max_shard_bytes: int) -> None:
                 total += parts.nbytes(name)
         (folder / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                     indent=2))
+
+
+def delete_parts(folder: Path) -> None:
     for key in part_keys(folder):
         (folder / part_name(key)).unlink()
 
@@ -144,10 +157,10 @@ def _copy_shard(path: Path, names: list[str], parts: Parts) -> None:
                     nbytes -= len(chunk)
 
 
-def read_part(folder: Path, key: str) -> dict:
-    """Every tensor of one part (checkpoint and resume tensors), for --resume's replay."""
+def read_part(folder: Path, key: str, prefix: str = "") -> dict:
+    """The tensors of one part whose names start with `prefix` (all: checkpoint and resume tensors)."""
     with safe_open(folder / part_name(key), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+        return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

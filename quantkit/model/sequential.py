@@ -167,7 +167,7 @@ def run_sequential(model, arch: Arch, input_ids, method, device, true_sequential
 
 
 def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequential=True, store_device="cpu",
-                      start=0, replay=None):
+                      start=0, replay=None, on_result=None):
     """Quantize the blocks of `source` (quantkit.model.stream) in order, yielding (index, block, its results)
     while the block is still loaded (its norms may carry AWQ's folded scales, to be written).
 
@@ -177,6 +177,9 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
     quantize(full_name, observer, module) -> QuantResult.
     Blocks before `start` (--resume) are not quantized again: replay(i) rebuilds block i as it was written
     (decoded weights), and it is only forwarded, to produce the next block's inputs.
+    on_result(full_name, result) -> result, if given, sees each layer's result as soon as its quantized weight is
+    in place, and what it returns is kept instead (the writer packs the codes there and keeps a summary, so a
+    block's int32 codes are never all held at once).
     """
     model = source.model
     blocks = get_submodule(model, arch.blocks)
@@ -191,7 +194,7 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
         block = replay(i) if i < start else source.load(prefix)
         block.to(device)
         runner = BlockRunner(block, inputs, kwargs, device)
-        results = {} if i < start else _quantize_block(runner, block, prefix, method, stages)
+        results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, on_result)
         inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)
         block.to("cpu")
         if i >= start:
@@ -201,7 +204,7 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
             torch.cuda.empty_cache()
 
 
-def _quantize_block(runner, block, prefix, method, stages) -> dict:
+def _quantize_block(runner, block, prefix, method, stages, on_result=None) -> dict:
     """Each stage: observe its linears' inputs, quantize them, put the quantized weights in place."""
     method.prepare_block(runner, block, prefix)
     results = {}
@@ -218,7 +221,8 @@ def _quantize_block(runner, block, prefix, method, stages) -> dict:
             except QuantkitError as e:
                 raise QuantkitError(f"{prefix}.{n}: {e}") from e
             set_weight(module, res.dequantize())
-            results[f"{prefix}.{n}"] = res
+            results[f"{prefix}.{n}"] = on_result(f"{prefix}.{n}", res) if on_result else res
+            del res  # its codes, before the next layer's are made
     return results
 
 
@@ -237,16 +241,25 @@ def _observe_stage(runner, names, observers) -> None:
         observers[name].share_statistics(observers[source])
 
 
-def data_free_blocks(source, arch: Arch, method, start=0):
-    """RTN-style methods: each block loaded, its linears rounded, yielded, released; no activations."""
+def data_free_blocks(source, arch: Arch, method, start=0, on_result=None):
+    """RTN-style methods: each block's linears rounded one at a time, yielded, released; no activations.
+    Only one quantized linear's weight is loaded at a time (the block's other tensors stay loaded for the writer);
+    on_result as in calibrated_blocks."""
     from quantkit.model.arch import block_linears
 
     blocks = get_submodule(source.model, arch.blocks)
     for i in tqdm(range(start, len(blocks)), desc=method.config.method, unit="block", initial=start,
                   total=len(blocks)):
         prefix = f"{arch.blocks}.{i}"
-        block = source.load(prefix)
-        results = {f"{prefix}.{n}": method.quantize(f"{prefix}.{n}", None, block.get_submodule(n))
-                   for n in block_linears(arch) if method.config.spec_for(f"{prefix}.{n}") is not None}
+        names = [f"{prefix}.{n}" for n in block_linears(arch) if method.config.spec_for(f"{prefix}.{n}") is not None]
+        weights = [f"{n}.weight" for n in names]
+        block = source.load(prefix, skip=weights)
+        results = {}
+        for name, weight in zip(names, weights):
+            source.load_names([weight])
+            res = method.quantize(name, None, source.model.get_submodule(name))
+            source.release_names([weight])
+            results[name] = on_result(name, res) if on_result else res
+            del res  # its codes, before the next layer's are made
         yield i, block, results
         source.release(prefix)

@@ -10,7 +10,6 @@ their first forward call (a pre-hook): capturing block 0's inputs touches only w
 Sources that cannot be streamed (no safetensors, tensor names transformers would rename, hub ids) fall back
 to loading the whole model (quantkit.model.loader) behind the same interface: the old memory, the same result.
 """
-import json
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
+from quantkit.formats import checkpoint
 from quantkit.formats.checkpoint import INDEX_NAME, SINGLE_NAME
 from quantkit.model import loader
 
@@ -57,7 +57,7 @@ class StreamedModel:
                 raise QuantkitError(f"a safetensors file of model '{self.source_name}' is truncated or corrupted "
                                     f"({fname}: {e}): download or copy the model again") from e
         for n, t in out.items():
-            if t.is_floating_point() and not torch.isfinite(t).all():
+            if t.is_floating_point() and not _finite(t):
                 bad = int((~torch.isfinite(t)).sum())
                 raise QuantkitError(f"model '{self.source_name}': tensor {n} has {bad} NaN/Inf value(s) of {t.numel()}: "
                                     "the weights are damaged (or overflowed when cast to a half type: try --dtype "
@@ -66,17 +66,44 @@ class StreamedModel:
                 out[n] = t.to(dtype)
         return out
 
+    def check_shapes(self) -> None:
+        """Every tensor's shape in the shards (headers only) against the skeleton config.json builds."""
+        from safetensors import SafetensorError, safe_open
+
+        by_file = {}
+        for n in self.names:
+            by_file.setdefault(self.files[n], []).append(n)
+        for fname, group in by_file.items():
+            try:
+                with safe_open(self.folder / fname, framework="pt") as f:
+                    shapes = {n: list(f.get_slice(n).get_shape()) for n in group}
+            except (SafetensorError, OSError) as e:
+                raise QuantkitError(f"a safetensors file of model '{self.source_name}' is truncated or corrupted "
+                                    f"({fname}: {e}): download or copy the model again") from e
+            for n, shape in shapes.items():
+                want = list(_get(self.model, n).shape)
+                if shape != want:
+                    raise QuantkitError(f"model '{self.source_name}': tensor {n} is {shape} in {fname}, but "
+                                        f"config.json makes it {want}: the weights and config.json disagree; download "
+                                        "or copy the model again")
+
     def under(self, prefix: str) -> list[str]:
         return [n for n in self.names if n.startswith(prefix + ".")]
 
-    def load(self, prefix: str) -> nn.Module:
-        """The module at `prefix` with its tensors real, in the compute dtype."""
-        for name, t in self.read(self.under(prefix), self.dtype).items():
-            _assign(self.model, name, t)
+    def load(self, prefix: str, skip=()) -> nn.Module:
+        """The module at `prefix` with its tensors real (but those named in `skip`), in the compute dtype."""
+        self.load_names([n for n in self.under(prefix) if n not in set(skip)])
         return self.model.get_submodule(prefix)
 
+    def load_names(self, names) -> None:
+        for name, t in self.read(names, self.dtype).items():
+            _assign(self.model, name, t)
+
     def release(self, prefix: str) -> None:
-        for name in self.under(prefix):
+        self.release_names(self.under(prefix))
+
+    def release_names(self, names) -> None:
+        for name in names:
             t = _get(self.model, name)
             _assign(self.model, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
@@ -117,14 +144,45 @@ class InMemoryModel(StreamedModel):
         return {n: self._state[n].to(dtype) if dtype is not None and self._state[n].is_floating_point()
                 else self._state[n] for n in names}
 
-    def load(self, prefix):
+    def load(self, prefix, skip=()):
         return self.model.get_submodule(prefix)
+
+    def load_names(self, names):
+        pass
 
     def release(self, prefix):
         pass
 
+    def release_names(self, names):
+        pass
+
     def load_outside(self, blocks_path, device="cpu"):
         return lambda: None
+
+
+def return_freed_memory() -> None:
+    """Hand the heap pages freed by the last block back to the OS: glibc keeps them otherwise, and the resident
+    memory creeps up by fragments of every block. A no-op without glibc."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """torch.isfinite(t).all(), a slice at a time (no bool copy of a whole embedding)."""
+    return all(bool(torch.isfinite(c).all()) for c in t.reshape(-1).split(1 << 24))
 
 
 def _distinct_state_names(model) -> list[str]:
@@ -154,12 +212,13 @@ def _shard_map(folder: Path) -> dict | None:
     """{tensor name: shard file} of a safetensors folder, None when it has no safetensors."""
     from safetensors import SafetensorError, safe_open
 
-    index = folder / INDEX_NAME
-    if index.is_file():
-        try:
-            return dict(json.loads(index.read_text())["weight_map"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise QuantkitError(f"{index} is damaged ({e}): download or copy the model again") from e
+    fix = "download or copy the model again"
+    if (folder / INDEX_NAME).is_file():
+        return checkpoint.index_map(folder, fix)
+    shards = sorted(folder.glob("*.safetensors"))
+    if not (folder / SINGLE_NAME).is_file() and len(shards) > 1:
+        raise QuantkitError(f"model '{folder}' has {len(shards)} safetensors shards ({shards[0].name}, ...) but no "
+                            f"{INDEX_NAME}, which says which tensor is where: {fix}")
     if (folder / SINGLE_NAME).is_file():
         try:
             with safe_open(folder / SINGLE_NAME, framework="pt") as f:
@@ -197,6 +256,7 @@ def open_model(source: str, dtype="auto"):
             declared = _declared(config)  # before from_config, which sets config.dtype to the compute dtype
             model = StreamedModel(folder, config, compute_dtype_for(config, dtype), files, source)
             if all(n in files for n in model.names):  # else renamed or missing tensors: transformers decides
+                model.check_shapes()
                 return model, AutoTokenizer.from_pretrained(folder), declared
     print(f"note: {source} cannot be streamed block by block (not a local safetensors folder): loading it whole",
           file=sys.stderr)
