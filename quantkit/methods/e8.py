@@ -21,7 +21,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.methods.grid import is_int
-from quantkit.methods.scales import OneScalePerGroup, searched_scale
+from quantkit.methods.scales import OneScalePerGroup
 
 
 def nearest_d8(y: torch.Tensor) -> torch.Tensor:
@@ -128,6 +128,7 @@ class E8Box(OneScalePerGroup):
 
     name = "e8"
     width = 8
+    spread_by_bits = NATURAL_SPREAD
 
     def __post_init__(self):
         if not is_int(self.bits) or self.bits not in NATURAL_SPREAD:
@@ -149,10 +150,6 @@ class E8Box(OneScalePerGroup):
     def kernel_decode(self) -> dict:
         """How the dequant-GEMM decodes codes (quantkit.kernels.codebook): as lattice points with this offset."""
         return {"lattice_offset": self.offset}
-
-    def fit(self, w: torch.Tensor) -> dict:
-        rms = w.float().pow(2).mean(dim=1).sqrt()
-        return {"scale": searched_scale(self, w, rms / NATURAL_SPREAD[self.bits])}
 
     def round(self, w: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, dequantized) of w [rows, 8 k] with per-row scales [rows]."""

@@ -44,7 +44,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.methods.grid import is_int
-from quantkit.methods.scales import OneScalePerGroup, searched_scale
+from quantkit.methods.scales import OneScalePerGroup
 
 # Positions of the three ½ among five 3/2 in the 29 norm-12 patterns (QuIP#'s get_norm12, in its order).
 NORM12_HALVES = ((1, 2, 3), (0, 2, 3), (0, 1, 3), (0, 1, 2), (3, 6, 7), (3, 5, 7), (3, 4, 7), (3, 5, 6), (3, 4, 6),
@@ -339,6 +339,7 @@ class E8P(OneScalePerGroup):
 
     name = "e8p"
     width = 8
+    spread_by_bits = NATURAL_SPREAD
 
     def __post_init__(self):
         if not is_int(self.bits) or self.bits not in SUPPORTED_BITS:
@@ -380,10 +381,6 @@ class E8P(OneScalePerGroup):
         tables = list(self.abs_table) + list(self.residual_table or ())
         return {"e8p_table": [v - (1 << 32) if v >= 1 << 31 else v for v in tables],   # as int32 (two's complement)
                 "e8p_ratio": self.ratio or 1.0}
-
-    def fit(self, w: torch.Tensor) -> dict:
-        rms = w.float().pow(2).mean(dim=1).sqrt()
-        return {"scale": searched_scale(self, w, rms / NATURAL_SPREAD[self.bits])}
 
     def round(self, w: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, dequantized) of w [rows, 8 k] with per-row scales [rows]."""

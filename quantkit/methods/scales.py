@@ -41,8 +41,16 @@ def searched_scale(quantizer, w: torch.Tensor, s0: torch.Tensor) -> torch.Tensor
 
 
 class OneScalePerGroup:
-    """What the codebook quantizers (turboquant, e8) share: b-bit codes and one fp16 "scale" per row and group."""
+    """What the codebook quantizers (turboquant, e8) share: b-bit codes and one fp16 "scale" per row and group.
+
+    `spread_by_bits` (a class attribute, bits -> the codebook's rms per unit scale) gives the default `fit`: the
+    scale search starts from the group's rms over that spread."""
     bits: int
+    spread_by_bits = {}  # set by each quantizer
+
+    def fit(self, w: torch.Tensor) -> dict:
+        rms = w.float().pow(2).mean(dim=1).sqrt()
+        return {"scale": searched_scale(self, w, rms / self.spread_by_bits[self.bits])}
 
     @property
     def code_bits(self) -> int:
