@@ -110,6 +110,44 @@ def test_output_error_from_h_equals_error_on_inputs():
     assert output_error(W, W, g.H) == 0.0
 
 
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_inverse_cholesky_in_place_equals_textbook_and_leaves_h(permuted):
+    """The in-place factor (one working matrix, on its column-major view) is the upper Cholesky factor of
+    (H + λI)⁻¹ computed the textbook way, and H is left as it was apart from the diagonal the caller restores."""
+    from quantkit.methods.gptq import _inverse_cholesky
+
+    W, sample = make_layer(3, out=8, inn=48, dtype=torch.float64)
+    g = calibrated(W, sample)
+    H = g.H.clone()
+    diag = H.diagonal().clone()
+    perm = torch.randperm(48, generator=torch.Generator().manual_seed(0)) if permuted else None
+    U, damp, retries = _inverse_cholesky(H, diag, perm, 0.01)
+    Hd = g.H + 0.01 * diag.mean() * torch.eye(48, dtype=torch.float64)
+    if permuted:
+        Hd = Hd[perm[:, None], perm]
+    expected = torch.linalg.cholesky(torch.linalg.inv(Hd), upper=True)
+    assert (damp, retries) == (0.01, 0)
+    assert U.is_contiguous() and torch.allclose(U, expected, rtol=1e-10, atol=1e-12)
+    assert torch.equal(torch.triu(U), U)
+    off = ~torch.eye(48, dtype=torch.bool)
+    assert torch.equal(H[off], g.H[off])
+
+
+def test_fidelity_from_two_products_equals_direct_traces():
+    from quantkit.methods.gptq import fidelity
+
+    W, sample = make_layer(4, out=16, inn=32, dtype=torch.float64)
+    X = sample(300)
+    H = 2 * X.reshape(-1, 32).t() @ X.reshape(-1, 32) / X.reshape(-1, 32).shape[0]
+    W_hat = W + 0.02 * torch.randn_like(W)
+    f = fidelity(W, W_hat, H)
+    D = W - W_hat
+    assert f["error"] == pytest.approx(float(torch.trace(D @ H @ D.t()) / torch.trace(W @ H @ W.t())), rel=1e-9)
+    cos = torch.trace(W @ H @ W_hat.t()) / torch.sqrt(torch.trace(W @ H @ W.t()) * torch.trace(W_hat @ H @ W_hat.t()))
+    assert f["cosine"] == pytest.approx(float(cos), rel=1e-12)
+    assert f["sqnr_db"] == pytest.approx(-10 * math.log10(f["error"]), rel=1e-12)
+
 # ---------------------------------------------------------------- quality against RTN
 
 @functools.lru_cache(maxsize=None)
