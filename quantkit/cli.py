@@ -155,6 +155,11 @@ def convert(src, out, checkpoint_format, overwrite):
                f"{checkpoint_format})")
 
 
+STREAM_HELP = ("Keep the decoder blocks on disk and read each one when it runs: memory about one block plus the "
+               "embeddings, for models larger than RAM (a local safetensors folder; others load whole). Same "
+               "numbers, slower: every window reads the blocks again.")
+
+
 @main.group()
 def eval():  # noqa: A001  (the command is called eval)
     """Evaluate a floating-point or quantized model."""
@@ -168,11 +173,12 @@ def eval():  # noqa: A001  (the command is called eval)
 @click.option("--device", default="auto", help="cpu, cuda, cuda:N or auto.")
 @click.option("--dtype", default=None, help="Activation dtype (default: fp32 on CPU, fp16/bf16 on GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ppl, nll, tokens, windows, seqlen).")
-def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json):
+@click.option("--stream", is_flag=True, help=STREAM_HELP)
+def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json, stream):
     """Perplexity of PATH (a model folder/hub id, or a quantized folder) with the standard protocol."""
     from quantkit.eval import evaluate_path
 
-    result = evaluate_path(path, dataset, seqlen, max_tokens, device, dtype, progress=not as_json)
+    result = evaluate_path(path, dataset, seqlen, max_tokens, device, dtype, progress=not as_json, stream=stream)
     if as_json:
         click.echo(json.dumps(result))
     else:
@@ -200,13 +206,15 @@ def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json):
 @click.option("--json", "as_json", is_flag=True,
               help='Print one JSON object: tokens, windows, seqlen, ppl {base, quant, delta}, kld {mean, stderr, '
                    'median, p90, p99, p999, max}, top1 {mean, stderr}, delta_p {mean, stderr}, generations.')
+@click.option("--stream", is_flag=True, help=STREAM_HELP + " With --low-memory, for two models larger than RAM.")
 def compare(quant, base, dataset, seqlen, max_tokens, device, dtype, low_memory, cache_dir, prompts, max_new_tokens,
-            as_json):
+            as_json, stream):
     """QUANT against its base model on the same windows: ppl of each, KL divergence, top-1 agreement, Δp."""
     from quantkit.compare import compare_paths, read_prompts, report_text
 
     result = compare_paths(quant, base, dataset, seqlen, max_tokens, device, dtype, low_memory, cache_dir,
-                           read_prompts(prompts) if prompts else (), max_new_tokens, progress=not as_json)
+                           read_prompts(prompts) if prompts else (), max_new_tokens, progress=not as_json,
+                           stream=stream)
     click.echo(json.dumps(result) if as_json else report_text(result, quant, base, dataset))
 
 

@@ -117,8 +117,9 @@ def is_quantized_folder(path) -> bool:
     return has_quantization_config(path)
 
 
-def load_any(path, device="auto", dtype=None):
-    """(model, tokenizer) for a quantized folder or a floating-point model (folder or hub id)."""
+def load_any(path, device="auto", dtype=None, stream=False):
+    """(model, tokenizer) for a quantized folder or a floating-point model (folder or hub id).
+    stream: keep the decoder blocks on disk and read each as it runs (quantkit.model.offload)."""
     from transformers import AutoTokenizer
 
     from quantkit.loading import load_quantized
@@ -126,19 +127,40 @@ def load_any(path, device="auto", dtype=None):
 
     device = resolve_device(device)
     if is_quantized_folder(path):
-        model = load_quantized(path, device_map=device, dtype=dtype)
+        model = load_quantized(path, device_map=device, dtype=dtype, stream=stream)
         try:
             return model, AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:
             raise QuantkitError(f"{path} has no usable tokenizer ({type(e).__name__}): copy the tokenizer files of "
                                 "the source model into it") from e
-    model, tokenizer = load_fp_model(path, dtype or ("float32" if device == "cpu" else "auto"))
+    dtype = dtype or ("float32" if device == "cpu" else "auto")
+    if stream:
+        return _stream_fp_model(path, device, dtype)
+    model, tokenizer = load_fp_model(path, dtype)
     return model.to(device), tokenizer
 
 
-def evaluate_path(path, dataset, seqlen, max_tokens=None, device="auto", dtype=None, progress=True) -> dict:
+def _stream_fp_model(path, device, dtype):
+    """A floating-point model with its blocks read from the safetensors shards as they run; a source that cannot
+    be streamed (hub id, .bin weights) is loaded whole, with a note (quantkit.model.stream.open_model)."""
+    from quantkit.model import offload
+    from quantkit.model.arch import arch_for
+    from quantkit.model.stream import InMemoryModel, open_model
+
+    source, tokenizer, _ = open_model(path, dtype)
+    model = source.model
+    if not isinstance(source, InMemoryModel):
+        units = offload.stream_model(model, arch_for(model).blocks, source.read, set(source.names), device)
+        source.load_names([n for n in source.names if not offload.under(n, units)])
+        model.tie_weights()  # the embedding was just assigned: a tied head must point at it again
+    offload.move_resident(model, device)
+    return model, tokenizer
+
+
+def evaluate_path(path, dataset, seqlen, max_tokens=None, device="auto", dtype=None, progress=True,
+                  stream=False) -> dict:
     from quantkit.data import eval_ids
 
-    model, tokenizer = load_any(path, device, dtype)
+    model, tokenizer = load_any(path, device, dtype, stream)
     ids = eval_ids(tokenizer, dataset, max_tokens)
     return perplexity(model, ids, seqlen, progress=progress)

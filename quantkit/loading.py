@@ -12,7 +12,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.formats import checkpoint
 from quantkit.model.loader import parse_dtype, resolve_device
-from quantkit.model.arch import get_weight
+from quantkit.model.arch import arch_for, get_weight
 
 
 def _device(device_map):
@@ -62,19 +62,31 @@ def _swap_quantized(model, layers, codec, qc, dtype):
         setattr(model.get_submodule(parent), leaf, codec.build_module(layer, qc, dtype))
 
 
-def load_quantized(path, device_map=None, dtype=None):
+def load_quantized(path, device_map=None, dtype=None, stream=False):
     """Load a quantkit/GPTQ-layout checkpoint folder as a transformers model in eval mode.
 
     device_map: None or "cpu" (CPU), "auto" (the GPU when there is one) or a device string.
     dtype: activation/float-parameter dtype; default fp32 on CPU, fp16/bf16 on GPU.
+    stream: keep the decoder blocks (and an untied lm_head) in the files and read each one when its forward
+        runs (quantkit.model.offload): memory ≈ the embedding + one block, for checkpoints larger than
+        memory; every forward reads the blocks again, so it is slower (fine for evaluation, slow for generate).
     """
+    from quantkit.model import offload
+
     folder = Path(path)
     config, tensors, layers, codec = checkpoint.read_checkpoint(folder)
     device = _device(device_map)
     dtype = parse_dtype(dtype) or _default_dtype(parse_dtype(config.get("dtype") or config.get("torch_dtype")), device)
     qc = config["quantization_config"]  # config.json's, or an AutoGPTQ folder's quantize_config.json
     model, qc = _skeleton(folder, dtype, qc)
+    blocks_path = arch_for(model).blocks  # before the swap: an unknown family's blocks are found by their linears
     _swap_quantized(model, layers, codec, qc, dtype)
+    units = []
+    if stream:
+        files = checkpoint.tensor_files(folder)
+        units = offload.stream_model(model, blocks_path, lambda names: checkpoint.read_tensors(folder, names, files),
+                                     set(files), device)
+        tensors = {n: t for n, t in tensors.items() if not offload.under(n, units)}  # their views (pages) go
     buffers = dict(model.named_buffers())
     for name, t in tensors.items():  # float tensors take the activation dtype, unless the module keeps its own
         if t.is_floating_point() and not (name in buffers and buffers[name].dtype != dtype):
@@ -88,7 +100,11 @@ def load_quantized(path, device_map=None, dtype=None):
     if result.unexpected_keys:
         raise QuantkitError(f"checkpoint has tensors the model does not: {result.unexpected_keys[:5]}")
     model.tie_weights()
-    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type == "meta"]
+    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
+               if p.device.type == "meta" and not offload.under(n, units)]
     if missing:
         raise QuantkitError(f"checkpoint is missing tensors {missing[:5]}: it is incomplete, quantize again")
+    if stream:
+        offload.move_resident(model, device)
+        return model.eval()
     return model.to(device).eval()

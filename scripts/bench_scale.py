@@ -79,7 +79,7 @@ def child_quantize(src, out, args):
     quantize(src, out, config, device="cpu", calibration_ids=calib if config.needs_calibration else None)
 
 
-def child_load(out, args):
+def child_load(out, args, stream=False):
     import torch
 
     from quantkit.loading import load_quantized
@@ -88,7 +88,19 @@ def child_load(out, args):
     # QuantLinear's CPU path caches each layer's decoded fp32 weight by default (fast repeated evaluation):
     # that cache alone is twice the fp16 model, so the bound is measured with it off (decode on every call).
     QuantLinear.cache_dequantized = False
-    model = load_quantized(out)
+    model = load_quantized(out, stream=stream)
+    with torch.inference_mode():
+        logits = model(torch.arange(16).unsqueeze(0)).logits
+    assert torch.isfinite(logits).all()
+
+
+def child_fp_stream(src, args):
+    """The fp model as `quantkit eval perplexity --stream` runs it: one forward with the blocks read as they run."""
+    import torch
+
+    from quantkit.eval import load_any
+
+    model, _ = load_any(src, "cpu", stream=True)
     with torch.inference_mode():
         logits = model(torch.arange(16).unsqueeze(0)).logits
     assert torch.isfinite(logits).all()
@@ -142,6 +154,7 @@ def main():
     ap.add_argument("--workdir", default="/tmp/quantkit_bench_scale")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic model and the output")
     ap.add_argument("--source", help="an existing model folder (e.g. a kept fp/ of an earlier run) instead of building")
+    ap.add_argument("--quantized", help="an existing quantized output of --source (a kept q/): measure the loads only")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -151,6 +164,7 @@ def main():
         threading.Thread(target=sample_peaks, args=(peaks,), daemon=True).start()
         result, kind, *paths = args.child
         {"quantize": lambda: child_quantize(*paths, args), "load": lambda: child_load(*paths, args),
+         "load-stream": lambda: child_load(*paths, args, stream=True), "fp-stream": lambda: child_fp_stream(*paths, args),
          "imports": lambda: exec(IMPORTS)}[kind]()
         peaks.update({k: max(peaks.get(k, 0), v) for k, v in _status().items()})
         Path(result).write_text(json.dumps({**peaks, "VmHWM": peak_rss()}))
@@ -158,7 +172,9 @@ def main():
     work = Path(args.workdir)
     if work.exists():
         raise SystemExit(f"{work} exists: pass another --workdir or delete it")
-    src, out = (Path(args.source) if args.source else work / "fp"), work / "q"
+    src, out = (Path(args.source) if args.source else work / "fp"), Path(args.quantized or work / "q")
+    if args.quantized and not args.source:
+        raise SystemExit("--quantized needs the --source it was made from")
     work.mkdir(parents=True)
     try:
         t0 = time.perf_counter()
@@ -169,13 +185,14 @@ def main():
             print(f"built {src}: {size / 1e9:.2f} GB fp16 in {time.perf_counter() - t0:.0f} s", flush=True)
         flags = [f"--{k}={v}" for k, v in (("method", args.method), ("bits", args.bits), ("group-size",
                  args.group_size), ("nsamples", args.nsamples), ("seqlen", args.seqlen))]
-        base, _ = run_child(["imports"], work)
-        q_peak, q_s = run_child(["quantize", str(src), str(out), *flags], work)
+        rows = [("imports only (torch, transformers, quantkit)", *run_child(["imports"], work))]
+        if not args.quantized:
+            rows.append((f"quantize {args.method} w{args.bits} g{args.group_size}",
+                         *run_child(["quantize", str(src), str(out), *flags], work)))
         out_size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-        l_peak, l_s = run_child(["load", str(out)], work)
-        rows = [("imports only (torch, transformers, quantkit)", base, 0.0),
-                (f"quantize {args.method} w{args.bits} g{args.group_size}", q_peak, q_s),
-                ("load_quantized + one forward (16 tokens)", l_peak, l_s)]
+        rows += [("load_quantized + one forward (16 tokens)", *run_child(["load", str(out)], work)),
+                 ("load_quantized(stream=True) + one forward", *run_child(["load-stream", str(out)], work)),
+                 ("fp model streamed (eval --stream) + one forward", *run_child(["fp-stream", str(src)], work))]
         print(f"\nfp16 model {size / 1e9:.3f} GB, quantized checkpoint {out_size / 1e9:.3f} GB; bound = model / 4 = "
               f"{size / 4e9:.3f} GB\n")
         print("| step | peak RSS (GB) | peak / model | peak RssAnon (GB) | RssAnon / model | peak RssFile (GB) | "

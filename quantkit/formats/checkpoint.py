@@ -233,14 +233,31 @@ def index_map(folder: Path, fix: str) -> dict:
     return weight_map
 
 
-def read_tensors(folder) -> dict:
-    """Every tensor of the checkpoint on CPU; a truncated or corrupted file is a clear error."""
-    folder = Path(folder)
-    tensors = {}
-    for f in shard_files(folder):
+def tensor_files(folder) -> dict:
+    """{tensor name: the safetensors file holding it} of a quantized folder (headers only)."""
+    out = {}
+    for f in shard_files(Path(folder)):
         try:
             with safe_open(f, framework="pt") as sf:
-                for name in sf.keys():
+                out.update({name: f for name in sf.keys()})
+        except (SafetensorError, OSError) as e:
+            raise QuantkitError(f"{f} is truncated or corrupted ({e}): copy it again or quantize again") from e
+    return out
+
+
+def read_tensors(folder, names=None, files=None) -> dict:
+    """The checkpoint's tensors (`names`, default all) on CPU, as memory-mapped views of the files (a page is
+    resident while touched and its view alive); a truncated or corrupted file is a clear error. files: the
+    tensor_files map, when the caller already has it."""
+    files = files if files is not None else tensor_files(folder)
+    by_file = {}
+    for name in (files if names is None else names):
+        by_file.setdefault(files[name], []).append(name)
+    tensors = {}
+    for f, group in by_file.items():
+        try:
+            with safe_open(f, framework="pt") as sf:
+                for name in group:
                     tensors[name] = sf.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise QuantkitError(f"{f} is truncated or corrupted ({e}): copy it again or quantize again") from e
