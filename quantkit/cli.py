@@ -10,7 +10,8 @@ from quantkit.formats.gptq import WRITE_FORMATS
 
 
 class _Group(click.Group):
-    """Turns QuantkitError (a user mistake) into one line on stderr and exit code 2, never a traceback."""
+    """Turns QuantkitError (a user mistake) into one line on stderr and exit code 2, and running out of memory
+    (CPU, or torch's CUDA OutOfMemoryError) into one line and exit code 1: never a traceback."""
 
     def invoke(self, ctx):
         try:
@@ -18,6 +19,14 @@ class _Group(click.Group):
         except QuantkitError as e:
             click.echo(f"error: {e}", err=True)
             ctx.exit(2)
+        except (MemoryError, RuntimeError) as e:
+            if not (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"):
+                raise
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            click.echo(f"error: out of memory{f' ({detail})' if detail else ''}: this run needs more memory than is "
+                       "free on its device; fewer --nsamples or a shorter --seqlen (quantize), --stream (eval), "
+                       "--device cpu, or a machine with more memory", err=True)
+            ctx.exit(1)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})

@@ -126,3 +126,19 @@ def test_demo_runs_offline(tmp_path):
     assert result.exit_code == 0, result.output
     assert "| fp32 |" in result.output and "rtn w4 g32" in result.output
     assert (tmp_path / "demo" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("error", [MemoryError(), "cuda"])
+def test_out_of_memory_is_one_line_not_a_traceback(model_factory, text_file, monkeypatch, error):
+    import torch
+
+    import quantkit.eval
+
+    def oom(*args, **kwargs):
+        raise error if error != "cuda" else torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(quantkit.eval, "evaluate_path", oom)
+    result = run("eval", "perplexity", model_factory("llama"), "--dataset", text_file, "--device", "cpu")
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.startswith("error: out of memory") and "--stream" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
