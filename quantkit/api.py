@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from quantkit import __version__
+from quantkit import __version__, distributed
 from quantkit.config import QuantConfig, write_recipe
 from quantkit.errors import QuantkitError
 from quantkit.formats import checkpoint, codecs, compat, output, shards
@@ -65,14 +65,19 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     checkpoint is the one an uninterrupted run writes. Without it, an interrupted run of `out` is an error.
     resumable: keep the finished blocks when the run is stopped from outside (Ctrl-C, SIGTERM, out of memory,
     a full disk) so that resume can continue it; False deletes them like any failure (`quantkit demo`).
+    Under torchrun (quantkit.distributed) every process calls this; rank 0 writes and returns the report, the
+    others return None.
     """
     config = config or QuantConfig()
+    group, device = distributed.from_environment(resolve_device(device))  # under torchrun: this process's share
+    if group.active:
+        _check_distributed(config, resume)
+    if not group.is_writer:
+        return _follow(group, model, config, device, dtype, calibration_ids)
     out_path = output.claim_output(out, overwrite, sources=[model], resume=resume)  # before any heavy work
     partial = (output.partial_runs(out_path) or [None])[0] if resume else None
-    device = resolve_device(device)
     t_start = time.perf_counter()
-    # CPU half-precision matmuls are slow: calibrate in fp32 there, but write the source's dtype.
-    compute_dtype = "float32" if device == "cpu" and dtype == "auto" else dtype
+    compute_dtype = _compute_dtype(device, dtype)
     source, tokenizer, declared = open_model(model, compute_dtype)
     fp_model = source.model
     save_dtype = declared if dtype == "auto" else source.dtype
@@ -90,10 +95,7 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     if config.needs_calibration:
         if method.use_awq:
             require_scale_groups(arch, fp_model.config.model_type)
-        if calibration_ids is None:
-            from quantkit.data import calibration_ids as load_calibration
-
-            calibration_ids = load_calibration(tokenizer, config.dataset, config.nsamples, config.seqlen, config.seed)
+        calibration_ids = _calibration(config, tokenizer, calibration_ids)
     n_blocks = len(get_submodule(fp_model, arch.blocks))
     fingerprint = resume_state.fingerprint(model, config, device, compute_dtype, n_blocks,
                                            calibration_ids if config.needs_calibration else None)
@@ -118,7 +120,7 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
             # report: one observing pass per block is enough there.
             staged = config.true_sequential and method.use_gptq
             blocks = calibrated_blocks(source, arch, calibration_ids, method, device, staged, start=start,
-                                       replay=job.replay, on_result=job.pack)
+                                       replay=job.replay, on_result=job.pack, group=group)
         else:  # data-free: the same per-layer path, without an observer
             blocks = data_free_blocks(source, arch, method, start=start, on_result=job.pack)
         # closing: a failure ends the generator (and its progress bar) before the error line is printed
@@ -142,6 +144,45 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
         resume_state.finish(tmp)
         _write_configs(tmp, fp_model, tokenizer, job.summaries, names, config, method, report, save_dtype, codec)
     return report
+
+
+def _compute_dtype(device, dtype):
+    """CPU half-precision matmuls are slow: calibrate in fp32 there (the checkpoint keeps the source's dtype)."""
+    return "float32" if device == "cpu" and dtype == "auto" else dtype
+
+
+def _calibration(config: QuantConfig, tokenizer, calibration_ids):
+    if calibration_ids is not None:
+        return calibration_ids
+    from quantkit.data import calibration_ids as load_calibration
+
+    return load_calibration(tokenizer, config.dataset, config.nsamples, config.seqlen, config.seed)
+
+
+def _check_distributed(config: QuantConfig, resume: bool) -> None:
+    """What a torchrun run can do: GPTQ-style calibration (summed Hessians), not AWQ's search, not --resume."""
+    if resume:
+        raise QuantkitError("--resume is not supported under torchrun: resume the run with a single process")
+    if config.needs_calibration and "awq" in config.method:
+        raise QuantkitError(f"--method {config.method} cannot be spread over processes (AWQ's scale search needs "
+                            "every sample's activations in one place): run it as a single process")
+
+
+def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids) -> None:
+    """A torchrun process other than rank 0: the same block loop on its share of the samples, nothing written
+    (rank 0 checks OUT and writes the checkpoint). Data-free methods leave all the work to rank 0."""
+    if not config.needs_calibration:
+        return None
+    source, tokenizer, _ = open_model(model, _compute_dtype(device, dtype))
+    arch = arch_for(source.model)
+    config.bind_fused_groups(fused_siblings(arch, quantizable_linears(source.model, arch)))
+    method = Method(config, arch)
+    blocks = calibrated_blocks(source, arch, _calibration(config, tokenizer, calibration_ids), method, device,
+                               config.true_sequential and method.use_gptq, group=group)
+    with contextlib.closing(blocks):
+        for _ in blocks:
+            return_freed_memory()
+    return None
 
 
 class _Job:

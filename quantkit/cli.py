@@ -143,6 +143,8 @@ def quantize(ctx, model, out, recipe, device, dtype, overwrite, resume, **params
 
     config = build_config(ctx, params, recipe)
     report = run(model, out, config, device=device, dtype=dtype, overwrite=overwrite, resume=resume)
+    if report is None:  # a torchrun process other than rank 0: rank 0 writes and reports
+        return
     click.echo(layer_table(report))
     click.echo(f"wrote {out} ({len(report['layers'])} quantized linears, {report['seconds']:.1f} s)")
 

@@ -167,7 +167,7 @@ def run_sequential(model, arch: Arch, input_ids, method, device, true_sequential
 
 
 def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequential=True, store_device="cpu",
-                      start=0, replay=None, on_result=None):
+                      start=0, replay=None, on_result=None, group=None):
     """Quantize the blocks of `source` (quantkit.model.stream) in order, yielding (index, block, its results)
     while the block is still loaded (its norms may carry AWQ's folded scales, to be written).
 
@@ -180,21 +180,26 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
     on_result(full_name, result) -> result, if given, sees each layer's result as soon as its quantized weight is
     in place, and what it returns is kept instead (the writer packs the codes there and keeps a summary, so a
     block's int32 codes are never all held at once).
+    group (quantkit.distributed.Group, under torchrun): this process calibrates on its share of the samples, the
+    statistics are summed over the processes and the linears of each stage quantized a share per process.
     """
+    from quantkit.distributed import SINGLE
+
+    group = group or SINGLE
     model = source.model
     blocks = get_submodule(model, arch.blocks)
     undo = source.load_outside(arch.blocks, device)  # embeddings etc. load on first use
     try:
-        inputs, kwargs = capture_block_inputs(model, arch, input_ids, device, store_device)
+        inputs, kwargs = capture_block_inputs(model, arch, group.split(input_ids), device, store_device)
     finally:
         undo()
     stages = arch.sequential if true_sequential else (tuple(n for s in arch.sequential for n in s),)
-    for i in tqdm(range(len(blocks)), desc="blocks", unit="block"):
+    for i in tqdm(range(len(blocks)), desc="blocks", unit="block", disable=not group.is_writer):
         prefix = f"{arch.blocks}.{i}"
         block = replay(i) if i < start else source.load(prefix)
         block.to(device)
         runner = BlockRunner(block, inputs, kwargs, device)
-        results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, on_result)
+        results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, on_result, group)
         inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)
         block.to("cpu")
         if i >= start:
@@ -204,8 +209,9 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
             torch.cuda.empty_cache()
 
 
-def _quantize_block(runner, block, prefix, method, stages, on_result=None) -> dict:
-    """Each stage: observe its linears' inputs, quantize them, put the quantized weights in place."""
+def _quantize_block(runner, block, prefix, method, stages, on_result, group) -> dict:
+    """Each stage: observe its linears' inputs, quantize them, put the quantized weights in place (under torchrun:
+    statistics summed over the processes, each linear quantized by one of them and sent to all)."""
     method.prepare_block(runner, block, prefix)
     results = {}
     for stage in stages:
@@ -214,16 +220,32 @@ def _quantize_block(runner, block, prefix, method, stages, on_result=None) -> di
             continue
         observers = {n: method.observer(f"{prefix}.{n}", get_weight(block.get_submodule(n))) for n in names}
         _observe_stage(runner, names, observers)
-        for n in names:
-            module = block.get_submodule(n)
+        group.reduce_statistics([observers[n] for n in names])
+
+        def quantize_one(n):
             try:
-                res = method.quantize(f"{prefix}.{n}", observers.pop(n), module)
+                return method.quantize(f"{prefix}.{n}", observers.pop(n), block.get_submodule(n))
             except QuantkitError as e:
                 raise QuantkitError(f"{prefix}.{n}: {e}") from e
-            set_weight(module, res.dequantize())
+
+        for n, res in _stage_results(names, quantize_one, group):
+            set_weight(block.get_submodule(n), res.dequantize())
             results[f"{prefix}.{n}"] = on_result(f"{prefix}.{n}", res) if on_result else res
             del res  # its codes, before the next layer's are made
     return results
+
+
+def _stage_results(names, quantize_one, group):
+    """(name, result) in stage order. One process: each linear quantized when its turn comes (one layer's codes
+    held at a time). Under torchrun: each process first quantizes its own share (at the same time as the others),
+    then every result is sent from its owner to all."""
+    if not group.active:
+        for n in names:
+            yield n, quantize_one(n)
+        return
+    own = {n: quantize_one(n) for j, n in enumerate(names) if group.owner(j) == group.rank}
+    for j, n in enumerate(names):
+        yield n, group.broadcast(own.pop(n, None), group.owner(j))
 
 
 def _observe_stage(runner, names, observers) -> None:

@@ -1,0 +1,105 @@
+"""Calibration spread over the processes of a torchrun job (torch.distributed: NCCL on GPUs, gloo on CPU).
+
+    torchrun --nproc-per-node 4 -m quantkit.cli quantize MODEL -o OUT --method gptq ...
+
+Every rank runs the same block loop on its own contiguous share of the calibration samples (the block forwards,
+the bulk of the work at real sample counts, are split). After a stage is observed, the ranks sum their
+statistics (GPTQ's Hessian H = 2/N Σ x xᵀ, weighted by each rank's token count), so every rank holds the
+Hessian a single process would have accumulated, up to float summation order. Each rank then quantizes its
+share of the stage's linears (round robin) and sends the results to all (every rank needs the quantized
+weights for the next stage's inputs); rank 0 alone writes the checkpoint. Without torchrun (WORLD_SIZE unset
+or 1) every method here is a no-op and nothing is imported from torch.distributed.
+"""
+import os
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+
+class Group:
+    """The ranks of the run: rank/world, and the few collective steps the block loop needs."""
+
+    def __init__(self, rank: int = 0, world: int = 1):
+        self.rank, self.world = rank, world
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+    def split(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous share of the calibration samples [nsamples, seqlen]."""
+        if not self.active:
+            return input_ids
+        if input_ids.shape[0] < self.world:
+            raise QuantkitError(f"{input_ids.shape[0]} calibration samples cannot be shared by {self.world} "
+                                "processes: use at least one --nsamples per process, or fewer processes")
+        return input_ids.tensor_split(self.world)[self.rank]
+
+    def owner(self, index: int) -> int:
+        """The rank that quantizes the index-th linear of a stage."""
+        return index % self.world
+
+    def reduce_statistics(self, observers) -> None:
+        """Sum each distinct Hessian over the ranks, weighted by token counts: H = Σ_r n_r H_r / Σ_r n_r."""
+        if not self.active:
+            return
+        import torch.distributed as dist
+
+        seen = set()
+        for obs in observers:
+            if id(obs.H) in seen:  # shared by linears fed the same tensor: reduced once
+                continue
+            seen.add(id(obs.H))
+            count = torch.tensor([float(obs.nsamples)], dtype=torch.float64, device=obs.H.device)
+            dist.all_reduce(count)
+            obs.H.mul_(obs.nsamples)
+            dist.all_reduce(obs.H)
+            obs.H.div_(float(count))
+            obs.nsamples = int(count.item())
+        for obs in observers:  # the sharers see the reduced count too
+            obs.nsamples = next(o.nsamples for o in observers if o.H is obs.H)
+
+    def broadcast(self, obj, src: int):
+        """obj of rank `src` on every rank (pickled: a QuantResult with its tensors)."""
+        if not self.active:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.active:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+SINGLE = Group()
+
+
+def from_environment(device: str) -> tuple[Group, str]:
+    """(the group, this rank's device) under torchrun; (SINGLE, device) otherwise. Initializes the process group
+    once: NCCL when the device is CUDA (rank r on cuda:LOCAL_RANK), gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return SINGLE, device
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    if device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise QuantkitError(f"process {rank} wants cuda:{local} but this machine has {torch.cuda.device_count()} "
+                                "GPUs: start at most one process per GPU (--nproc-per-node)")
+        device = f"cuda:{local}"
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return Group(rank, world), device
