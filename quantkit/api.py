@@ -55,7 +55,8 @@ def _layer_report(results) -> dict:
 
 
 def quantize(model: str, out, config: QuantConfig | None = None, device: str = "auto", dtype: str = "auto",
-             overwrite: bool = False, calibration_ids=None, resume: bool = False, resumable: bool = True) -> dict:
+             overwrite: bool = False, calibration_ids=None, resume: bool = False, resumable: bool = True,
+             trust_remote_code: bool = False) -> dict:
     """Quantize `model` (hub id or folder) into the checkpoint folder `out`; returns the report.
 
     The fp model is never held whole (quantkit.model.stream): one decoder block at a time is read from the
@@ -66,19 +67,19 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     resumable: keep the finished blocks when the run is stopped from outside (Ctrl-C, SIGTERM, out of memory,
     a full disk) so that resume can continue it; False deletes them like any failure (`quantkit demo`).
     Under torchrun (quantkit.distributed) every process calls this; rank 0 writes and returns the report, the
-    others return None.
+    others return None. trust_remote_code: run the model's own code (config.json auto_map); off by default.
     """
     config = config or QuantConfig()
     group, device = distributed.from_environment(resolve_device(device))  # under torchrun: this process's share
     if group.active:
         _check_distributed(config, resume)
     if not group.is_writer:
-        return _follow(group, model, config, device, dtype, calibration_ids)
+        return _follow(group, model, config, device, dtype, calibration_ids, trust_remote_code)
     out_path = output.claim_output(out, overwrite, sources=[model], resume=resume)  # before any heavy work
     partial = (output.partial_runs(out_path) or [None])[0] if resume else None
     t_start = time.perf_counter()
     compute_dtype = _compute_dtype(device, dtype)
-    source, tokenizer, declared = open_model(model, compute_dtype)
+    source, tokenizer, declared = open_model(model, compute_dtype, trust_remote_code)
     fp_model = source.model
     save_dtype = declared if dtype == "auto" else source.dtype
     arch = arch_for(fp_model)
@@ -168,12 +169,12 @@ def _check_distributed(config: QuantConfig, resume: bool) -> None:
                             "every sample's activations in one place): run it as a single process")
 
 
-def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids) -> None:
+def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids, trust_remote_code) -> None:
     """A torchrun process other than rank 0: the same block loop on its share of the samples, nothing written
     (rank 0 checks OUT and writes the checkpoint). Data-free methods leave all the work to rank 0."""
     if not config.needs_calibration:
         return None
-    source, tokenizer, _ = open_model(model, _compute_dtype(device, dtype))
+    source, tokenizer, _ = open_model(model, _compute_dtype(device, dtype), trust_remote_code)
     arch = arch_for(source.model)
     config.bind_fused_groups(fused_siblings(arch, quantizable_linears(source.model, arch)))
     method = Method(config, arch)

@@ -35,6 +35,13 @@ def main():
     """Offline weight quantization for Hugging Face causal LMs (RTN, GPTQ, AWQ -> GPTQ-layout checkpoints; TurboQuant and rotations -> quantkit format)."""
 
 
+STREAM_HELP = ("Keep the decoder blocks on disk and read each one when it runs: memory about one block plus the "
+               "embeddings, for models larger than RAM (a local safetensors folder; others load whole). Same "
+               "numbers, slower: every window reads the blocks again.")
+TRUST_HELP = ("Run the model's own Python code (auto_map in its config.json) for architectures transformers does not "
+              "ship. Off by default: only pass it for a model whose code you trust.")
+
+
 # Options that map 1:1 onto QuantConfig fields; the recipe fills the ones not given on the command line.
 _CONFIG_OPTIONS = [
     click.option("--method", type=click.Choice(METHODS), default="rtn",
@@ -136,13 +143,15 @@ def build_config(ctx, params: dict, recipe_path) -> QuantConfig:
                    "of OUT is an error (never silently deleted or reused): resume it, or delete its .OUT.tmp-PID "
                    "folder to start over.")
 @click.pass_context
-def quantize(ctx, model, out, recipe, device, dtype, overwrite, resume, **params):
+@click.option("--trust-remote-code", is_flag=True, help=TRUST_HELP)
+def quantize(ctx, model, out, recipe, device, dtype, overwrite, resume, trust_remote_code, **params):
     """Quantize MODEL (hub id or local folder) into the checkpoint folder OUT."""
     from quantkit.api import quantize as run
     from quantkit.report import layer_table
 
     config = build_config(ctx, params, recipe)
-    report = run(model, out, config, device=device, dtype=dtype, overwrite=overwrite, resume=resume)
+    report = run(model, out, config, device=device, dtype=dtype, overwrite=overwrite, resume=resume,
+                 trust_remote_code=trust_remote_code)
     if report is None:  # a torchrun process other than rank 0: rank 0 writes and reports
         return
     click.echo(layer_table(report))
@@ -166,11 +175,6 @@ def convert(src, out, checkpoint_format, overwrite):
                f"{checkpoint_format})")
 
 
-STREAM_HELP = ("Keep the decoder blocks on disk and read each one when it runs: memory about one block plus the "
-               "embeddings, for models larger than RAM (a local safetensors folder; others load whole). Same "
-               "numbers, slower: every window reads the blocks again.")
-
-
 @main.group()
 def eval():  # noqa: A001  (the command is called eval)
     """Evaluate a floating-point or quantized model."""
@@ -185,11 +189,13 @@ def eval():  # noqa: A001  (the command is called eval)
 @click.option("--dtype", default=None, help="Activation dtype (default: fp32 on CPU, fp16/bf16 on GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ppl, nll, tokens, windows, seqlen).")
 @click.option("--stream", is_flag=True, help=STREAM_HELP)
-def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json, stream):
+@click.option("--trust-remote-code", is_flag=True, help=TRUST_HELP)
+def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json, stream, trust_remote_code):
     """Perplexity of PATH (a model folder/hub id, or a quantized folder) with the standard protocol."""
     from quantkit.eval import evaluate_path
 
-    result = evaluate_path(path, dataset, seqlen, max_tokens, device, dtype, progress=not as_json, stream=stream)
+    result = evaluate_path(path, dataset, seqlen, max_tokens, device, dtype, progress=not as_json, stream=stream,
+                           trust_remote_code=trust_remote_code)
     if as_json:
         click.echo(json.dumps(result))
     else:
@@ -218,14 +224,15 @@ def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json, stream
               help='Print one JSON object: tokens, windows, seqlen, ppl {base, quant, delta}, kld {mean, stderr, '
                    'median, p90, p99, p999, max}, top1 {mean, stderr}, delta_p {mean, stderr}, generations.')
 @click.option("--stream", is_flag=True, help=STREAM_HELP + " With --low-memory, for two models larger than RAM.")
+@click.option("--trust-remote-code", is_flag=True, help=TRUST_HELP)
 def compare(quant, base, dataset, seqlen, max_tokens, device, dtype, low_memory, cache_dir, prompts, max_new_tokens,
-            as_json, stream):
+            as_json, stream, trust_remote_code):
     """QUANT against its base model on the same windows: ppl of each, KL divergence, top-1 agreement, Δp."""
     from quantkit.compare import compare_paths, read_prompts, report_text
 
     result = compare_paths(quant, base, dataset, seqlen, max_tokens, device, dtype, low_memory, cache_dir,
                            read_prompts(prompts) if prompts else (), max_new_tokens, progress=not as_json,
-                           stream=stream)
+                           stream=stream, trust_remote_code=trust_remote_code)
     click.echo(json.dumps(result) if as_json else report_text(result, quant, base, dataset))
 
 

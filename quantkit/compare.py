@@ -194,7 +194,8 @@ def check_same_tokenizer(base_tok, quant_tok) -> None:
 
 
 def compare_paths(quant: str, base: str, dataset: str, seqlen: int, max_tokens=None, device="auto", dtype=None,
-                  low_memory=False, cache_dir=None, prompts=(), max_new_tokens=32, progress=True, stream=False) -> dict:
+                  low_memory=False, cache_dir=None, prompts=(), max_new_tokens=32, progress=True, stream=False,
+                  trust_remote_code=False) -> dict:
     """`quantkit eval compare`: the figures of compare_models (or compare_low_memory) on `dataset`, plus the
     greedy continuations of each prompt by both models."""
     from transformers import AutoTokenizer
@@ -205,7 +206,7 @@ def compare_paths(quant: str, base: str, dataset: str, seqlen: int, max_tokens=N
     tokenizers = {}
     for role, path in (("base", base), ("quant", quant)):
         try:
-            tokenizers[role] = AutoTokenizer.from_pretrained(str(path))
+            tokenizers[role] = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
             raise QuantkitError(f"no tokenizer could be loaded for {role} model {path} ({type(e).__name__}): "
                                 "pass a model folder with its tokenizer files") from e
@@ -218,7 +219,7 @@ def compare_paths(quant: str, base: str, dataset: str, seqlen: int, max_tokens=N
         continuations[role] = [greedy(model, tokenizer, p, max_new_tokens) for p in prompts]
 
     def load(path):
-        return load_any(path, device, dtype, stream)[0]
+        return load_any(path, device, dtype, stream, trust_remote_code)[0]
 
     if low_memory:
         result = compare_low_memory(lambda: load(base), lambda: load(quant), ids, seqlen, cache_dir, progress, visit)

@@ -117,9 +117,10 @@ def is_quantized_folder(path) -> bool:
     return has_quantization_config(path)
 
 
-def load_any(path, device="auto", dtype=None, stream=False):
+def load_any(path, device="auto", dtype=None, stream=False, trust_remote_code=False):
     """(model, tokenizer) for a quantized folder or a floating-point model (folder or hub id).
-    stream: keep the decoder blocks on disk and read each as it runs (quantkit.model.offload)."""
+    stream: keep the decoder blocks on disk and read each as it runs (quantkit.model.offload).
+    trust_remote_code: run a floating-point model's own code (config.json auto_map); off by default."""
     from transformers import AutoTokenizer
 
     from quantkit.loading import load_quantized
@@ -135,19 +136,19 @@ def load_any(path, device="auto", dtype=None, stream=False):
                                 "the source model into it") from e
     dtype = dtype or ("float32" if device == "cpu" else "auto")
     if stream:
-        return _stream_fp_model(path, device, dtype)
-    model, tokenizer = load_fp_model(path, dtype)
+        return _stream_fp_model(path, device, dtype, trust_remote_code)
+    model, tokenizer = load_fp_model(path, dtype, trust_remote_code)
     return model.to(device), tokenizer
 
 
-def _stream_fp_model(path, device, dtype):
+def _stream_fp_model(path, device, dtype, trust_remote_code):
     """A floating-point model with its blocks read from the safetensors shards as they run; a source that cannot
     be streamed (hub id, .bin weights) is loaded whole, with a note (quantkit.model.stream.open_model)."""
     from quantkit.model import offload
     from quantkit.model.arch import arch_for
     from quantkit.model.stream import InMemoryModel, open_model
 
-    source, tokenizer, _ = open_model(path, dtype)
+    source, tokenizer, _ = open_model(path, dtype, trust_remote_code)
     model = source.model
     if not isinstance(source, InMemoryModel):
         units = offload.stream_model(model, arch_for(model).blocks, source.read, set(source.names), device)
@@ -158,9 +159,9 @@ def _stream_fp_model(path, device, dtype):
 
 
 def evaluate_path(path, dataset, seqlen, max_tokens=None, device="auto", dtype=None, progress=True,
-                  stream=False) -> dict:
+                  stream=False, trust_remote_code=False) -> dict:
     from quantkit.data import eval_ids
 
-    model, tokenizer = load_any(path, device, dtype, stream)
+    model, tokenizer = load_any(path, device, dtype, stream, trust_remote_code)
     ids = eval_ids(tokenizer, dataset, max_tokens)
     return perplexity(model, ids, seqlen, progress=progress)

@@ -95,6 +95,43 @@ def test_overflowing_activations_name_the_layer(tmp_path, source, text_file):
                      words=["model.layers.0", "NaN/Inf"])
 
 
+def test_pickle_only_weights_are_refused(tmp_path, source, text_file):
+    tensors = load_file(source / "model.safetensors")
+    torch.save(tensors, source / "pytorch_model.bin")
+    (source / "model.safetensors").unlink()
+    quantize_refused(tmp_path, source, words=["pickle", "pytorch_model.bin", "safetensors only"])
+    assert_user_error(run("eval", "perplexity", source, "--dataset", text_file, "--device", "cpu"), "pickle")
+
+
+REMOTE_CONFIG = """from transformers import LlamaConfig
+
+
+class MyLlamaConfig(LlamaConfig):
+    model_type = "my_llama"
+"""
+REMOTE_MODEL = """from transformers import LlamaForCausalLM
+
+from .configuration_my import MyLlamaConfig
+
+
+class MyLlamaForCausalLM(LlamaForCausalLM):
+    config_class = MyLlamaConfig
+"""
+
+
+def test_model_code_runs_only_with_trust_remote_code(tmp_path, source, monkeypatch):
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    (source / "configuration_my.py").write_text(REMOTE_CONFIG)
+    (source / "modeling_my.py").write_text(REMOTE_MODEL)
+    edit_json(source / "config.json", lambda c: c.update(model_type="my_llama", architectures=["MyLlamaForCausalLM"],
+                                                          auto_map={"AutoConfig": "configuration_my.MyLlamaConfig",
+                                                                    "AutoModelForCausalLM": "modeling_my.MyLlamaForCausalLM"}))
+    quantize_refused(tmp_path, source, words=["ships its own Python code", "--trust-remote-code"])
+    result = run("quantize", source, "-o", tmp_path / "out", "--group-size", 32, "--trust-remote-code")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
 def test_quantizing_a_quantized_checkpoint(tmp_path, checkpoint_dir):
     quantize_refused(tmp_path, checkpoint_dir, words=["already quantized"])
 

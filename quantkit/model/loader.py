@@ -32,35 +32,38 @@ def looks_local(source: str) -> bool:
     return os.path.exists(source) or source.startswith((".", "/", "~")) or source.count("/") > 1
 
 
-def stored_dtype(model) -> torch.dtype:
+def stored_dtype(model, trust_remote_code=False) -> torch.dtype:
     """The dtype the source checkpoint declares (what dtype="auto" gives), fp32 when unknown."""
     from transformers import AutoConfig
 
-    declared = getattr(AutoConfig.from_pretrained(model.name_or_path), "dtype", None)
+    declared = getattr(AutoConfig.from_pretrained(model.name_or_path, trust_remote_code=trust_remote_code), "dtype", None)
     return declared if isinstance(declared, torch.dtype) else torch.float32
 
 
-def load_fp_model(source: str, dtype="auto"):
-    """(model, tokenizer) in eval mode on CPU, checked complete and finite. Errors name the problem and the fix."""
+def load_fp_model(source: str, dtype="auto", trust_remote_code=False):
+    """(model, tokenizer) in eval mode on CPU, checked complete and finite. Errors name the problem and the fix.
+
+    Weights are read from safetensors only (pickle .bin files can run code when loaded); a model's own Python
+    code (auto_map in config.json) runs only with trust_remote_code=True (`--trust-remote-code`)."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = str(source)
     if looks_local(source):
         check_local_folder(source)
+        check_safetensors(source)
+    remote = {"trust_remote_code": trust_remote_code}
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, **remote)
         refuse_quantized(source, config)
         model, info = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=parse_dtype(dtype),
-                                                           output_loading_info=True)
-        tokenizer = AutoTokenizer.from_pretrained(source)
+                                                           output_loading_info=True, use_safetensors=True, **remote)
+        tokenizer = AutoTokenizer.from_pretrained(source, **remote)
     except SafetensorError as e:
         raise QuantkitError(f"a safetensors file of model '{source}' is truncated or corrupted ({e}): "
                             "download or copy the model again") from e
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise QuantkitError(f"could not load model '{source}' ({first}): check the id or path, "
-                            "or download the model and pass its folder") from e
+        raise load_error(source, e) from e
     _check_complete(source, info)
     check_finite(model, f"model '{source}'")
     model.eval()
@@ -73,6 +76,28 @@ def check_local_folder(source: str) -> None:
         raise QuantkitError(f"model path {source} not found: pass an existing model folder or a hub id like org/name")
     if not (path / "config.json").is_file():
         raise QuantkitError(f"{source} has no config.json: pass a Hugging Face model folder (save_pretrained output)")
+
+
+def load_error(source: str, e: Exception) -> QuantkitError:
+    """What transformers' failure to load `source` means for the user."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if "trust_remote_code" in str(e):
+        return QuantkitError(f"model '{source}' ships its own Python code (auto_map in its config.json), which "
+                             "quantkit runs only when asked: pass --trust-remote-code if you trust that code")
+    return QuantkitError(f"could not load model '{source}' ({first}): check the id or path, "
+                         "or download the model and pass its folder")
+
+
+def check_safetensors(source: str) -> None:
+    """A local folder whose weights are only pickle files is refused (loading them can run arbitrary code)."""
+    path = Path(source).expanduser()
+    if any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for ext in ("*.bin", "*.pt", "*.pth", "*.ckpt") for p in path.glob(ext))
+    if pickles:
+        raise QuantkitError(f"model {source} has only pickle weights ({pickles[0]}), which can run code when loaded; "
+                            "quantkit reads safetensors only: convert it once where you trust the file "
+                            "(from_pretrained(...).save_pretrained(folder, safe_serialization=True)) and pass that folder")
 
 
 def refuse_quantized(source, config) -> None:

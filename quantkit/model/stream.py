@@ -26,13 +26,13 @@ class StreamedModel:
     """model: the skeleton (parameters on meta); names: checkpoint tensor names in state-dict order, tied
     duplicates dropped (what the in-memory writer kept)."""
 
-    def __init__(self, folder: Path, config, compute_dtype, files: dict, source_name: str):
+    def __init__(self, folder: Path, config, compute_dtype, files: dict, source_name: str, trust_remote_code=False):
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
         self.folder, self.files, self.source_name, self.dtype = folder, files, source_name, compute_dtype
         with init_empty_weights(include_buffers=False):
-            self.model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+            self.model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype, trust_remote_code=trust_remote_code)
         self.model.tie_weights()
         self.model.eval()
         if (folder / "generation_config.json").is_file():  # what from_pretrained would have read
@@ -238,8 +238,9 @@ def compute_dtype_for(config, dtype):
     return declared if isinstance(declared, torch.dtype) else torch.float32
 
 
-def open_model(source: str, dtype="auto"):
-    """(StreamedModel or InMemoryModel, tokenizer, stored dtype) for a quantization run."""
+def open_model(source: str, dtype="auto", trust_remote_code=False):
+    """(StreamedModel or InMemoryModel, tokenizer, stored dtype) for a quantization run (or a streamed
+    evaluation). trust_remote_code: run the model's own code (config.json auto_map); off unless asked."""
     from transformers import AutoConfig, AutoTokenizer
 
     source = str(source)
@@ -249,19 +250,19 @@ def open_model(source: str, dtype="auto"):
         files = _shard_map(folder)
         if files is not None:
             try:
-                config = AutoConfig.from_pretrained(folder)
+                config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
             except (OSError, ValueError) as e:
-                raise QuantkitError(f"could not load model '{source}' ({e}): check the path") from e
+                raise loader.load_error(source, e) from e
             loader.refuse_quantized(source, config)
             declared = _declared(config)  # before from_config, which sets config.dtype to the compute dtype
-            model = StreamedModel(folder, config, compute_dtype_for(config, dtype), files, source)
+            model = StreamedModel(folder, config, compute_dtype_for(config, dtype), files, source, trust_remote_code)
             if all(n in files for n in model.names):  # else renamed or missing tensors: transformers decides
                 model.check_shapes()
-                return model, AutoTokenizer.from_pretrained(folder), declared
+                return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code), declared
     print(f"note: {source} cannot be streamed block by block (not a local safetensors folder): loading it whole",
           file=sys.stderr)
-    fp_model, tokenizer = loader.load_fp_model(source, dtype)
-    return InMemoryModel(fp_model, source), tokenizer, loader.stored_dtype(fp_model)
+    fp_model, tokenizer = loader.load_fp_model(source, dtype, trust_remote_code)
+    return InMemoryModel(fp_model, source), tokenizer, loader.stored_dtype(fp_model, trust_remote_code)
 
 
 def _declared(config):
