@@ -95,8 +95,11 @@ def _load(slots, read, device, module, args):
 
 
 def _drop(slots, *hook_args):
+    from quantkit.model.stream import return_freed_memory
+
     for s in slots:
         s.drop()
+    return_freed_memory()  # glibc would keep the freed block's heap pages: resident memory would grow per block
 
 
 def stream_model(model: nn.Module, blocks_path: str, read, available, device="cpu") -> list[str]:
