@@ -84,3 +84,17 @@ def test_rtn_bias_and_dtype_passthrough():
 def test_rtn_rejects_bad_args(bits, group_size):
     with pytest.raises(QuantkitError):
         rtn(torch.randn(4, 32), Grid(bits), group_size)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_sym_negative_extreme_keeps_the_full_code(bits):
+    """A symmetric group's negative extreme sits exactly on the tie -(2^(bits-1) - 1/2) steps. With the scale
+    rounded to the nearest fp16 it went to code 1 whenever fp16 rounded up (about half the rows), shrinking the
+    group's largest weight by half a step; the scale rounded down gives it code 0 (-2^(bits-1) steps) in every row."""
+    torch.manual_seed(bits)
+    absmax = torch.rand(4096) * 2 + 0.01
+    w = torch.rand(4096, 32) * absmax[:, None] * 1.8 - 0.9 * absmax[:, None]
+    w[:, 5] = -absmax  # the negative extreme of every row
+    res = rtn(w, Grid(bits, True), 32)
+    assert (res.params["scale"][:, 0] <= 2 * absmax / (2**bits - 1)).all()  # rounded down, never up
+    assert (res.codes[:, 5] == 0).all()
