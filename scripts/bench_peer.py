@@ -105,6 +105,8 @@ def main(argv=None):
     p.add_argument("--nsamples", type=int, default=64)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=32768)
+    p.add_argument("--seed", type=int, default=0, help="seed of the calibration windows (the spread over seeds "
+                   "says how much of a difference between the tools is the choice of samples)")
     p.add_argument("--json", help="write the rows here (after every run)")
     args = p.parse_args(argv)
 
@@ -113,7 +115,7 @@ def main(argv=None):
     texts = {"eval": eval_ids(tokenizer, args.eval, args.max_tokens)}
     if args.heldout:
         texts["heldout"] = eval_ids(tokenizer, args.heldout, args.max_tokens)
-    calib = calibration_ids(tokenizer, args.calib, args.nsamples, args.seqlen, seed=0)
+    calib = calibration_ids(tokenizer, args.calib, args.nsamples, args.seqlen, seed=args.seed)
     rows = [{"run": "fp", "quantkit": {"seconds": 0.0, **evaluate(fp_model, texts, args.seqlen)}}]
     rows[0]["peer"] = rows[0]["quantkit"]
     del fp_model
