@@ -48,3 +48,22 @@ def test_shared_hessians_equal_separately_accumulated_ones():
     assert observers["mlp.up_proj"].H is observers["mlp.gate_proj"].H
     # o_proj reads the attention output, not the normed input: its own statistics
     assert observers["self_attn.o_proj"].H is not observers["self_attn.q_proj"].H
+
+
+def test_a_parallel_stage_never_computes_its_own_linears_and_sees_the_same_inputs():
+    model = tiny_model("llama-gqa")
+    _, block, runner = _block_runner(model, n=3)
+    stage = ["mlp.gate_proj", "mlp.up_proj"]
+    computed = []
+    handles = [block.get_submodule(n).register_forward_hook(lambda m, a, out, n=n: computed.append(n) if out.any()
+                                                            else None) for n in stage]  # zeros: not computed
+    plain, skipped = [], []
+    runner.observe(stage, lambda n, x, source: plain.append(x.clone()))
+    assert computed == ["mlp.gate_proj"] * 3  # without parallel, gate_proj ran before up_proj's input was reached
+    computed.clear()
+    runner.observe(stage, lambda n, x, source: skipped.append(x.clone()), parallel=True)
+    assert computed == []
+    assert all(torch.equal(a, b) for a, b in zip(plain, skipped)) and len(plain) == len(skipped) == 6
+    for h in handles:
+        h.remove()
+    assert "forward" not in vars(block.get_submodule("mlp.gate_proj"))  # the class's forward is back

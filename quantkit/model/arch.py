@@ -26,6 +26,11 @@ from quantkit.errors import QuantkitError
 
 @dataclass(frozen=True)
 class Arch:
+    """blocks: path of the decoder blocks' ModuleList. sequential: the true-sequential stages, in order; the
+    linears of one stage are fed from one point of the block, never from one another's outputs (the
+    calibration loop relies on it: it does not compute a stage's own linears while observing them).
+    scale_groups: (previous op, the linears it feeds) pairs AWQ can scale; norm_offset: Gemma's 1 + weight
+    norms; fused: the groups a server fuses into one layer (one setting each)."""
     blocks: str
     sequential: tuple[tuple[str, ...], ...]
     scale_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()

@@ -10,6 +10,7 @@ Only the current block sits on the compute device; calibration activations live 
 The model may be a streamed skeleton (quantkit.model.stream): each block is loaded from the source shards
 when its turn comes and released after it is written, so only one block is ever held.
 """
+import contextlib
 from contextlib import contextmanager
 from typing import Callable
 
@@ -89,6 +90,19 @@ def input_hooks(block: nn.Module, names, sink: Callable[[str, torch.Tensor], Non
             h.remove()
 
 
+@contextmanager
+def _outputs_not_computed(block: nn.Module, names):
+    """While active, the named linears return zeros of their output shape instead of computing it."""
+    modules = [block.get_submodule(n) for n in names]
+    for m in modules:
+        m.forward = lambda x, *args, n_out=get_weight(m).shape[0], **kwargs: x.new_zeros(*x.shape[:-1], n_out)
+    try:
+        yield
+    finally:
+        for m in modules:
+            del m.forward  # the class's forward again
+
+
 class BlockRunner:
     """Forwards the calibration samples through one block on the compute device."""
 
@@ -106,11 +120,13 @@ class BlockRunner:
                     outs.append(check_activations(y.detach(), f"the outputs of {name}").to(store_device))
         return outs
 
-    def observe(self, names, sink: Callable[[str, torch.Tensor, str], None]) -> None:
+    def observe(self, names, sink: Callable[[str, torch.Tensor, str], None], parallel=False) -> None:
         """Per sample, sink(name, x, source) gets the input x of every named linear, `source` being the first
         of them that was fed the very same tensor (q/k/v read one normed input: a sink accumulates it once).
         A sample's forward stops as soon as all of them have been fed: the modules after them (the MLP
-        while observing q/k/v, and the stage's own linears) are never computed."""
+        while observing q/k/v, and the last of the named linears) are never computed. parallel: no named
+        linear's input depends on another's output (a true-sequential stage), so they are not computed at all
+        (zeros stand in for their outputs: gate_proj ran in full before up_proj was reached)."""
         fed = {}  # this sample: name -> its input (held, so no later tensor can reuse the address)
 
         def hook(name, x):
@@ -121,7 +137,8 @@ class BlockRunner:
             if len(fed) == len(names):
                 raise _StopForward
 
-        with torch.inference_mode(), input_hooks(self.block, names, hook):
+        skipped = _outputs_not_computed(self.block, names) if parallel else contextlib.nullcontext()
+        with torch.inference_mode(), input_hooks(self.block, names, hook), skipped:
             for x in self.inputs:
                 fed.clear()
                 try:
@@ -219,7 +236,8 @@ def _quantize_block(runner, block, prefix, method, stages, on_result, group) -> 
         if not names:
             continue
         observers = {n: method.observer(f"{prefix}.{n}", get_weight(block.get_submodule(n))) for n in names}
-        _observe_stage(runner, names, observers)
+        # several stages: true-sequential groups of linears fed from one point (Arch.sequential), never each other
+        _observe_stage(runner, names, observers, parallel=len(stages) > 1)
         group.reduce_statistics([observers[n] for n in names])
 
         def quantize_one(n):
@@ -248,7 +266,7 @@ def _stage_results(names, quantize_one, group):
         yield n, group.broadcast(own.pop(n, None), group.owner(j))
 
 
-def _observe_stage(runner, names, observers) -> None:
+def _observe_stage(runner, names, observers, parallel=False) -> None:
     """Accumulate each linear's input statistics; linears fed one tensor share the first one's (once)."""
     shared = {}
 
@@ -258,7 +276,7 @@ def _observe_stage(runner, names, observers) -> None:
         else:
             shared[name] = source
 
-    runner.observe(names, sink)
+    runner.observe(names, sink, parallel)
     for name, source in shared.items():
         observers[name].share_statistics(observers[source])
 
