@@ -146,6 +146,7 @@ def _stream_fp_model(path, device, dtype, trust_remote_code):
     be streamed (hub id, .bin weights) is loaded whole, with a note (quantkit.model.stream.open_model)."""
     from quantkit.model import offload
     from quantkit.model.arch import arch_for
+    from quantkit.model.sequential import move_loaded
     from quantkit.model.stream import InMemoryModel, open_model
 
     source, tokenizer, _ = open_model(path, dtype, trust_remote_code)
@@ -154,7 +155,7 @@ def _stream_fp_model(path, device, dtype, trust_remote_code):
         units = offload.stream_model(model, arch_for(model).blocks, source.read, set(source.names), device)
         source.load_names([n for n in source.names if not offload.under(n, units)])
         model.tie_weights()  # the embedding was just assigned: a tied head must point at it again
-    offload.move_resident(model, device)
+    move_loaded(model, device)
     return model, tokenizer
 
 

@@ -72,6 +72,7 @@ def load_quantized(path, device_map=None, dtype=None, stream=False):
         memory; every forward reads the blocks again, so it is slower (fine for evaluation, slow for generate).
     """
     from quantkit.model import offload
+    from quantkit.model.sequential import move_loaded
 
     folder = Path(path)
     config, tensors, layers, codec = checkpoint.read_checkpoint(folder)
@@ -105,6 +106,6 @@ def load_quantized(path, device_map=None, dtype=None, stream=False):
     if missing:
         raise QuantkitError(f"checkpoint is missing tensors {missing[:5]}: it is incomplete, quantize again")
     if stream:
-        offload.move_resident(model, device)
+        move_loaded(model, device)
         return model.eval()
     return model.to(device).eval()

@@ -113,17 +113,3 @@ def stream_model(model: nn.Module, blocks_path: str, read, available, device="cp
 
 def under(name: str, units) -> bool:
     return any(name.startswith(u + ".") for u in units)
-
-
-def move_resident(model: nn.Module, device) -> None:
-    """model.to(device) for a streamed model: moves what is real (tied tensors once), leaves the placeholders."""
-    moved = {}
-    for module in model.modules():
-        for store in (module._parameters, module._buffers):
-            for leaf, t in store.items():
-                if t is None or t.is_meta or t.device == torch.device(device):
-                    continue
-                if id(t) not in moved:
-                    m = t.to(device)
-                    moved[id(t)] = nn.Parameter(m, requires_grad=False) if isinstance(t, nn.Parameter) else m
-                store[leaf] = moved[id(t)]

@@ -32,10 +32,12 @@ def _move_except_blocks(model: nn.Module, blocks_path: str, device) -> None:
     for name, module in model.named_modules():
         if name == blocks_path or name.startswith(blocks_path + "."):
             continue
-        _move(module, device, recurse=False)
+        move_loaded(module, device, recurse=False)
 
 
-def _move(module: nn.Module, device, recurse=True) -> None:
+def move_loaded(module: nn.Module, device, recurse=True) -> None:
+    """module.to(device) for a partly meta module (streamed): moves the real tensors in place (tied ones once,
+    ties kept), leaves the meta placeholders."""
     mods = module.modules() if recurse else [module]
     for m in mods:
         for key, t in list(m._parameters.items()) + list(m._buffers.items()):
@@ -59,7 +61,7 @@ def capture_block_inputs(model, arch: Arch, input_ids: torch.Tensor, device, sto
         raise _StopForward
 
     _move_except_blocks(model, arch.blocks, device)
-    _move(blocks[0], device)  # its weights are not needed (the hook stops before), so a streamed one may be meta
+    move_loaded(blocks[0], device)  # its weights are not needed (the hook stops before), so a streamed one may be meta
     handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
     try:
         with torch.inference_mode():
@@ -70,7 +72,7 @@ def capture_block_inputs(model, arch: Arch, input_ids: torch.Tensor, device, sto
                     pass
     finally:
         handle.remove()
-        _move(blocks[0], "cpu")
+        move_loaded(blocks[0], "cpu")
         _move_except_blocks(model, arch.blocks, "cpu")
     kwargs_box["use_cache"] = False
     return inputs, kwargs_box
