@@ -1,10 +1,17 @@
 """The block runner's observation pass: it stops each sample's forward once the stage's linears have their
-inputs, and linears fed one tensor share one Hessian — without changing any statistic."""
+inputs, linears fed one tensor share one Hessian, and a final attention is replayed, not recomputed — without
+changing any statistic."""
+import dataclasses
+
+import pytest
 import torch
 
+from quantkit.config import QuantConfig
 from quantkit.methods.gptq import GPTQ
-from quantkit.model.sequential import _observe_stage, input_hooks
-from test_awq import _block_runner, tiny_model
+from quantkit.methods.registry import Method
+from quantkit.model.arch import arch_for, block_linears, get_submodule
+from quantkit.model.sequential import _observe_stage, input_hooks, run_sequential
+from test_awq import _block_runner, ids, tiny_model
 
 QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
 
@@ -67,3 +74,50 @@ def test_a_parallel_stage_never_computes_its_own_linears_and_sees_the_same_input
     for h in handles:
         h.remove()
     assert "forward" not in vars(block.get_submodule("mlp.gate_proj"))  # the class's forward is back
+
+
+def _quantized_weights(model, arch, input_ids, config):
+    results = run_sequential(model, arch, input_ids, Method(config, arch), "cpu")
+    return {name: res.dequantize() for name, res in results.items()}
+
+
+def _computed_calls(model, arch, linear):
+    """Per call of block 0's `linear`, whether it really computed (zeros: a stage's stand-in)."""
+    calls = []
+    module = get_submodule(model, arch.blocks)[0].get_submodule(linear)
+    module.register_forward_hook(lambda m, a, out: calls.append(bool(out.any())))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "opt", "qwen2"])
+def test_replayed_attention_gives_the_same_quantized_model_and_runs_in_two_passes(kind):
+    """The attention's output, recorded once its linears are quantized and replayed in the later passes, makes
+    bit-identical weights to recomputing it in every pass; in block 0 it is computed only in the o and gate/up
+    passes (not in the down pass and the final forward)."""
+    config = QuantConfig(method="gptq", bits=3, group_size=32)
+    runs = {}
+    for reuse in (True, False):
+        model = tiny_model(kind)
+        arch = arch_for(model) if reuse else dataclasses.replace(arch_for(model), reusable=())
+        key = "self_attn.k_proj"
+        calls = _computed_calls(model, arch, key)
+        runs[reuse] = _quantized_weights(model, arch, ids(3), config), calls.count(True)
+    (replayed, computed), (recomputed, computed_without) = runs[True], runs[False]
+    assert replayed.keys() == recomputed.keys() and len(replayed) == 2 * len(block_linears(arch_for(model)))
+    for name in replayed:
+        assert torch.equal(replayed[name], recomputed[name]), name
+    assert (computed, computed_without) == (2 * 3, 4 * 3)
+
+
+def test_a_replayed_output_is_a_copy_and_the_module_forward_is_restored():
+    model = tiny_model("llama-gqa")
+    _, block, runner = _block_runner(model, n=2)
+    runner.replayed.add("self_attn")
+    first = runner.forward_all(keep_outputs=True)  # records
+    with torch.no_grad():
+        block.self_attn.o_proj.weight.mul_(2)  # a replay ignores it: the output was recorded
+    again = runner.forward_all(keep_outputs=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert "forward" not in vars(block.self_attn)
+    recorded = runner.replayed.outputs["self_attn"]
+    assert sorted(recorded) == [0, 1] and recorded[0][0] is not first[0]

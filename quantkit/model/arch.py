@@ -10,13 +10,16 @@ For each `config.model_type`:
               fc1->ReLU->fc2). A group whose shapes don't allow folding (v->o under GQA) is skipped at
               run time.
   norm_offset Gemma-style RMSNorm computes x * (1 + weight); folding must respect it.
+  reusable    submodules whose output the calibration loop records once all their linears are quantized (their
+              input no longer changes either) and replays in the block's later passes instead of recomputing:
+              the attention, which every later true-sequential stage would otherwise run again
   fused       each (serving name, linears): linears that vLLM loads into one fused layer of that name
               (q/k/v -> qkv_proj, gate/up -> gate_up_proj), so they must share one quantization setting;
               recipe overrides apply to the whole group and the GPTQ `dynamic` map names both spellings.
 An unknown family still quantizes with RTN/GPTQ (blocks found by shape, all linears in one stage);
 AWQ needs an entry and says what is missing.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -30,11 +33,13 @@ class Arch:
     linears of one stage are fed from one point of the block, never from one another's outputs (the
     calibration loop relies on it: it does not compute a stage's own linears while observing them).
     scale_groups: (previous op, the linears it feeds) pairs AWQ can scale; norm_offset: Gemma's 1 + weight
-    norms; fused: the groups a server fuses into one layer (one setting each)."""
+    norms; reusable: submodules whose output is replayed once final (the attention: nothing downstream of a
+    later stage may feed it); fused: the groups a server fuses into one layer (one setting each)."""
     blocks: str
     sequential: tuple[tuple[str, ...], ...]
     scale_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
     norm_offset: float = 0.0
+    reusable: tuple[str, ...] = ()
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
@@ -50,6 +55,7 @@ _LLAMA = Arch(
                   ("self_attn.v_proj", ("self_attn.o_proj",)),
                   ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
                   ("mlp.up_proj", ("mlp.down_proj",))),
+    reusable=("self_attn",),
     fused=_LLAMA_FUSED,
 )
 
@@ -58,7 +64,7 @@ ARCHS: dict[str, Arch] = {
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
-    "gemma": Arch(_LLAMA.blocks, _LLAMA.sequential, _LLAMA.scale_groups, norm_offset=1.0, fused=_LLAMA_FUSED),
+    "gemma": replace(_LLAMA, norm_offset=1.0),
     "opt": Arch(
         blocks="model.decoder.layers",
         sequential=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.out_proj",),
@@ -67,6 +73,7 @@ ARCHS: dict[str, Arch] = {
                       ("self_attn.v_proj", ("self_attn.out_proj",)),
                       ("final_layer_norm", ("fc1",)),
                       ("fc1", ("fc2",))),  # ReLU between: relu(x/s) = relu(x)/s for s > 0
+        reusable=("self_attn",),
     ),
     "gpt_neox": Arch(
         blocks="gpt_neox.layers",
@@ -74,11 +81,13 @@ ARCHS: dict[str, Arch] = {
                     ("mlp.dense_4h_to_h",)),
         scale_groups=(("input_layernorm", ("attention.query_key_value",)),
                       ("post_attention_layernorm", ("mlp.dense_h_to_4h",))),
+        reusable=("attention",),
     ),
     "gpt2": Arch(
         blocks="transformer.h",
         sequential=(("attn.c_attn",), ("attn.c_proj",), ("mlp.c_fc",), ("mlp.c_proj",)),
         scale_groups=(("ln_1", ("attn.c_attn",)), ("ln_2", ("mlp.c_fc",))),
+        reusable=("attn",),
     ),
     "phi": Arch(
         blocks="model.layers",
@@ -93,6 +102,7 @@ ARCHS: dict[str, Arch] = {
         sequential=(("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
         scale_groups=(("input_layernorm", ("self_attn.qkv_proj",)),
                       ("post_attention_layernorm", ("mlp.gate_up_proj",))),
+        reusable=("self_attn",),
     ),
 }
 

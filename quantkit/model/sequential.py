@@ -105,19 +105,64 @@ def _outputs_not_computed(block: nn.Module, names):
             del m.forward  # the class's forward again
 
 
+class ReplayedOutputs:
+    """Outputs of block submodules that no longer change, recorded per sample and replayed instead of recomputed.
+
+    A submodule is added once its linears are all final (quantized, or never to be quantized) and its input
+    cannot change any more: the next pass records what it returns for each sample, later passes return that
+    (a copy: the block may add to it in place). True-sequential calibration of a Llama block runs the attention
+    in four passes (the o, gate/up and down stages, the final forward); with its output replayed, in two.
+    Replaying returns exactly what recomputing would: the same module on the same input."""
+
+    def __init__(self, block: nn.Module, device, store_device):
+        self.block, self.device, self.store_device = block, device, store_device
+        self.outputs: dict[str, dict[int, object]] = {}  # submodule name -> sample index -> output
+        self.sample = 0  # the sample being forwarded (BlockRunner sets it)
+
+    def add(self, name: str) -> None:
+        self.outputs.setdefault(name, {})
+
+    @contextmanager
+    def active(self):
+        modules = {name: self.block.get_submodule(name) for name in self.outputs}
+        for name, module in modules.items():
+            module.forward = self._replaying(self.outputs[name], module.forward)
+        try:
+            yield
+        finally:
+            for module in modules.values():
+                del module.forward  # the class's forward again
+
+    def _replaying(self, recorded: dict, compute):
+        def forward(*args, **kwargs):
+            if self.sample in recorded:
+                return _to(recorded[self.sample], self.device, copy=True)
+            out = compute(*args, **kwargs)
+            recorded[self.sample] = _to(out, self.store_device, copy=True)
+            return out
+        return forward
+
+
 class BlockRunner:
     """Forwards the calibration samples through one block on the compute device."""
 
-    def __init__(self, block, inputs, kwargs, device):
+    def __init__(self, block, inputs, kwargs, device, store_device="cpu"):
         self.block, self.inputs, self.device = block, inputs, device
         self.kwargs = {k: _to(v, device) for k, v in kwargs.items()}
+        self.replayed = ReplayedOutputs(block, device, store_device)
+
+    def _samples(self):
+        """The inputs on the compute device, one at a time (the replayed outputs follow the sample)."""
+        for i, x in enumerate(self.inputs):
+            self.replayed.sample = i
+            yield x.to(self.device)
 
     def forward_all(self, keep_outputs=False, store_device="cpu", name="block"):
         """Outputs (when kept) checked finite: `name` says which block overflowed."""
         outs = []
-        with torch.inference_mode():
-            for x in self.inputs:
-                y = first_tensor(self.block(x.to(self.device), **self.kwargs))
+        with torch.inference_mode(), self.replayed.active():
+            for x in self._samples():
+                y = first_tensor(self.block(x, **self.kwargs))
                 if keep_outputs:
                     outs.append(check_activations(y.detach(), f"the outputs of {name}").to(store_device))
         return outs
@@ -140,11 +185,11 @@ class BlockRunner:
                 raise _StopForward
 
         skipped = _outputs_not_computed(self.block, names) if parallel else contextlib.nullcontext()
-        with torch.inference_mode(), input_hooks(self.block, names, hook), skipped:
-            for x in self.inputs:
+        with torch.inference_mode(), input_hooks(self.block, names, hook), skipped, self.replayed.active():
+            for x in self._samples():
                 fed.clear()
                 try:
-                    self.block(x.to(self.device), **self.kwargs)
+                    self.block(x, **self.kwargs)
                 except _StopForward:
                     pass
         missing = [n for n in names if n not in fed]
@@ -166,11 +211,11 @@ def check_activations(x: torch.Tensor, where: str) -> torch.Tensor:
     return x
 
 
-def _to(v, device):
+def _to(v, device, copy=False):
     if isinstance(v, torch.Tensor):
-        return v.to(device)
+        return v.to(device, copy=copy)
     if isinstance(v, tuple):
-        return tuple(_to(t, device) for t in v)
+        return tuple(_to(t, device, copy) for t in v)
     return v
 
 
@@ -217,8 +262,9 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
         prefix = f"{arch.blocks}.{i}"
         block = replay(i) if i < start else source.load(prefix)
         block.to(device)
-        runner = BlockRunner(block, inputs, kwargs, device)
-        results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, on_result, group)
+        runner = BlockRunner(block, inputs, kwargs, device, store_device)
+        results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, arch.reusable,
+                                                       on_result, group)
         inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)
         block.to("cpu")
         if i >= start:
@@ -228,30 +274,49 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
             torch.cuda.empty_cache()
 
 
-def _quantize_block(runner, block, prefix, method, stages, on_result, group) -> dict:
+def _quantize_block(runner, block, prefix, method, stages, reusable, on_result, group) -> dict:
     """Each stage: observe its linears' inputs, quantize them, put the quantized weights in place (under torchrun:
-    statistics summed over the processes, each linear quantized by one of them and sent to all)."""
+    statistics summed over the processes, each linear quantized by one of them and sent to all). Then the
+    reusable submodules (Arch.reusable) that this stage made final are recorded in the next pass, replayed after."""
     method.prepare_block(runner, block, prefix)
     results = {}
-    for stage in stages:
-        names = method.names(prefix, stage)
-        if not names:
-            continue
-        observers = {n: method.observer(f"{prefix}.{n}", get_weight(block.get_submodule(n))) for n in names}
-        # several stages: true-sequential groups of linears fed from one point (Arch.sequential), never each other
-        _observe_stage(runner, names, observers, parallel=len(stages) > 1)
-        group.reduce_statistics([observers[n] for n in names])
+    for done, stage in enumerate(stages, start=1):
+        results.update(_quantize_stage(runner, block, prefix, method, stage, len(stages) > 1, on_result, group))
+        if done < len(stages):  # a later pass would replay what the next one records
+            for name in _final_submodules(reusable, stages, done):
+                runner.replayed.add(name)
+    return results
 
-        def quantize_one(n):
-            try:
-                return method.quantize(f"{prefix}.{n}", observers.pop(n), block.get_submodule(n))
-            except QuantkitError as e:
-                raise QuantkitError(f"{prefix}.{n}: {e}") from e
 
-        for n, res in _stage_results(names, quantize_one, group):
-            set_weight(block.get_submodule(n), res.dequantize())
-            results[f"{prefix}.{n}"] = on_result(f"{prefix}.{n}", res) if on_result else res
-            del res  # its codes, before the next layer's are made
+def _final_submodules(names, stages, done: int) -> list:
+    """Those of the named submodules whose linears are all in the first `done` stages (so final after them), as
+    is everything upstream of them (stages follow the data flow)."""
+    def staged(name, stage_list):
+        return [n for stage in stage_list for n in stage if n.startswith(name + ".")]
+    return [name for name in names if staged(name, stages[:done]) and not staged(name, stages[done:])]
+
+
+def _quantize_stage(runner, block, prefix, method, stage, parallel, on_result, group) -> dict:
+    """parallel: one of several true-sequential stages, whose linears are fed from one point of the block
+    (Arch.sequential), never from each other: they need not be computed while observed."""
+    names = method.names(prefix, stage)
+    if not names:
+        return {}
+    observers = {n: method.observer(f"{prefix}.{n}", get_weight(block.get_submodule(n))) for n in names}
+    _observe_stage(runner, names, observers, parallel)
+    group.reduce_statistics([observers[n] for n in names])
+
+    def quantize_one(n):
+        try:
+            return method.quantize(f"{prefix}.{n}", observers.pop(n), block.get_submodule(n))
+        except QuantkitError as e:
+            raise QuantkitError(f"{prefix}.{n}: {e}") from e
+
+    results = {}
+    for n, res in _stage_results(names, quantize_one, group):
+        set_weight(block.get_submodule(n), res.dequantize())
+        results[f"{prefix}.{n}"] = on_result(f"{prefix}.{n}", res) if on_result else res
+        del res  # its codes, before the next layer's are made
     return results
 
 
