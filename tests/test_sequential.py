@@ -109,15 +109,21 @@ def test_replayed_attention_gives_the_same_quantized_model_and_runs_in_two_passe
     assert (computed, computed_without) == (2 * 3, 4 * 3)
 
 
-def test_a_replayed_output_is_a_copy_and_the_module_forward_is_restored():
+def test_a_replayed_output_is_a_copy_consumed_by_the_final_forward():
     model = tiny_model("llama-gqa")
     _, block, runner = _block_runner(model, n=2)
+    reference = runner.forward_all(keep_outputs=True)
     runner.replayed.add("self_attn")
-    first = runner.forward_all(keep_outputs=True)  # records
-    with torch.no_grad():
-        block.self_attn.o_proj.weight.mul_(2)  # a replay ignores it: the output was recorded
-    again = runner.forward_all(keep_outputs=True)
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
-    assert "forward" not in vars(block.self_attn)
+    runner.observe(["mlp.gate_proj"], lambda n, x, source: None)  # records the attention's output
     recorded = runner.replayed.outputs["self_attn"]
-    assert sorted(recorded) == [0, 1] and recorded[0][0] is not first[0]
+    assert sorted(recorded) == [0, 1]
+    kept = recorded[0][0]
+    first = kept.clone()
+    with torch.no_grad():
+        block.self_attn.o_proj.weight.mul_(2)  # a replay does not see it: the output was recorded
+    replayed = runner.forward_all(keep_outputs=True)
+    assert all(torch.equal(a, b) for a, b in zip(reference, replayed))
+    assert recorded == {} and torch.equal(kept, first)  # consumed, and replayed as a copy (never modified)
+    assert "forward" not in vars(block.self_attn)  # the class's forward is back
+    changed = runner.forward_all(keep_outputs=True)  # nothing recorded any more: computed with the new weight
+    assert not torch.equal(changed[0], reference[0])

@@ -109,10 +109,12 @@ class ReplayedOutputs:
     """Outputs of block submodules that no longer change, recorded per sample and replayed instead of recomputed.
 
     A submodule is added once its linears are all final (quantized, or never to be quantized) and its input
-    cannot change any more: the next pass records what it returns for each sample, later passes return that
-    (a copy: the block may add to it in place). True-sequential calibration of a Llama block runs the attention
-    in four passes (the o, gate/up and down stages, the final forward); with its output replayed, in two.
-    Replaying returns exactly what recomputing would: the same module on the same input."""
+    cannot change any more: the next observing pass records what it returns for each sample, later passes
+    return that (a copy: the block may add to it in place), and the final forward consumes it (each sample's
+    recording is dropped once replayed, so the block's outputs take its place and peak memory does not grow).
+    True-sequential calibration of a Llama block runs the attention in four passes (the o, gate/up and down
+    stages, the final forward); with its output replayed, in two. Replaying returns exactly what recomputing
+    would: the same module on the same input."""
 
     def __init__(self, block: nn.Module, device, store_device):
         self.block, self.device, self.store_device = block, device, store_device
@@ -123,22 +125,25 @@ class ReplayedOutputs:
         self.outputs.setdefault(name, {})
 
     @contextmanager
-    def active(self):
+    def active(self, consume=False):
+        """consume: the last pass; replay and drop, record nothing."""
         modules = {name: self.block.get_submodule(name) for name in self.outputs}
         for name, module in modules.items():
-            module.forward = self._replaying(self.outputs[name], module.forward)
+            module.forward = self._replaying(self.outputs[name], module.forward, consume)
         try:
             yield
         finally:
             for module in modules.values():
                 del module.forward  # the class's forward again
 
-    def _replaying(self, recorded: dict, compute):
+    def _replaying(self, recorded: dict, compute, consume: bool):
         def forward(*args, **kwargs):
             if self.sample in recorded:
-                return _to(recorded[self.sample], self.device, copy=True)
+                out = recorded.pop(self.sample) if consume else recorded[self.sample]
+                return _to(out, self.device, copy=True)
             out = compute(*args, **kwargs)
-            recorded[self.sample] = _to(out, self.store_device, copy=True)
+            if not consume:
+                recorded[self.sample] = _to(out, self.store_device, copy=True)
             return out
         return forward
 
@@ -158,9 +163,10 @@ class BlockRunner:
             yield x.to(self.device)
 
     def forward_all(self, keep_outputs=False, store_device="cpu", name="block"):
-        """Outputs (when kept) checked finite: `name` says which block overflowed."""
+        """Outputs (when kept) checked finite: `name` says which block overflowed. The block's final forward: it
+        consumes the replayed outputs."""
         outs = []
-        with torch.inference_mode(), self.replayed.active():
+        with torch.inference_mode(), self.replayed.active(consume=True):
             for x in self._samples():
                 y = first_tensor(self.block(x, **self.kwargs))
                 if keep_outputs:
