@@ -9,6 +9,10 @@ with triton.testing.do_bench: L2 flushed before every replay, median of many. Th
 is measured in the same run on the same activations. Bytes counted for the kernel: packed
 weights + scales + zeros + g_idx + activations in + outputs; for fp16: weight + in + out.
 
+`tinygemm` is torch's own INT4 kernel (`torch.ops.aten._weight_int4pack_mm`, what gpt-fast and torchao use;
+scripts/tinygemm.py) on the same codes and scales, bf16 activations (the only dtype it takes), timed the same
+way in the same run; its column is omitted for other bit widths.
+
 `int4` times the real entry point, quantkit.kernels.gptq_linear, so its dispatch decides the path:
 the fused kernel for M < PREFILL_MIN_M, dequantize-to-a-transient-fp16-weight + cuBLAS above
 (kernels/dispatch.py). `--path fused|prefill` forces one path (for finding the crossover), and
@@ -21,6 +25,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+
+import tinygemm  # scripts/tinygemm.py, beside this file
 
 SHAPES = {  # name: (N, K)
     "4096x4096": (4096, 4096),        # 8B q/o proj
@@ -48,9 +54,12 @@ def make_layer(n, k, bits, group_size, device):
     groups = -(-k // group_size)
     qweight = torch.randint(-2**31, 2**31 - 1, (bitpack.packed_len(k, bits), n), dtype=torch.int32, device=device)
     zeros = torch.full((groups, n), 2 ** (bits - 1) - 1, dtype=torch.int32)
-    return dict(qweight=qweight, qzeros=bitpack.pack(zeros, bits, dim=1).to(device),
-                scales=(torch.rand(groups, n, device=device) * 0.01 + 0.001).half(),
-                g_idx=(torch.arange(k, device=device) // group_size).to(torch.int32))
+    layer = dict(qweight=qweight, qzeros=bitpack.pack(zeros, bits, dim=1).to(device),
+                 scales=(torch.rand(groups, n, device=device) * 0.01 + 0.001).half(),
+                 g_idx=(torch.arange(k, device=device) // group_size).to(torch.int32), group_size=group_size)
+    if bits == 4 and k % (tinygemm.INNER_K_TILES * 16) == 0 and n % 8 == 0:
+        layer["tinygemm"] = tinygemm.from_gptq(layer["qweight"], layer["qzeros"], layer["scales"], bits, k, group_size)
+    return layer
 
 
 def fp16_weight(layer, bits, k):
@@ -122,7 +131,20 @@ def check(layers, bits, args, args_path=None, half2=False):
                 ok &= good
                 print(f"check {name} M={m} {str(dtype)[6:]}: rel err {err:.2e} (bound {bound:.1e}) "
                       f"{'ok' if good else 'FAIL'}", flush=True)
+            if "tinygemm" in layer:
+                ok &= check_tinygemm(name, layer, w16, m, k)
     return ok
+
+
+def check_tinygemm(name, layer, w16, m, k):
+    """The baseline computes the same layer: bf16 output and bf16 scales (tinygemm stores them so), 4u."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = tinygemm.matmul(x, *layer["tinygemm"], layer["group_size"])
+    ref = x.double() @ w16.double().t()
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    good = err <= 4 * 2.0**-8
+    print(f"check {name} M={m} tinygemm: rel err {err:.2e} {'ok' if good else 'FAIL'}", flush=True)
+    return good
 
 
 def bench_shape(name, n, k, layer, w16, bits, group_size, ms, args, peak):
@@ -138,6 +160,10 @@ def bench_shape(name, n, k, layer, w16, bits, group_size, ms, args, peak):
         t_q = graph_time_us(quant, args.rep)
         t_d = graph_time_us(dense, args.rep)
         t_eager = eager_time_us(quant) if args.eager else None
+        t_tiny = None
+        if "tinygemm" in layer:
+            xb = x.to(torch.bfloat16)
+            t_tiny = graph_time_us(lambda: tinygemm.matmul(xb, *layer["tinygemm"], group_size), args.rep)
         groups = layer["scales"].shape[0]
         act = (m * k + m * n) * 2
         q_bytes = layer["qweight"].numel() * 4 + groups * n * 2 + layer["qzeros"].numel() * 4 + k * 4 + act
@@ -146,7 +172,7 @@ def bench_shape(name, n, k, layer, w16, bits, group_size, ms, args, peak):
         row = dict(shape=name, N=n, K=k, M=m, int4_us=t_q, fp16_us=t_d, speedup=t_d / t_q,
                    int4_gbs=q_bytes / t_q / 1e3, fp16_gbs=d_bytes / t_d / 1e3,
                    int4_tflops=flops / t_q / 1e6, fp16_tflops=flops / t_d / 1e6, int4_eager_us=t_eager,
-                   path=choose_path(m, args.path))
+                   tinygemm_us=t_tiny, vs_tinygemm=t_tiny / t_q if t_tiny else None, path=choose_path(m, args.path))
         row["int4_peak_pct"] = 100 * row["int4_gbs"] / peak if peak else None
         rows.append(row)
         print(format_row(row), flush=True)
@@ -168,14 +194,15 @@ def bench_dequant(name, layer, bits, k, rep_ms, peak):
     return dict(shape=name, us=t, gbs=gbs)
 
 
-HEADER = ("| N x K | M | int4 us | fp16 us | speedup | int4 GB/s | % peak BW | fp16 GB/s | int4 TFLOP/s "
-          "| fp16 TFLOP/s | int4 eager us |\n|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| N x K | M | int4 us | fp16 us | speedup | tinygemm us | vs tinygemm | int4 GB/s | % peak BW | fp16 GB/s "
+          "| int4 TFLOP/s | fp16 TFLOP/s | int4 eager us |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def format_row(r):
     pct = f"{r['int4_peak_pct']:.0f}%" if r["int4_peak_pct"] is not None else "n/a"
     eager = f"{r['int4_eager_us']:.1f}" if r["int4_eager_us"] is not None else "-"
-    return (f"| {r['shape']} | {r['M']} | {r['int4_us']:.1f} | {r['fp16_us']:.1f} | {r['speedup']:.2f}x "
+    tiny = (f"{r['tinygemm_us']:.1f} | {r['vs_tinygemm']:.2f}x" if r.get("tinygemm_us") is not None else "- | -")
+    return (f"| {r['shape']} | {r['M']} | {r['int4_us']:.1f} | {r['fp16_us']:.1f} | {r['speedup']:.2f}x | {tiny} "
             f"| {r['int4_gbs']:.0f} | {pct} | {r['fp16_gbs']:.0f} | {r['int4_tflops']:.1f} "
             f"| {r['fp16_tflops']:.1f} | {eager} |")
 

@@ -1,0 +1,60 @@
+"""Benchmark scripts' own logic. The tinygemm baseline of scripts/bench_kernels.py computes the same layer as
+quantkit's kernels: the GPTQ codes, scales and zeros converted for torch's INT4 kernel (its CPU variant here;
+the CUDA one shares the scales-and-zeros layout, and bench_kernels.py --check compares it on the GPU).
+scripts/bench_generate.py runs end to end on a tiny shape."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from quantkit.formats import bitpack
+from quantkit.kernels.reference import dequantize_weight
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+tinygemm = pytest.importorskip("tinygemm")
+
+
+def _layer(n, k, group_size, zeros):
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (k, n), generator=g, dtype=torch.int32)
+    return dict(qweight=bitpack.pack(codes, 4, dim=0), qzeros=bitpack.pack(zeros - 1, 4, dim=1),
+                scales=(torch.rand(k // group_size, n, generator=g) * 0.01 + 0.001).half(),
+                g_idx=(torch.arange(k) // group_size).to(torch.int32))
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_tinygemm_decodes_the_gptq_layer(sym):
+    n, k, group_size = 64, 256, 128
+    groups = k // group_size
+    zeros = (torch.full((groups, n), 8, dtype=torch.int32) if sym
+             else torch.randint(1, 16, (groups, n), generator=torch.Generator().manual_seed(1), dtype=torch.int32))
+    layer = _layer(n, k, group_size, zeros)
+    w = dequantize_weight(layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], 4, k, 1,
+                          dtype=torch.float32)  # W^T [K, N]
+    packed, scales_and_zeros = tinygemm.from_gptq(layer["qweight"], layer["qzeros"], layer["scales"], 4, k,
+                                                  group_size)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    y = tinygemm.matmul(x, packed, scales_and_zeros, group_size)
+    ref = x.float() @ w
+    # bf16 scales and output: a few units of 2^-8; a wrong zero, nibble order or layout is off by O(1)
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 4 * 2.0**-8
+
+
+def test_tinygemm_refuses_other_bit_widths():
+    layer = _layer(8, 128, 128, torch.full((1, 8), 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="4-bit"):
+        tinygemm.from_gptq(layer["qweight"], layer["qzeros"], layer["scales"], 3, 128, 128)
+
+
+def test_bench_generate_runs_on_cpu(tmp_path, capsys):
+    """The end-to-end benchmark builds, quantizes, loads and times both models (a tiny shape, CPU)."""
+    bench_generate = pytest.importorskip("bench_generate")
+    out = tmp_path / "rows.json"
+    bench_generate.main(["--preset", "tiny", "--device", "cpu", "--workdir", str(tmp_path), "--batch", "1", "2",
+                         "--prompt", "16", "--new", "3", "--repeats", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["batch"]) for r in rows] == [("fp32", 1), ("fp32", 2), ("int4 g128", 1), ("int4 g128", 2)]
+    assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
+    assert "| int4 g128 | 2 |" in capsys.readouterr().out
