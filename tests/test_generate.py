@@ -41,3 +41,17 @@ def test_greedy_tokens_match_fake_quant(checkpoint, device):
     want = fake_quant(src, dtype, device).generate(prompt, **kwargs)
     assert got.shape == (1, 17)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_cache_decode_gives_the_same_tokens(checkpoint, device):
+    """The one line that gets CUDA-graph decoding: generate(..., cache_implementation="static") (transformers
+    compiles the decode step on a GPU; QuantLinear's custom op lets it capture the whole step)."""
+    _, out = checkpoint
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    model = load_quantized(out, device_map="auto" if device == "cuda" else None, dtype=dtype)
+    prompt = torch.tensor([[1, 17, 42, 99, 7], [3, 5, 8, 13, 21]], device=device)
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    dynamic = model.generate(prompt, **kwargs)
+    static = model.generate(prompt, cache_implementation="static", **kwargs)
+    assert static.shape == (2, 17) and torch.equal(static, dynamic)
