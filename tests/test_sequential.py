@@ -89,7 +89,17 @@ def _computed_calls(model, arch, linear):
     return calls
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "opt", "qwen2"])
+def _gpt2_or_neox(kind):
+    from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig
+
+    torch.manual_seed(0)
+    config = (GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128) if kind == "gpt2" else
+              GPTNeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=128, max_position_embeddings=128))
+    return AutoModelForCausalLM.from_config(config).float().eval()
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "opt", "qwen2", "gpt2", "gpt_neox"])
 def test_replayed_attention_gives_the_same_quantized_model_and_runs_in_two_passes(kind):
     """The attention's output, recorded once its linears are quantized and replayed in the later passes, makes
     bit-identical weights to recomputing it in every pass; in block 0 it is computed only in the o and gate/up
@@ -97,10 +107,9 @@ def test_replayed_attention_gives_the_same_quantized_model_and_runs_in_two_passe
     config = QuantConfig(method="gptq", bits=3, group_size=32)
     runs = {}
     for reuse in (True, False):
-        model = tiny_model(kind)
+        model = _gpt2_or_neox(kind) if kind in ("gpt2", "gpt_neox") else tiny_model(kind)
         arch = arch_for(model) if reuse else dataclasses.replace(arch_for(model), reusable=())
-        key = "self_attn.k_proj"
-        calls = _computed_calls(model, arch, key)
+        calls = _computed_calls(model, arch, arch.sequential[0][-1])  # the attention's input projection
         runs[reuse] = _quantized_weights(model, arch, ids(3), config), calls.count(True)
     (replayed, computed), (recomputed, computed_without) = runs[True], runs[False]
     assert replayed.keys() == recomputed.keys() and len(replayed) == 2 * len(block_linears(arch_for(model)))
