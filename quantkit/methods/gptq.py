@@ -63,19 +63,36 @@ class GPTQ:
         self.nsamples = 0
         self.dequant: Optional[torch.Tensor] = None  # set by quantize(keep_dequant=True)
 
+    @property
+    def H(self) -> Optional[torch.Tensor]:
+        """The Hessian [in, in]; add_batch updates only its upper block triangle, mirrored here when read."""
+        if self._lower_stale:
+            for a, b in _tiles(self.columns):
+                self._H[b:, a:b] = self._H[a:b, b:].t()
+            self._lower_stale = False
+        return self._H
+
+    @H.setter
+    def H(self, value: Optional[torch.Tensor]) -> None:
+        self._H, self._lower_stale = value, False
+
     def add_batch(self, x: torch.Tensor) -> None:
         """Accumulate H = 2/N * sum x x^T over the tokens of x [..., in] (a running average)."""
-        if self.H is None:
+        if self._H is None:
             raise RuntimeError("GPTQ.add_batch after free()")
         if x.shape[-1] != self.columns:
             raise ValueError(f"input has {x.shape[-1]} features, the layer expects {self.columns}")
-        x = x.detach().reshape(-1, self.columns).to(device=self.H.device, dtype=self.H.dtype)
+        x = x.detach().reshape(-1, self.columns).to(device=self._H.device, dtype=self._H.dtype)
         m = x.shape[0]
         if m == 0:
             return
         n = self.nsamples + m
-        # H <- H * old/new + 2/new * x^T x, in one fused call
-        self.H.addmm_(x.t(), x, beta=self.nsamples / n, alpha=2.0 / n)
+        # H <- H * old/new + 2/new * x^T x, one row band of tiles at a time from the diagonal on: H is symmetric,
+        # so the products below the diagonal tiles are skipped (the Hessians were a quarter of GPTQ calibration's
+        # time on CPU; this saves a third of them, measured on SmolLM2's 576 and 1536 inputs)
+        for a, b in _tiles(self.columns):
+            self._H[a:b, a:].addmm_(x[:, a:b].t(), x[:, a:], beta=self.nsamples / n, alpha=2.0 / n)
+        self._lower_stale = True
         self.nsamples = n
 
     def share_statistics(self, other: "GPTQ") -> None:
@@ -165,6 +182,17 @@ class GPTQ:
         if not torch.isfinite(self.H).all():
             raise QuantkitError("the calibration activations of this layer are NaN/Inf (its GPTQ Hessian is not "
                                 "finite): the model overflows on this data; try --dtype float32")
+
+
+# Rows per band of add_batch's products. Of the widths tried (128 to 1024, one CPU thread), 192 saved the most on
+# SmolLM2's 576 inputs and on 4096 (0.61x and 0.56x the full product's time); on 1536, 384 did better (0.57x vs 0.73x).
+HESSIAN_TILE = 192
+
+
+def _tiles(columns: int) -> list[tuple[int, int]]:
+    """[start, end) of add_batch's row bands."""
+    edges = list(range(0, columns, HESSIAN_TILE)) + [columns]
+    return list(zip(edges[:-1], edges[1:]))
 
 
 def _fit_static(W, quantizer, group_size) -> dict:
