@@ -58,7 +58,7 @@ def make_layer(n, k, bits, group_size, device):
                  scales=(torch.rand(groups, n, device=device) * 0.01 + 0.001).half(),
                  g_idx=(torch.arange(k, device=device) // group_size).to(torch.int32), group_size=group_size)
     if bits == 4 and k % (tinygemm.INNER_K_TILES * 16) == 0 and n % 8 == 0:
-        layer["tinygemm"] = tinygemm.from_gptq(layer["qweight"], layer["qzeros"], layer["scales"], bits, k, group_size)
+        layer["tinygemm"] = tinygemm.from_gptq(layer["qweight"], layer["qzeros"], layer["scales"], bits, k)
     return layer
 
 

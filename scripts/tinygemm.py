@@ -14,9 +14,9 @@ from quantkit.formats import bitpack
 INNER_K_TILES = 8  # gpt-fast's default
 
 
-def from_gptq(qweight, qzeros, scales, bits, k, group_size):
+def from_gptq(qweight, qzeros, scales, bits, k):
     """(packed weight, scales_and_zeros) for tinygemm on qweight's device, from GPTQ-layout tensors (v1 zeros:
-    the stored zero is z − 1)."""
+    the stored zero is z − 1). The group size is matmul's argument: the scales already have one row per group."""
     if bits != 4:
         raise ValueError("tinygemm serves 4-bit codes only")
     n = scales.shape[1]

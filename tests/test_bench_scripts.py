@@ -33,8 +33,7 @@ def test_tinygemm_decodes_the_gptq_layer(sym):
     layer = _layer(n, k, group_size, zeros)
     w = dequantize_weight(layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], 4, k, 1,
                           dtype=torch.float32)  # W^T [K, N]
-    packed, scales_and_zeros = tinygemm.from_gptq(layer["qweight"], layer["qzeros"], layer["scales"], 4, k,
-                                                  group_size)
+    packed, scales_and_zeros = tinygemm.from_gptq(layer["qweight"], layer["qzeros"], layer["scales"], 4, k)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     y = tinygemm.matmul(x, packed, scales_and_zeros, group_size)
     ref = x.float() @ w
@@ -45,7 +44,7 @@ def test_tinygemm_decodes_the_gptq_layer(sym):
 def test_tinygemm_refuses_other_bit_widths():
     layer = _layer(8, 128, 128, torch.full((1, 8), 8, dtype=torch.int32))
     with pytest.raises(ValueError, match="4-bit"):
-        tinygemm.from_gptq(layer["qweight"], layer["qzeros"], layer["scales"], 3, 128, 128)
+        tinygemm.from_gptq(layer["qweight"], layer["qzeros"], layer["scales"], 3, 128)
 
 
 def test_bench_generate_runs_on_cpu(tmp_path, capsys):
