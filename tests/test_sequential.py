@@ -1,5 +1,5 @@
 """The block runner's observation pass: it stops each sample's forward once the stage's linears have their
-inputs, linears fed one tensor share one Hessian, and a final attention is replayed, not recomputed — without
+inputs, linears fed one tensor share one Hessian, and final attention and MLP work is replayed, not recomputed — without
 changing any statistic."""
 import dataclasses
 
@@ -89,40 +89,53 @@ def _computed_calls(model, arch, linear):
     return calls
 
 
-def _gpt2_or_neox(kind):
-    from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig
+def _other_family(kind):
+    from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, Phi3Config, PhiConfig
 
     torch.manual_seed(0)
-    config = (GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128) if kind == "gpt2" else
-              GPTNeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=128, max_position_embeddings=128))
+    small = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                 max_position_embeddings=128)
+    config = {"gpt2": lambda: GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128),
+              "gpt_neox": lambda: GPTNeoXConfig(**small),
+              "phi": lambda: PhiConfig(**small),
+              "phi3": lambda: Phi3Config(**small, pad_token_id=0)}[kind]()
     return AutoModelForCausalLM.from_config(config).float().eval()
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "opt", "qwen2", "gpt2", "gpt_neox"])
-def test_replayed_attention_gives_the_same_quantized_model_and_runs_in_two_passes(kind):
-    """The attention's output, recorded once its linears are quantized and replayed in the later passes, makes
-    bit-identical weights to recomputing it in every pass; in block 0 it is computed only in the o and gate/up
-    passes (not in the down pass and the final forward)."""
+# Per family: how often block 0's attention input projection and MLP input projection really compute (3 samples),
+# with replays and without. Replayed: the attention runs in the o pass and for the first sample of the gate/up
+# pass (which learns how it wraps o_proj's result), the MLP's gate/up in the down pass and the final forward's
+# first sample. OPT's fc1/fc2 sit in the block itself (no MLP to replay); phi's parallel block has two stages.
+_COMPUTED = {"llama-gqa": ((4, 4), (12, 6)), "qwen2": ((4, 4), (12, 6)), "opt": ((4, 6), (12, 6)),
+             "gpt2": ((4, 4), (12, 6)), "gpt_neox": ((4, 4), (12, 6)), "phi3": ((4, 4), (12, 6)),
+             "phi": ((4, 4), (6, 6))}
+
+
+@pytest.mark.parametrize("kind", list(_COMPUTED))
+def test_replays_give_the_same_quantized_model_and_skip_the_recomputation(kind):
+    """The attention's and the MLP's work, recorded once final (their output linear's input, then their output) and
+    replayed in the later passes, makes bit-identical weights to recomputing it in every pass, and the recomputing
+    really stops (the projections feeding them run once per sample, plus the first sample of the first replay)."""
     config = QuantConfig(method="gptq", bits=3, group_size=32)
     runs = {}
     for reuse in (True, False):
-        model = _gpt2_or_neox(kind) if kind in ("gpt2", "gpt_neox") else tiny_model(kind)
+        model = tiny_model(kind) if kind in ("llama-gqa", "opt", "qwen2") else _other_family(kind)
         arch = arch_for(model) if reuse else dataclasses.replace(arch_for(model), reusable=())
-        calls = _computed_calls(model, arch, arch.sequential[0][-1])  # the attention's input projection
-        runs[reuse] = _quantized_weights(model, arch, ids(3), config), calls.count(True)
+        attention = _computed_calls(model, arch, arch.sequential[0][0])
+        mlp = _computed_calls(model, arch, arch.sequential[0][-1] if kind == "phi" else arch.sequential[2][0])
+        runs[reuse] = _quantized_weights(model, arch, ids(3), config), (attention.count(True), mlp.count(True))
     (replayed, computed), (recomputed, computed_without) = runs[True], runs[False]
     assert replayed.keys() == recomputed.keys() and len(replayed) == 2 * len(block_linears(arch_for(model)))
     for name in replayed:
         assert torch.equal(replayed[name], recomputed[name]), name
-    assert (computed, computed_without) == (2 * 3, 4 * 3)
+    assert (computed, computed_without) == _COMPUTED[kind]
 
 
 def test_a_replayed_output_is_a_copy_consumed_by_the_final_forward():
     model = tiny_model("llama-gqa")
     _, block, runner = _block_runner(model, n=2)
     reference = runner.forward_all(keep_outputs=True)
-    runner.replayed.add("self_attn")
+    runner.replayed.final("self_attn")
     runner.observe(["mlp.gate_proj"], lambda n, x, source: None)  # records the attention's output
     recorded = runner.replayed.outputs["self_attn"]
     assert sorted(recorded) == [0, 1]
@@ -136,3 +149,68 @@ def test_a_replayed_output_is_a_copy_consumed_by_the_final_forward():
     assert "forward" not in vars(block.self_attn)  # the class's forward is back
     changed = runner.forward_all(keep_outputs=True)  # nothing recorded any more: computed with the new weight
     assert not torch.equal(changed[0], reference[0])
+
+
+def _recorded_tail(kind="llama-gqa", n=2):
+    """A block runner whose MLP input to down_proj was recorded by an observing pass, then made final."""
+    model = tiny_model(kind)
+    _, block, runner = _block_runner(model, n=n)
+    reference = runner.forward_all(keep_outputs=True)
+    runner.replayed.record_tail("mlp", "mlp.down_proj")
+    runner.observe(["mlp.down_proj"], lambda n, x, source: None, parallel=True)
+    runner.replayed.final("mlp", record_outputs=False)
+    return block, runner, reference
+
+
+def _forward_counting(runner, block, linear):
+    """The runner's final forward, and how often `linear` of the block was called in it."""
+    counts, counting = _calls(block, [linear])
+    with counting:
+        outputs = runner.forward_all(keep_outputs=True)
+    return outputs, counts[linear]
+
+
+def test_a_replayed_tail_skips_the_submodule_and_is_consumed():
+    """The MLP's output from its recorded down_proj input: gate/up not run for the replayed samples (the first
+    runs for real, to learn the output's shape), the block's outputs unchanged, the recordings dropped."""
+    block, runner, reference = _recorded_tail(n=3)
+    recorded = runner.replayed.recorded["mlp"].tail_inputs
+    assert sorted(recorded) == [0, 1, 2]
+    replayed, gate_calls = _forward_counting(runner, block, "mlp.gate_proj")
+    assert all(torch.equal(a, b) for a, b in zip(reference, replayed))
+    assert gate_calls == 1 and recorded == {}
+    assert "forward" not in vars(block.mlp)  # the class's forward is back
+
+
+def test_a_tail_is_replayed_through_the_output_linear_as_it_is_now():
+    """The recorded input goes through down_proj as quantized after the recording: the same outputs as the whole
+    MLP recomputed with the new weight."""
+    block, runner, _ = _recorded_tail(n=3)
+    with torch.no_grad():
+        block.mlp.down_proj.weight.mul_(2)
+    replayed = runner.forward_all(keep_outputs=True)
+    recomputed = runner.forward_all(keep_outputs=True)  # nothing recorded any more
+    assert all(torch.equal(a, b) for a, b in zip(replayed, recomputed))
+
+
+def test_a_tail_not_fitting_in_memory_is_not_recorded(monkeypatch):
+    import quantkit.model.replay as replay
+
+    monkeypatch.setattr(replay, "free_bytes", lambda device: 0)
+    block, runner, reference = _recorded_tail()
+    assert runner.replayed.recorded["mlp"].tail_inputs == {} and not runner.replayed.recorded["mlp"].tail_final
+    outputs, gate_calls = _forward_counting(runner, block, "mlp.gate_proj")
+    assert all(torch.equal(a, b) for a, b in zip(reference, outputs))
+    assert gate_calls == 2  # computed for every sample
+
+
+def test_a_submodule_that_transforms_its_tail_output_is_computed(monkeypatch):
+    """A submodule whose output is not its output linear's result as is (here doubled) cannot be rebuilt from
+    that result: seen on the first sample, then computed as before, with the same outputs."""
+    mlp_class = type(get_submodule(tiny_model("llama-gqa"), "model.layers.0.mlp"))
+    forward = mlp_class.forward
+    monkeypatch.setattr(mlp_class, "forward", lambda self, x: 2 * forward(self, x))
+    block, runner, reference = _recorded_tail(n=3)
+    outputs, gate_calls = _forward_counting(runner, block, "mlp.gate_proj")
+    assert all(torch.equal(a, b) for a, b in zip(reference, outputs))
+    assert gate_calls == 3 and runner.replayed.recorded["mlp"].tail_inputs == {}

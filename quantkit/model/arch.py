@@ -10,9 +10,9 @@ For each `config.model_type`:
               fc1->ReLU->fc2). A group whose shapes don't allow folding (v->o under GQA) is skipped at
               run time.
   norm_offset Gemma-style RMSNorm computes x * (1 + weight); folding must respect it.
-  reusable    submodules whose output the calibration loop records once all their linears are quantized (their
-              input no longer changes either) and replays in the block's later passes instead of recomputing:
-              the attention, which every later true-sequential stage would otherwise run again
+  reusable    (submodule, its output linear) pairs whose work the calibration loop does not repeat
+              (quantkit.model.replay): the output linear's input, recorded once the submodule's other linears are
+              quantized, and the submodule's output, once all are; the attention (o_proj) and the MLP (down_proj)
   fused       each (serving name, linears): linears that vLLM loads into one fused layer of that name
               (q/k/v -> qkv_proj, gate/up -> gate_up_proj), so they must share one quantization setting;
               recipe overrides apply to the whole group and the GPTQ `dynamic` map names both spellings.
@@ -33,13 +33,13 @@ class Arch:
     linears of one stage are fed from one point of the block, never from one another's outputs (the
     calibration loop relies on it: it does not compute a stage's own linears while observing them).
     scale_groups: (previous op, the linears it feeds) pairs AWQ can scale; norm_offset: Gemma's 1 + weight
-    norms; reusable: submodules whose output is replayed once final (the attention: nothing downstream of a
-    later stage may feed it); fused: the groups a server fuses into one layer (one setting each)."""
+    norms; reusable: (submodule, output linear) pairs replayed once final (the attention, the MLP: nothing
+    downstream of a later stage may feed them); fused: the groups a server fuses into one layer (one setting each)."""
     blocks: str
     sequential: tuple[tuple[str, ...], ...]
     scale_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
     norm_offset: float = 0.0
-    reusable: tuple[str, ...] = ()
+    reusable: tuple[tuple[str, str], ...] = ()
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
@@ -55,7 +55,7 @@ _LLAMA = Arch(
                   ("self_attn.v_proj", ("self_attn.o_proj",)),
                   ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
                   ("mlp.up_proj", ("mlp.down_proj",))),
-    reusable=("self_attn",),
+    reusable=(("self_attn", "self_attn.o_proj"), ("mlp", "mlp.down_proj")),
     fused=_LLAMA_FUSED,
 )
 
@@ -73,7 +73,7 @@ ARCHS: dict[str, Arch] = {
                       ("self_attn.v_proj", ("self_attn.out_proj",)),
                       ("final_layer_norm", ("fc1",)),
                       ("fc1", ("fc2",))),  # ReLU between: relu(x/s) = relu(x)/s for s > 0
-        reusable=("self_attn",),
+        reusable=(("self_attn", "self_attn.out_proj"),),  # fc1/fc2 sit in the block itself
     ),
     "gpt_neox": Arch(
         blocks="gpt_neox.layers",
@@ -81,13 +81,13 @@ ARCHS: dict[str, Arch] = {
                     ("mlp.dense_4h_to_h",)),
         scale_groups=(("input_layernorm", ("attention.query_key_value",)),
                       ("post_attention_layernorm", ("mlp.dense_h_to_4h",))),
-        reusable=("attention",),
+        reusable=(("attention", "attention.dense"), ("mlp", "mlp.dense_4h_to_h")),
     ),
     "gpt2": Arch(
         blocks="transformer.h",
         sequential=(("attn.c_attn",), ("attn.c_proj",), ("mlp.c_fc",), ("mlp.c_proj",)),
         scale_groups=(("ln_1", ("attn.c_attn",)), ("ln_2", ("mlp.c_fc",))),
-        reusable=("attn",),
+        reusable=(("attn", "attn.c_proj"), ("mlp", "mlp.c_proj")),
     ),
     "phi": Arch(
         blocks="model.layers",
@@ -96,13 +96,14 @@ ARCHS: dict[str, Arch] = {
         # parallel block: one norm feeds attention and MLP
         scale_groups=(("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.fc1")),
                       ("self_attn.v_proj", ("self_attn.dense",))),
+        reusable=(("self_attn", "self_attn.dense"), ("mlp", "mlp.fc2")),
     ),
     "phi3": Arch(
         blocks="model.layers",
         sequential=(("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
         scale_groups=(("input_layernorm", ("self_attn.qkv_proj",)),
                       ("post_attention_layernorm", ("mlp.gate_up_proj",))),
-        reusable=("self_attn",),
+        reusable=(("self_attn", "self_attn.o_proj"), ("mlp", "mlp.down_proj")),
     ),
 }
 

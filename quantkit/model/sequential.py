@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
 from quantkit.model.arch import Arch, get_submodule, get_weight, set_weight  # noqa: F401 (re-exported)
+from quantkit.model.replay import ReplayedOutputs, to_device
 
 
 class _StopForward(Exception):
@@ -105,56 +106,13 @@ def _outputs_not_computed(block: nn.Module, names):
             del m.forward  # the class's forward again
 
 
-class ReplayedOutputs:
-    """Outputs of block submodules that no longer change, recorded per sample and replayed instead of recomputed.
-
-    A submodule is added once its linears are all final (quantized, or never to be quantized) and its input
-    cannot change any more: the next observing pass records what it returns for each sample, later passes
-    return that (a copy: the block may add to it in place), and the final forward consumes it (each sample's
-    recording is dropped once replayed, so the block's outputs take its place and peak memory does not grow).
-    True-sequential calibration of a Llama block runs the attention in four passes (the o, gate/up and down
-    stages, the final forward); with its output replayed, in two. Replaying returns exactly what recomputing
-    would: the same module on the same input."""
-
-    def __init__(self, block: nn.Module, device, store_device):
-        self.block, self.device, self.store_device = block, device, store_device
-        self.outputs: dict[str, dict[int, object]] = {}  # submodule name -> sample index -> output
-        self.sample = 0  # the sample being forwarded (BlockRunner sets it)
-
-    def add(self, name: str) -> None:
-        self.outputs.setdefault(name, {})
-
-    @contextmanager
-    def active(self, consume=False):
-        """consume: the last pass; replay and drop, record nothing."""
-        modules = {name: self.block.get_submodule(name) for name in self.outputs}
-        for name, module in modules.items():
-            module.forward = self._replaying(self.outputs[name], module.forward, consume)
-        try:
-            yield
-        finally:
-            for module in modules.values():
-                del module.forward  # the class's forward again
-
-    def _replaying(self, recorded: dict, compute, consume: bool):
-        def forward(*args, **kwargs):
-            if self.sample in recorded:
-                out = recorded.pop(self.sample) if consume else recorded[self.sample]
-                return _to(out, self.device, copy=True)
-            out = compute(*args, **kwargs)
-            if not consume:
-                recorded[self.sample] = _to(out, self.store_device, copy=True)
-            return out
-        return forward
-
-
 class BlockRunner:
     """Forwards the calibration samples through one block on the compute device."""
 
     def __init__(self, block, inputs, kwargs, device, store_device="cpu"):
         self.block, self.inputs, self.device = block, inputs, device
-        self.kwargs = {k: _to(v, device) for k, v in kwargs.items()}
-        self.replayed = ReplayedOutputs(block, device, store_device)
+        self.kwargs = {k: to_device(v, device) for k, v in kwargs.items()}
+        self.replayed = ReplayedOutputs(block, device, store_device, len(inputs))
 
     def _samples(self):
         """The inputs on the compute device, one at a time (the replayed outputs follow the sample)."""
@@ -186,6 +144,7 @@ class BlockRunner:
             same = (x.data_ptr(), x.shape, x.stride())
             source = next((n for n, y in fed.items() if (y.data_ptr(), y.shape, y.stride()) == same), name)
             fed[name] = x
+            self.replayed.fed(name, x)
             sink(name, x, source)
             if len(fed) == len(names):
                 raise _StopForward
@@ -215,14 +174,6 @@ def check_activations(x: torch.Tensor, where: str) -> torch.Tensor:
         raise QuantkitError(f"calibration activations are NaN/Inf at {where} ({x.dtype}): the model overflows on "
                             "this data; quantize with --dtype float32, or check the calibration text")
     return x
-
-
-def _to(v, device, copy=False):
-    if isinstance(v, torch.Tensor):
-        return v.to(device, copy=copy)
-    if isinstance(v, tuple):
-        return tuple(_to(t, device, copy) for t in v)
-    return v
 
 
 def run_sequential(model, arch: Arch, input_ids, method, device, true_sequential=True, store_device="cpu"):
@@ -282,24 +233,37 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
 
 def _quantize_block(runner, block, prefix, method, stages, reusable, on_result, group) -> dict:
     """Each stage: observe its linears' inputs, quantize them, put the quantized weights in place (under torchrun:
-    statistics summed over the processes, each linear quantized by one of them and sent to all). Then the
-    reusable submodules (Arch.reusable) that this stage made final are recorded in the next pass, replayed after."""
+    statistics summed over the processes, each linear quantized by one of them and sent to all). Around it, what
+    the later passes may replay (quantkit.model.replay): a reusable submodule's output linear has its input
+    recorded when its stage is observed after the submodule's other linears, and a submodule whose last linear
+    this stage quantized is final (its tail replayed, its outputs recorded while later stages remain)."""
     method.prepare_block(runner, block, prefix)
     results = {}
-    for done, stage in enumerate(stages, start=1):
+    for s, stage in enumerate(stages):
+        for name, tail in _tails_observed_in(reusable, stages, s):
+            runner.replayed.record_tail(name, tail)
         results.update(_quantize_stage(runner, block, prefix, method, stage, len(stages) > 1, on_result, group))
-        if done < len(stages):  # a later pass would replay what the next one records
-            for name in _final_submodules(reusable, stages, done):
-                runner.replayed.add(name)
+        for name, _ in reusable:
+            linears = _stages_of(name, stages)
+            if linears and max(linears.values()) == s:
+                runner.replayed.final(name, record_outputs=s + 1 < len(stages))
     return results
 
 
-def _final_submodules(names, stages, done: int) -> list:
-    """Those of the named submodules whose linears are all in the first `done` stages (so final after them), as
-    is everything upstream of them (stages follow the data flow)."""
-    def staged(name, stage_list):
-        return [n for stage in stage_list for n in stage if n.startswith(name + ".")]
-    return [name for name in names if staged(name, stages[:done]) and not staged(name, stages[done:])]
+def _stages_of(submodule: str, stages) -> dict[str, int]:
+    """{linear: index of its stage} for the submodule's linears."""
+    return {n: i for i, stage in enumerate(stages) for n in stage if n.startswith(submodule + ".")}
+
+
+def _tails_observed_in(reusable, stages, s: int) -> list:
+    """(submodule, output linear) pairs whose output linear stage s observes after all the submodule's other linears
+    were quantized (so its input is final): stages follow the data flow."""
+    out = []
+    for name, tail in reusable:
+        linears = _stages_of(name, stages)
+        if linears.get(tail) == s and all(i < s for n, i in linears.items() if n != tail):
+            out.append((name, tail))
+    return out
 
 
 def _quantize_stage(runner, block, prefix, method, stage, parallel, on_result, group) -> dict:
