@@ -125,36 +125,40 @@ class GPTQ:
         Does not modify self.H (the diagonal is restored afterwards).
         """
         self._check(quantizer, group_size, block_size, damp, act_order, static_groups)
-        H, W = self.H, self.weight.clone()
-        rows, cols = W.shape
+        H = self.H
+        rows, cols = self.weight.shape
         width = quantizer.width
         size = qz.group_width(cols, group_size)
         diag = H.diagonal().clone()
         dead = diag == 0
         diag_fixed = torch.where(dead, torch.ones_like(diag), diag)
-        W[:, dead] = 0
+        # The working copy, one row per column (see _feedback_loop); always a copy, also of a transposed weight
+        Wt = self.weight.t().clone(memory_format=torch.contiguous_format)
+        Wt[dead] = 0
 
         static = act_order and static_groups
-        params = _fit_static(W, quantizer, group_size) if static else {}
+        params = _fit_static(Wt.t(), quantizer, group_size) if static else {}
         perm = _unit_order(diag_fixed, width) if act_order else None
         if perm is not None:
-            W = W[:, perm]
+            Wt = Wt[perm]
         col_group = ((perm // size).tolist() if static and perm is not None else [c // size for c in range(cols)])
         try:
             Hinv, damp_used, retries = _inverse_cholesky(H, diag_fixed, perm, damp)
         finally:
             H.diagonal().copy_(diag)  # leave self.H as accumulated
-        Q, Wq = _feedback_loop(W, Hinv, quantizer, params, col_group, size, -(-block_size // width) * width,
-                               refit=not static, n_groups=qz.n_groups(cols, group_size), keep_dequant=keep_dequant)
-        del Hinv, W
+        Qt, Wqt = _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, -(-block_size // width) * width,
+                                 refit=not static, n_groups=qz.n_groups(cols, group_size), keep_dequant=keep_dequant)
+        del Hinv, Wt
 
-        g_idx = qz.group_index(cols, group_size).to(Q.device)
+        g_idx = qz.group_index(cols, group_size).to(Qt.device)
         if perm is not None:
             invperm = torch.argsort(perm)
-            Q = Q[:, invperm]
-            Wq = Wq[:, invperm] if Wq is not None else None
+            Qt = Qt[invperm]
+            Wqt = Wqt[invperm] if Wqt is not None else None
             if not static:
                 g_idx = (invperm // size).to(torch.int32)
+        Q = Qt.t().contiguous()
+        Wq = Wqt.t().contiguous() if Wqt is not None else None
         self.dequant = Wq
         if Q.is_cuda:
             torch.cuda.synchronize(Q.device)
@@ -213,23 +217,25 @@ def _unit_order(diag: torch.Tensor, width: int) -> torch.Tensor:
     return (units[:, None] * width + torch.arange(width, device=diag.device)).reshape(-1)
 
 
-def _feedback_loop(W, Hinv, quantizer, params, col_group, size, block_size, refit, n_groups, keep_dequant):
-    """Round W unit by unit in (permuted) column order, each unit's error fed to the columns after it.
+def _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, block_size, refit, n_groups, keep_dequant):
+    """Round the weights unit by unit in (permuted) column order, each unit's error fed to the columns after it.
 
-    For a unit of columns u with E = (W_u - Q_u) U_uu⁻¹ (U = upper Cholesky factor of H⁻¹), the rest
-    of the block gets W -= E U[u, rest] at once, later blocks one lazy update per block: for width 1
-    this is GPTQ exactly, for wider units it is the block LDLQ of QuIP#. With refit, a group's
-    parameters are fitted when its first column is reached, on the error-updated columns (those in
-    this block are in W1; those past it still miss this block's pending lazy update).
-    Returns (codes, dequantized weights or None), in W's column order.
+    Wt is the weight transposed, [cols, rows] (in the order to quantize): each column is a contiguous row and its
+    error reaches the rest of the block as one in-place rank-1 update, twice as fast as the same loop on W's strided
+    columns (the loop is per-operator overhead, measured on SmolLM2's shapes). For a unit of columns u with
+    E = (W_u - Q_u) U_uu⁻¹ (U = upper Cholesky factor of H⁻¹), the rest of the block gets W -= E U[u, rest] at
+    once, later blocks one lazy update per block: for width 1 this is GPTQ exactly, for wider units it is the
+    block LDLQ of QuIP#. With refit, a group's parameters are fitted when its first column is reached, on the
+    error-updated columns (those in this block are in W1; those past it still miss this block's pending lazy update).
+    Returns (codes, dequantized weights or None), transposed like Wt.
     """
-    rows, cols = W.shape
+    cols, rows = Wt.shape
     width = quantizer.width
-    Q = torch.zeros(rows, cols, dtype=torch.int32, device=W.device)  # codes are integers (exact in int32)
-    Wq = torch.zeros_like(W) if keep_dequant else None
+    Qt = torch.zeros(cols, rows, dtype=torch.int32, device=Wt.device)  # codes are integers (exact in int32)
+    Wqt = torch.zeros_like(Wt) if keep_dequant else None
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
-        W1 = W[:, i1:i2].clone()
+        W1 = Wt[i1:i2].clone()
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(0, i2 - i1, width):
@@ -237,23 +243,25 @@ def _feedback_loop(W, Hinv, quantizer, params, col_group, size, block_size, refi
             g = col_group[c]
             if refit and c % size == 0:
                 end = min(c + size, cols)
-                cur = W1[:, i:min(end, i2) - i1]
+                cur = W1[i:min(end, i2) - i1]
                 if end > i2:
-                    cur = torch.cat([cur, W[:, i2:end] - Err1[:, :i] @ Hinv[i1:c, i2:end]], dim=1)
-                for key, value in quantizer.fit(cur).items():
-                    params.setdefault(key, torch.zeros(rows, n_groups, dtype=torch.float32, device=W.device))[:, g] = value
-            q, wq = quantizer.round(W1[:, u], {k: v[:, g] for k, v in params.items()})
-            Q[:, c:c + width] = q
-            if Wq is not None:
-                Wq[:, c:c + width] = wq
+                    cur = torch.cat([cur, Wt[i2:end] - Hinv[i1:c, i2:end].t() @ Err1[:i]])
+                for key, value in quantizer.fit(cur.t()).items():
+                    params.setdefault(key, torch.zeros(rows, n_groups, dtype=torch.float32, device=Wt.device))[:, g] = value
+            q, wq = quantizer.round(W1[u].t(), {k: v[:, g] for k, v in params.items()})
+            Qt[c:c + width] = q.t()
+            if Wqt is not None:
+                Wqt[c:c + width] = wq.t()
             if width == 1:
-                err = (W1[:, u] - wq) / Hinv1[i, i]
+                err = (W1[i] - wq[:, 0]) / Hinv1[i, i]
+                W1[i:].addr_(Hinv1[i, i:], err, alpha=-1)
+                Err1[i] = err
             else:
-                err = torch.linalg.solve_triangular(Hinv1[u, u], W1[:, u] - wq, upper=True, left=False)
-            W1[:, i:] -= err @ Hinv1[u, i:]
-            Err1[:, u] = err
-        W[:, i2:].addmm_(Err1, Hinv[i1:i2, i2:], alpha=-1)  # in place: no [rows, rest] temporary
-    return Q, Wq
+                err = torch.linalg.solve_triangular(Hinv1[u, u], W1[u].t() - wq, upper=True, left=False).t()
+                W1[i:].addmm_(Hinv1[u, i:].t(), err, alpha=-1)
+                Err1[u] = err
+        Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1)  # in place: no [rest, rows] temporary
+    return Qt, Wqt
 
 
 def _inverse_cholesky(H: torch.Tensor, diag: torch.Tensor, perm: Optional[torch.Tensor], damp: float):
