@@ -137,7 +137,7 @@ class GPTQ:
         Wt[dead] = 0
 
         static = act_order and static_groups
-        params = _fit_static(Wt.t(), quantizer, group_size) if static else {}
+        params = _fit_static(Wt, quantizer, group_size) if static else {}
         perm = _unit_order(diag_fixed, width) if act_order else None
         if perm is not None:
             Wt = Wt[perm]
@@ -199,15 +199,17 @@ def _tiles(columns: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _fit_static(W, quantizer, group_size) -> dict:
-    """Every group's parameters from the original weights, in original column order (static groups)."""
-    rows, cols = W.shape
+def _fit_static(Wt, quantizer, group_size) -> dict:
+    """Every group's parameters from the original weights (Wt transposed, [cols, rows]), in original column order
+    (static groups). Each group is fitted on a row-major copy: the quantizers' reductions (E8's rms and scale
+    search) then sum in the same order as on the weight itself."""
+    cols, rows = Wt.shape
     size = qz.group_width(cols, group_size)
     params = {}
     for g, c0 in enumerate(range(0, cols, size)):
-        for key, value in quantizer.fit(W[:, c0:min(c0 + size, cols)]).items():
+        for key, value in quantizer.fit(Wt[c0:c0 + size].t().contiguous()).items():
             params.setdefault(key, torch.zeros(rows, qz.n_groups(cols, group_size), dtype=torch.float32,
-                                               device=W.device))[:, g] = value
+                                               device=Wt.device))[:, g] = value
     return params
 
 
@@ -220,9 +222,10 @@ def _unit_order(diag: torch.Tensor, width: int) -> torch.Tensor:
 def _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, block_size, refit, n_groups, keep_dequant):
     """Round the weights unit by unit in (permuted) column order, each unit's error fed to the columns after it.
 
-    Wt is the weight transposed, [cols, rows] (in the order to quantize): each column is a contiguous row and its
-    error reaches the rest of the block as one in-place rank-1 update, twice as fast as the same loop on W's strided
-    columns (the loop is per-operator overhead, measured on SmolLM2's shapes). For a unit of columns u with
+    Wt is the weight transposed, [cols, rows] (in the order to quantize): each column is a contiguous row, and the
+    loop runs about twice as fast as on W's strided columns (it is per-operator overhead; SmolLM2's shapes). The
+    error update is a product then a subtraction, as on W (a fused addr_ rounds once, not twice, and its different
+    last bits flip codes that GPTQ's feedback then spreads), so the codes are W's loop's bit for bit. For a unit of columns u with
     E = (W_u - Q_u) U_uu⁻¹ (U = upper Cholesky factor of H⁻¹), the rest of the block gets W -= E U[u, rest] at
     once, later blocks one lazy update per block: for width 1 this is GPTQ exactly, for wider units it is the
     block LDLQ of QuIP#. With refit, a group's parameters are fitted when its first column is reached, on the
@@ -246,20 +249,21 @@ def _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, block_size, ref
                 cur = W1[i:min(end, i2) - i1]
                 if end > i2:
                     cur = torch.cat([cur, Wt[i2:end] - Hinv[i1:c, i2:end].t() @ Err1[:i]])
-                for key, value in quantizer.fit(cur.t()).items():
+                for key, value in quantizer.fit(cur.t().contiguous()).items():
                     params.setdefault(key, torch.zeros(rows, n_groups, dtype=torch.float32, device=Wt.device))[:, g] = value
-            q, wq = quantizer.round(W1[u].t(), {k: v[:, g] for k, v in params.items()})
+            w = W1[u].t().contiguous()  # [rows, width], laid out as the quantizers' reductions expect
+            q, wq = quantizer.round(w, {k: v[:, g] for k, v in params.items()})
             Qt[c:c + width] = q.t()
             if Wqt is not None:
                 Wqt[c:c + width] = wq.t()
             if width == 1:
-                err = (W1[i] - wq[:, 0]) / Hinv1[i, i]
-                W1[i:].addr_(Hinv1[i, i:], err, alpha=-1)
+                err = (w[:, 0] - wq[:, 0]) / Hinv1[i, i]
+                W1[i:] -= torch.outer(Hinv1[i, i:], err)
                 Err1[i] = err
             else:
-                err = torch.linalg.solve_triangular(Hinv1[u, u], W1[u].t() - wq, upper=True, left=False).t()
-                W1[i:].addmm_(Hinv1[u, i:].t(), err, alpha=-1)
-                Err1[u] = err
+                err = torch.linalg.solve_triangular(Hinv1[u, u], w - wq, upper=True, left=False)
+                W1[i:] -= (err @ Hinv1[u, i:]).t()
+                Err1[u] = err.t()
         Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1)  # in place: no [rest, rows] temporary
     return Qt, Wqt
 
