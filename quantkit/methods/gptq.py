@@ -236,11 +236,13 @@ def _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, block_size, ref
     width = quantizer.width
     Qt = torch.zeros(cols, rows, dtype=torch.int32, device=Wt.device)  # codes are integers (exact in int32)
     Wqt = torch.zeros_like(Wt) if keep_dequant else None
+    unit_params = (None, None)  # (group, its parameters as the quantizer takes them), sliced once per group
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
         W1 = Wt[i1:i2].clone()
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
+        pivots = Hinv1.diagonal().tolist()  # U_ii as Python floats: the same fp32 division, one read per block
         for i in range(0, i2 - i1, width):
             c, u = i1 + i, slice(i, i + width)
             g = col_group[c]
@@ -251,13 +253,16 @@ def _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, block_size, ref
                     cur = torch.cat([cur, Wt[i2:end] - Hinv[i1:c, i2:end].t() @ Err1[:i]])
                 for key, value in quantizer.fit(cur.t().contiguous()).items():
                     params.setdefault(key, torch.zeros(rows, n_groups, dtype=torch.float32, device=Wt.device))[:, g] = value
+                unit_params = (None, None)
+            if unit_params[0] != g:
+                unit_params = (g, {k: v[:, g] for k, v in params.items()})
             w = W1[u].t().contiguous()  # [rows, width], laid out as the quantizers' reductions expect
-            q, wq = quantizer.round(w, {k: v[:, g] for k, v in params.items()})
+            q, wq = quantizer.round(w, unit_params[1])
             Qt[c:c + width] = q.t()
             if Wqt is not None:
                 Wqt[c:c + width] = wq.t()
             if width == 1:
-                err = (w[:, 0] - wq[:, 0]) / Hinv1[i, i]
+                err = (w - wq).div_(pivots[i]).view(-1)
                 W1[i:] -= torch.outer(Hinv1[i, i:], err)
                 Err1[i] = err
             else:
