@@ -117,11 +117,11 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
         if start == n_blocks:
             blocks = (b for b in ())
         elif config.needs_calibration:
-            # RTN rounding (awq) ignores the data, so stage-by-stage forwards would only refine the error
-            # report: one observing pass per block is enough there.
-            staged = config.true_sequential and method.use_gptq
-            blocks = calibrated_blocks(source, arch, calibration_ids, method, device, staged, start=start,
-                                       replay=job.replay, on_result=job.pack, group=group)
+            # Stage by stage also for RTN rounding (awq), which ignores the data: its error report then sees the
+            # inputs the layer will really get, and with the replayed submodules the stages cost one block forward
+            # in all, where one observing pass and a final forward of the whole block cost two.
+            blocks = calibrated_blocks(source, arch, calibration_ids, method, device, config.true_sequential,
+                                       start=start, replay=job.replay, on_result=job.pack, group=group)
         else:  # data-free: the same per-layer path, without an observer
             blocks = data_free_blocks(source, arch, method, start=start, on_result=job.pack)
         # closing: a failure ends the generator (and its progress bar) before the error line is printed
@@ -179,7 +179,7 @@ def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids, t
     config.bind_fused_groups(fused_siblings(arch, quantizable_linears(source.model, arch)))
     method = Method(config, arch)
     blocks = calibrated_blocks(source, arch, _calibration(config, tokenizer, calibration_ids), method, device,
-                               config.true_sequential and method.use_gptq, group=group)
+                               config.true_sequential, group=group)
     with contextlib.closing(blocks):
         for _ in blocks:
             return_freed_memory()

@@ -61,6 +61,7 @@ def main(argv=None):
     p.add_argument("--nsamples", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=32768)
+    p.add_argument("--seed", type=int, default=0, help="seed of the calibration windows")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="source model dtype for quantization")
     p.add_argument("--eval-dtype", default=None, help="dtype for evaluation (default fp32 CPU / fp16 GPU)")
@@ -74,7 +75,7 @@ def main(argv=None):
     device = resolve_device(args.device)
     fp_model, tokenizer = load_fp_model(args.model, args.eval_dtype or ("float32" if device == "cpu" else "auto"))
     ids = eval_ids(tokenizer, args.eval, args.max_tokens)
-    calib = calibration_ids(tokenizer, args.calib, args.nsamples, args.seqlen, seed=0)
+    calib = calibration_ids(tokenizer, args.calib, args.nsamples, args.seqlen, seed=args.seed)
     fp = perplexity(fp_model.to(device), ids, args.seqlen, progress=False)
     fp_bytes = sum(p.numel() * 2 for n, p in fp_model.named_parameters())
     rows = [{"run": "fp (baseline)", "ppl": fp["ppl"], "kld": 0.0, "top1": 1.0, "seconds": 0.0, "bpw": 16.0,

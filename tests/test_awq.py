@@ -317,3 +317,52 @@ def test_unknown_family_needs_scale_groups():
     with pytest.raises(QuantkitError, match="scale-group table"):
         awq_block.awq_prepare_block(runner, block, "model.layers.0", arch, QuantConfig(method="awq"))
     assert isinstance(arch_for(model), Arch) and arch_for(model).scale_groups == ()
+
+
+# ------------------------------------------------------------------------- what the searches read
+
+def test_search_samples_are_evenly_spaced_and_hold_the_search_tokens(monkeypatch):
+    inputs = [torch.zeros(1, 32, 8)] * 10
+    monkeypatch.setattr(awq_block, "SEARCH_TOKENS", 100)  # 4 samples of 32 tokens hold 100
+    assert awq_block.search_samples(inputs) == [0, 3, 6, 9]
+    monkeypatch.setattr(awq_block, "SEARCH_TOKENS", 4096)  # more than there are: every sample
+    assert awq_block.search_samples(inputs) == list(range(10))
+
+
+def _awq_checkpoint(tmp_path, name, calib, **settings):
+    """(model.safetensors bytes, {layer: relative output error in the report}) of an AWQ run on stories260k."""
+    from quantkit.api import quantize
+    from quantkit.demo import bundled_model_path
+
+    config = QuantConfig(method="awq", bits=4, group_size=32, nsamples=calib.shape[0], seqlen=calib.shape[1],
+                         **settings)
+    report = quantize(str(bundled_model_path()), tmp_path / name, config, device="cpu", calibration_ids=calib)
+    errors = {layer: entry["error"] for layer, entry in report["layers"].items()}
+    return (tmp_path / name / "model.safetensors").read_bytes(), errors
+
+
+def test_awq_reads_only_the_search_samples(tmp_path, monkeypatch):
+    """AWQ's choices come from the search samples alone: other samples changed, the checkpoint is the same byte
+    for byte (its RTN rounding ignores the data; they feed only the error report), a search sample changed, it is
+    not (so the first comparison means something)."""
+    monkeypatch.setattr(awq_block, "SEARCH_TOKENS", 128)  # 2 of the 6 samples of 64 tokens: 0 and 5
+    calib = torch.randint(0, 512, (6, 64), generator=torch.Generator().manual_seed(3))
+    other = torch.randint(0, 512, (6, 64), generator=torch.Generator().manual_seed(4))
+    base, _ = _awq_checkpoint(tmp_path, "base", calib)
+    others_changed = torch.cat([calib[:1], other[1:5], calib[5:]])
+    assert _awq_checkpoint(tmp_path, "others", others_changed)[0] == base
+    assert _awq_checkpoint(tmp_path, "searched", torch.cat([other[:1], calib[1:]]))[0] != base
+
+
+def test_awq_stages_change_only_the_report(tmp_path):
+    """AWQ rounds to nearest, so calibrating stage by stage (the default: with the replays it costs one block
+    forward in all, one pass and a final forward cost two) or in one pass gives the same checkpoint. The error
+    report differs where a layer's inputs come after quantized stages (o_proj, down_proj, every later block):
+    staged, it sees what the layer will really get."""
+    calib = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(3))
+    staged, staged_errors = _awq_checkpoint(tmp_path, "staged", calib)
+    one_pass, one_pass_errors = _awq_checkpoint(tmp_path, "one-pass", calib, true_sequential=False)
+    assert one_pass == staged
+    first_stage = [n for n in staged_errors if n.startswith("model.layers.0.self_attn.") and "o_proj" not in n]
+    assert first_stage and all(staged_errors[n] == one_pass_errors[n] for n in first_stage)
+    assert staged_errors["model.layers.0.mlp.down_proj"] != one_pass_errors["model.layers.0.mlp.down_proj"]

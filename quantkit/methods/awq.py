@@ -28,11 +28,12 @@ from quantkit.methods import quantizer as qz
 from quantkit.methods.grid import Grid
 from quantkit.model.arch import get_weight, is_linear
 
-# Tokens used for the error of each alpha / clip ratio (mean|x| always uses every token). The search
+# Tokens used for the error of each alpha / clip ratio (mean|x| uses every token it is given). The search
 # costs n_grid matmuls of [tokens, in] x [in, out] per group; 4096 tokens keep a 7B-sized group at a
 # few seconds on a GPU and make tiny models / tests cheap on the 2-core CPU machines, while the error
 # estimate (a mean over tokens x outputs) is already stable. Subsampling is deterministic (evenly
-# spaced rows), so runs are reproducible.
+# spaced rows), so runs are reproducible. The block driver captures only as many calibration samples as
+# hold this many tokens (awq_block.search_samples).
 SEARCH_TOKENS = 4096
 # auto_clip works on per-group partial dot products [tokens, rows, groups]; AutoAWQ uses 512 tokens.
 CLIP_TOKENS = 512

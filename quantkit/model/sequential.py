@@ -114,11 +114,12 @@ class BlockRunner:
         self.kwargs = {k: to_device(v, device) for k, v in kwargs.items()}
         self.replayed = ReplayedOutputs(block, device, store_device, len(inputs))
 
-    def _samples(self):
-        """The inputs on the compute device, one at a time (the replayed outputs follow the sample)."""
-        for i, x in enumerate(self.inputs):
+    def _samples(self, indices=None):
+        """The inputs (all, or those at `indices`) on the compute device, one at a time (the replayed outputs
+        follow the sample)."""
+        for i in range(len(self.inputs)) if indices is None else indices:
             self.replayed.sample = i
-            yield x.to(self.device)
+            yield self.inputs[i].to(self.device)
 
     def forward_all(self, keep_outputs=False, store_device="cpu", name="block"):
         """Outputs (when kept) checked finite: `name` says which block overflowed. The block's final forward: it
@@ -131,13 +132,14 @@ class BlockRunner:
                     outs.append(check_activations(y.detach(), f"the outputs of {name}").to(store_device))
         return outs
 
-    def observe(self, names, sink: Callable[[str, torch.Tensor, str], None], parallel=False) -> None:
+    def observe(self, names, sink: Callable[[str, torch.Tensor, str], None], parallel=False, samples=None) -> None:
         """Per sample, sink(name, x, source) gets the input x of every named linear, `source` being the first
         of them that was fed the very same tensor (q/k/v read one normed input: a sink accumulates it once).
         A sample's forward stops as soon as all of them have been fed: the modules after them (the MLP
         while observing q/k/v, and the last of the named linears) are never computed. parallel: no named
         linear's input depends on another's output (a true-sequential stage), so they are not computed at all
-        (zeros stand in for their outputs: gate_proj ran in full before up_proj was reached)."""
+        (zeros stand in for their outputs: gate_proj ran in full before up_proj was reached). samples: the indices
+        of the samples to forward (default all)."""
         fed = {}  # this sample: name -> its input (held, so no later tensor can reuse the address)
 
         def hook(name, x):
@@ -151,7 +153,7 @@ class BlockRunner:
 
         skipped = _outputs_not_computed(self.block, names) if parallel else contextlib.nullcontext()
         with torch.inference_mode(), input_hooks(self.block, names, hook), skipped, self.replayed.active():
-            for x in self._samples():
+            for x in self._samples(samples):
                 fed.clear()
                 try:
                     self.block(x, **self.kwargs)
@@ -162,10 +164,11 @@ class BlockRunner:
             raise QuantkitError(f"the block never calls {', '.join(missing)} in its forward: nothing to calibrate "
                                 "it on; skip it in the recipe (modules: ... skip: true)")
 
-    def capture(self, names) -> dict[str, torch.Tensor]:
-        """Inputs of the named linears over all samples, as [tokens, in] on the compute device."""
+    def capture(self, names, samples=None) -> dict[str, torch.Tensor]:
+        """Inputs of the named linears over all samples (or those at `samples`), as [tokens, in] on the compute
+        device."""
         got = {n: [] for n in names}
-        self.observe(names, lambda n, x, source: got[n].append(x.reshape(-1, x.shape[-1])))
+        self.observe(names, lambda n, x, source: got[n].append(x.reshape(-1, x.shape[-1])), samples=samples)
         return {n: torch.cat(v) for n, v in got.items()}
 
 
