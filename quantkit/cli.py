@@ -79,7 +79,8 @@ _CONFIG_OPTIONS = [
                       "channels (SmolLM2-135M w4 g128: ppl 49.3 vs 57.3 without)."),
     click.option("--true-sequential/--no-true-sequential", default=True,
                  help="Calibrate each stage of a block (q/k/v, o, gate/up, down) on the outputs of the already "
-                      "quantized stages before it."),
+                      "quantized stages before it (GPTQ rounding; with AWQ's round-to-nearest only the error "
+                      "report's inputs change). Also the faster way: the stages cost one block forward in all."),
     click.option("--awq-grid", type=int, default=20, help="AWQ: number of alpha values tried on [0, 1)."),
     click.option("--awq-clip/--no-awq-clip", default=True, help="AWQ: search a per-group clipping range too."),
     click.option("--checkpoint-format", type=click.Choice(WRITE_FORMATS), default="gptq",
