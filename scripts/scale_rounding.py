@@ -1,0 +1,40 @@
+"""bench_quality with the symmetric fp16 scales rounded another way (docs/QUALITY.md, "The scales' rounding direction").
+
+quantkit rounds a symmetric grid's fp16 scale down (quantkit.methods.grid._fp16_at_most), so a group's negative
+extreme, exactly on the -(2^(bits-1) - 1/2) tie, takes the full code. This runs scripts/bench_quality.py unchanged
+except for that one rounding, to measure how much the direction moves a method:
+
+    python scripts/scale_rounding.py up ~/.cache/quantkit-assets/smollm2-135m \
+        --calib ../shared/assets/text/wikitext2_tok_valid.txt --eval ../shared/assets/text/wikitext2_raw_test.txt \
+        --max-tokens 32768 --seqlen 512 --nsamples 32 --runs gptq:3:128
+
+First argument: down (quantkit's default), nearest (before commit 5c411bc) or up; the rest is bench_quality's.
+"""
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+import quantkit.methods.grid as grid
+
+
+def to_nearest(x: torch.Tensor) -> torch.Tensor:
+    return x.half().float()
+
+
+def upward(x: torch.Tensor) -> torch.Tensor:
+    """The smallest fp16 value not below each (positive) x, as float32."""
+    h = x.half()
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h).float()
+
+
+ROUNDINGS = {"down": grid._fp16_at_most, "nearest": to_nearest, "up": upward}
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in ROUNDINGS:
+        sys.exit(f"usage: scale_rounding.py {{{','.join(ROUNDINGS)}}} MODEL [bench_quality options]")
+    grid._fp16_at_most = ROUNDINGS[sys.argv.pop(1)]
+    bench = Path(__file__).with_name("bench_quality.py")
+    sys.argv[0] = str(bench)
+    runpy.run_path(str(bench), run_name="__main__")
