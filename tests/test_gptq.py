@@ -269,6 +269,43 @@ def test_dequantize_reproduces_gptq_weights_bit_for_bit(kw):
     assert torch.equal(res.params["zero"], res.params["zero"].round())  # integer zero points
 
 
+@pytest.mark.parametrize("kw", [
+    dict(bits=4, sym=True, group_size=32, block_size=24),
+    dict(bits=3, sym=False, group_size=16, act_order=True),
+    dict(bits=4, sym=False, group_size=32, act_order=True, static_groups=False, block_size=20),
+    dict(bits=4, sym=True, group_size=32, ties=True),
+])
+def test_numpy_column_steps_equal_torch_steps_bit_for_bit(monkeypatch, kw):
+    """On CPU the scalar grid's column steps run on NumPy views (a fraction of torch's per-call cost): the same
+    float32 operations, so codes, parameters and GPTQ's own dequantized weights are torch's bit for bit. ties:
+    every weight exactly between two codes and no error feedback (a diagonal Hessian), so a rounding rule other
+    than torch's half to even shows."""
+    import numpy as np
+
+    kw = dict(kw)
+    grid = Grid(kw.pop("bits"), kw.pop("sym"))
+    if kw.pop("ties", False):
+        W = torch.randint(-7, 7, (16, 64), generator=torch.Generator().manual_seed(0)) + 0.5
+        W[:, ::32] = 7.5  # each group's absmax: scale 2 * 7.5 / 15 = 1, exact in fp16
+        g = GPTQ(W)
+        g.H, g.nsamples = torch.diag(torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5), 1
+    else:
+        W, sample = make_layer(9, out=40, inn=96)
+        g = calibrated(W, sample, n=1024)
+    seen = []
+    round_ = Grid.round
+    monkeypatch.setattr(Grid, "round", lambda self, w, p: seen.append(type(w)) or round_(self, w, p))
+    host = g.quantize(grid, keep_dequant=True, **kw)
+    host_dequant = g.dequant
+    assert np.ndarray in seen
+    monkeypatch.setattr(Grid, "rounds_numpy", False)
+    seen.clear()
+    ref = g.quantize(grid, keep_dequant=True, **kw)
+    assert set(seen) == {torch.Tensor}
+    assert torch.equal(host.codes, ref.codes) and torch.equal(host_dequant, g.dequant)
+    assert all(torch.equal(host.params[k], ref.params[k]) for k in ref.params)
+
+
 def test_uneven_last_group():
     W, sample = make_layer(7, out=32, inn=72)
     g = calibrated(W, sample)

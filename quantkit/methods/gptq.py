@@ -223,26 +223,32 @@ def _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, block_size, ref
     """Round the weights unit by unit in (permuted) column order, each unit's error fed to the columns after it.
 
     Wt is the weight transposed, [cols, rows] (in the order to quantize): each column is a contiguous row, and the
-    loop runs about twice as fast as on W's strided columns (it is per-operator overhead; SmolLM2's shapes). The
-    error update is a product then a subtraction, as on W (a fused addr_ rounds once, not twice, and its different
-    last bits flip codes that GPTQ's feedback then spreads), so the codes are W's loop's bit for bit. For a unit of columns u with
-    E = (W_u - Q_u) U_uu⁻¹ (U = upper Cholesky factor of H⁻¹), the rest of the block gets W -= E U[u, rest] at
-    once, later blocks one lazy update per block: for width 1 this is GPTQ exactly, for wider units it is the
-    block LDLQ of QuIP#. With refit, a group's parameters are fitted when its first column is reached, on the
-    error-updated columns (those in this block are in W1; those past it still miss this block's pending lazy update).
-    Returns (codes, dequantized weights or None), transposed like Wt.
+    loop runs about twice as fast as on W's strided columns (it is per-operator overhead; SmolLM2's shapes). On CPU
+    a one-column quantizer whose round() takes NumPy arrays (`rounds_numpy`) gets NumPy views of the same memory
+    for the per-column steps: the same float32 operations, bit for bit, at a fraction of torch's per-call cost.
+    The error update is a product then a subtraction, as on W (a fused addr_ rounds once, not twice, and its
+    different last bits flip codes that GPTQ's feedback then spreads), so the codes are W's loop's bit for bit. For
+    a unit of columns u with E = (W_u - Q_u) U_uu⁻¹ (U = upper Cholesky factor of H⁻¹), the rest of the block gets
+    W -= E U[u, rest] at once, later blocks one lazy update per block: for width 1 this is GPTQ exactly, for wider
+    units it is the block LDLQ of QuIP#. With refit, a group's parameters are fitted when its first column is
+    reached, on the error-updated columns (those in this block are in W1; those past it still miss this block's
+    pending lazy update). Returns (codes, dequantized weights or None), transposed like Wt.
     """
     cols, rows = Wt.shape
     width = quantizer.width
+    on_host = Wt.device.type == "cpu" and getattr(quantizer, "rounds_numpy", False)
+    view = torch.Tensor.numpy if on_host else (lambda t: t)  # what the per-column steps index and compute on
     Qt = torch.zeros(cols, rows, dtype=torch.int32, device=Wt.device)  # codes are integers (exact in int32)
     Wqt = torch.zeros_like(Wt) if keep_dequant else None
-    unit_params = (None, None)  # (group, its parameters as the quantizer takes them), sliced once per group
+    Q_, Wq_ = view(Qt), (view(Wqt) if Wqt is not None else None)
+    unit_params = {}  # group -> its parameters as the quantizer takes them, sliced once (act-order revisits groups)
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
         W1 = Wt[i1:i2].clone()
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
-        pivots = Hinv1.diagonal().tolist()  # U_ii as Python floats: the same fp32 division, one read per block
+        W1_, Err1_ = view(W1), view(Err1)
+        pivots = Hinv1.diagonal().tolist()  # U_ii as Python floats: the same division, one read per block
         for i in range(0, i2 - i1, width):
             c, u = i1 + i, slice(i, i + width)
             g = col_group[c]
@@ -253,19 +259,23 @@ def _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, block_size, ref
                     cur = torch.cat([cur, Wt[i2:end] - Hinv[i1:c, i2:end].t() @ Err1[:i]])
                 for key, value in quantizer.fit(cur.t().contiguous()).items():
                     params.setdefault(key, torch.zeros(rows, n_groups, dtype=torch.float32, device=Wt.device))[:, g] = value
-                unit_params = (None, None)
-            if unit_params[0] != g:
-                unit_params = (g, {k: v[:, g] for k, v in params.items()})
-            w = W1[u].t().contiguous()  # [rows, width], laid out as the quantizers' reductions expect
-            q, wq = quantizer.round(w, unit_params[1])
-            Qt[c:c + width] = q.t()
-            if Wqt is not None:
-                Wqt[c:c + width] = wq.t()
+                unit_params.pop(g, None)
+            if g not in unit_params:
+                unit_params[g] = {k: view(v[:, g].contiguous()) for k, v in params.items()}
             if width == 1:
-                err = (w - wq).div_(pivots[i]).view(-1)
-                W1[i:] -= torch.outer(Hinv1[i, i:], err)
-                Err1[i] = err
+                w = W1_[i]
+                q, wq = quantizer.round(w[:, None], unit_params[g])
+                Q_[c] = q[:, 0]
+                if Wq_ is not None:
+                    Wq_[c] = wq[:, 0]
+                Err1_[i] = (w - wq[:, 0]) / pivots[i]
+                W1[i:] -= torch.outer(Hinv1[i, i:], Err1[i])  # torch's kernels beat NumPy's on this large product
             else:
+                w = W1[u].t().contiguous()  # [rows, width], laid out as the quantizers' reductions expect
+                q, wq = quantizer.round(w, unit_params[g])
+                Qt[c:c + width] = q.t()
+                if Wqt is not None:
+                    Wqt[c:c + width] = wq.t()
                 err = torch.linalg.solve_triangular(Hinv1[u, u], w - wq, upper=True, left=False)
                 W1[i:] -= (err @ Hinv1[u, i:]).t()
                 Err1[u] = err.t()

@@ -44,6 +44,7 @@ class Grid:
 
     name = "int"
     width = 1
+    rounds_numpy = True  # round() also takes NumPy arrays (GPTQ's column loop on CPU), same arithmetic
 
     def __post_init__(self):
         check_bits(self.bits, "bits")
@@ -121,8 +122,9 @@ def _fp16_at_most(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
-    """Codes (float tensor holding integers) for `w`; scale/zero broadcast against w."""
-    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+    """Codes (float tensor holding integers) for `w`; scale/zero broadcast against w. Methods, not torch
+    functions: the same code rounds NumPy arrays (round half to even in both)."""
+    return ((w / scale).round() + zero).clip(0, maxq)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
