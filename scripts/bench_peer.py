@@ -8,7 +8,8 @@ versions than quantkit's) through scripts/peer_llmcompressor.py, which writes it
 plain checkpoint. Both models are then evaluated here by quantkit.eval.perplexity in fp32 on the same
 tokens (and on --heldout text when given). Seconds are each tool's quantization wall time in this run
 (quantkit: quantize() including reading the source and writing the checkpoint; llm-compressor: oneshot()
-only), measured one after the other on the same machine — read them as a ratio.
+only), measured one after the other on the same machine — read them as a ratio; with --repeat N each tool runs
+N times per scheme, the two alternating, and the fastest run counts.
 
 Runs are method:bits:group[:asym][:one-pass], method gptq or rtn (llm-compressor's RTN is its
 QuantizationModifier). one-pass: quantkit collects every linear's statistics of a block in one forward, as
@@ -55,18 +56,21 @@ def evaluate(model, texts: dict, seqlen: int) -> dict:
     return {name: perplexity(model, ids, seqlen, progress=False)["ppl"] for name, ids in texts.items()}
 
 
-def run_quantkit(model_path, run, calib, texts, seqlen, extra) -> dict:
+def run_quantkit(model_path, run, calib, texts, seqlen, extra, evaluated=True) -> dict:
+    """{"times": [seconds]} and, if evaluated, the model's perplexity per text."""
     config = QuantConfig(**run, nsamples=calib.shape[0], seqlen=calib.shape[1], **extra)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         quantize(model_path, Path(tmp) / "q", config, device="cpu",
                  calibration_ids=calib if config.needs_calibration else None)
         seconds = time.perf_counter() - t0
+        if not evaluated:
+            return {"times": [seconds]}
         model = load_quantized(Path(tmp) / "q", device_map="cpu", dtype="float32")
-        return {"seconds": seconds, **evaluate(model, texts, seqlen)}
+        return {"times": [seconds], **evaluate(model, texts, seqlen)}
 
 
-def run_peer(peer_python, model_path, run, calib_file, texts, seqlen) -> dict:
+def run_peer(peer_python, model_path, run, calib_file, texts, seqlen, evaluated=True) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peer"
         cmd = [peer_python, str(PEER_SCRIPT), str(model_path), str(calib_file), str(out), "--method", run["method"],
@@ -76,8 +80,17 @@ def run_peer(peer_python, model_path, run, calib_file, texts, seqlen) -> dict:
         if done.returncode:
             raise SystemExit(f"llm-compressor run failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
         seconds = json.loads((out / "timing.json").read_text())["seconds"]
+        if not evaluated:
+            return {"times": [seconds]}
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()  # weights only, no tokenizer
-        return {"seconds": seconds, **evaluate(model, texts, seqlen)}
+        return {"times": [seconds], **evaluate(model, texts, seqlen)}
+
+
+def with_run(so_far, run) -> dict:
+    """A tool's result for a scheme after one more run: its times so far plus the new one, the rest as first
+    measured; seconds is the fastest run (what the code costs with the least interference from the machine)."""
+    times = (so_far["times"] if so_far else []) + run["times"]
+    return {**run, **(so_far or {}), "times": times, "seconds": min(times)}
 
 
 def markdown(rows, text_names) -> str:
@@ -107,6 +120,8 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=32768)
     p.add_argument("--seed", type=int, default=0, help="seed of the calibration windows (the spread over seeds "
                    "says how much of a difference between the tools is the choice of samples)")
+    p.add_argument("--repeat", type=int, default=1, help="time each tool this many times per scheme, alternating, "
+                   "and report the fastest (this machine's speed drifts by up to 20%% between minutes)")
     p.add_argument("--json", help="write the rows here (after every run)")
     args = p.parse_args(argv)
 
@@ -122,14 +137,18 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         calib_file = Path(tmp) / "calib.pt"
         torch.save(calib, calib_file)
-        peer = {}  # one llm-compressor run per scheme
+        peer = {}  # llm-compressor's runs per scheme, shared by the quantkit runs of that scheme
         for spec in args.runs:
             scheme, extra = parse_run(spec)
             key = json.dumps(scheme, sort_keys=True)
-            if key not in peer:
-                peer[key] = run_peer(args.peer_python, args.model, scheme, calib_file, texts, args.seqlen)
-            row = {"run": spec, "quantkit": run_quantkit(args.model, scheme, calib, texts, args.seqlen, extra),
-                   "peer": peer[key]}
+            mine = None
+            for rep in range(args.repeat):  # the tools alternate: a slow spell of the machine hits both
+                if len(peer.get(key, {}).get("times", [])) <= rep:
+                    peer[key] = with_run(peer.get(key), run_peer(args.peer_python, args.model, scheme, calib_file,
+                                                                 texts, args.seqlen, evaluated=key not in peer))
+                mine = with_run(mine, run_quantkit(args.model, scheme, calib, texts, args.seqlen, extra,
+                                                   evaluated=mine is None))
+            row = {"run": spec, "quantkit": mine, "peer": peer[key]}
             rows.append(row)
             print(f"{spec}: {json.dumps(row)}", file=sys.stderr)
             if args.json:
