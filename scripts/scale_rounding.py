@@ -8,7 +8,8 @@ except for that one rounding, to measure how much the direction moves a method:
         --calib ../shared/assets/text/wikitext2_tok_valid.txt --eval ../shared/assets/text/wikitext2_raw_test.txt \
         --max-tokens 32768 --seqlen 512 --nsamples 32 --runs gptq:3:128
 
-First argument: down (quantkit's default), nearest (before commit 5c411bc) or up; the rest is bench_quality's.
+First argument: down (quantkit's default), nearest (before commit 5c411bc), up, or range (not a rounding: the
+range-fitting scale of scripts/layer_error.py); the rest is bench_quality's.
 """
 import runpy
 import sys
@@ -30,11 +31,27 @@ def upward(x: torch.Tensor) -> torch.Tensor:
 
 
 ROUNDINGS = {"down": grid._fp16_at_most, "nearest": to_nearest, "up": upward}
+PLAIN_FIT = grid.fit
+
+
+def range_fit(w: torch.Tensor, g) -> tuple:
+    """Symmetric grids: scripts/layer_error.py's range fit (the dominant extreme exactly on its end code)."""
+    if not g.sym:
+        return PLAIN_FIT(w, g)
+    from layer_error import RangeFitGrid
+
+    params = RangeFitGrid(g.bits, True).fit(w)
+    return params["scale"], params["zero"]
+
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] not in ROUNDINGS:
-        sys.exit(f"usage: scale_rounding.py {{{','.join(ROUNDINGS)}}} MODEL [bench_quality options]")
-    grid._fp16_at_most = ROUNDINGS[sys.argv.pop(1)]
+    if len(sys.argv) < 2 or sys.argv[1] not in (*ROUNDINGS, "range"):
+        sys.exit(f"usage: scale_rounding.py {{{','.join(ROUNDINGS)},range}} MODEL [bench_quality options]")
+    choice = sys.argv.pop(1)
+    if choice == "range":
+        grid.fit = range_fit
+    else:
+        grid._fp16_at_most = ROUNDINGS[choice]
     bench = Path(__file__).with_name("bench_quality.py")
     sys.argv[0] = str(bench)
     runpy.run_path(str(bench), run_name="__main__")

@@ -95,3 +95,23 @@ def test_bench_peer_alternates_repeated_runs_and_keeps_the_fastest(tmp_path, cap
         assert len(mine["times"]) == 2 and mine["seconds"] == min(mine["times"]) and mine["eval"] > 1
         assert peer["times"] == [5.0, 3.0] and peer["seconds"] == 3.0 and peer["eval"] > 1
     assert "| gptq:4:32 |" in capsys.readouterr().out
+
+
+def test_layer_error_tables_one_layer(tmp_path, capsys):
+    """scripts/layer_error.py: the layer's Hessian from the fp model, four GPTQ variants, the worst row's share; the
+    range fit puts each group's dominant extreme exactly on its end code."""
+    layer_error = pytest.importorskip("layer_error")
+    from quantkit.demo import bundled_model_path
+
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"the cat {i} sat on the mat and looked at the dog." for i in range(200)))
+    layer_error.main([str(bundled_model_path()), "model.layers.1.mlp.down_proj", "--calib", str(text),
+                      "--nsamples", "2", "--seqlen", "32", "--bits", "3", "--group-size", "32"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| quantkit") or
+            line.startswith("| range fit")]
+    assert len(rows) == 4
+    w = torch.tensor([[-0.8, 0.1, 0.3, 0.6], [0.9, -0.2, 0.0, 0.45]])
+    grid = layer_error.RangeFitGrid(3, True)
+    codes, dequant = grid.round(w, grid.fit(w))
+    assert codes[0, 0] == 0 and codes[1, 0] == 7  # -4 and +3 steps: the dominant extremes
+    assert torch.allclose(dequant[:, 0], w[:, 0], rtol=1e-3)

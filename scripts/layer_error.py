@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""Where one linear's GPTQ error comes from: its inputs' largest Hessian entries and the rows that carry the error.
+
+The layer's Hessian is accumulated from the fp model on calibration windows (the inputs it would see if every
+earlier layer were exact), then GPTQ runs with act-order on and off and with two fits of the symmetric grid's
+scale: quantkit's (the group's absmax at ±(2^(b-1) - 1/2) steps, so the extreme sits half a step off every code)
+and a range fit (the smallest scale whose codes -2^(b-1) .. 2^(b-1)-1 hold the group: the dominant extreme lands
+exactly on its end code). For each it prints the relative output error and the share of the worst row.
+
+    python scripts/layer_error.py ~/.cache/quantkit-assets/smollm2-135m model.layers.28.mlp.down_proj \\
+        --calib ../shared/assets/text/wikitext2_tok_valid.txt --nsamples 32 --bits 3 --group-size 128
+
+docs/QUALITY.md ("A super weight ...") has what it showed on SmolLM2.
+"""
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.data import calibration_ids
+from quantkit.methods.gptq import GPTQ, fidelity
+from quantkit.methods.grid import Grid
+from quantkit.model.loader import load_fp_model
+
+
+@dataclass(frozen=True)
+class RangeFitGrid(Grid):
+    """The symmetric grid with the range-fitting scale: max(-min / 2^(b-1), max / (2^(b-1) - 1)), rounded up to
+    fp16 so that neither extreme is clamped."""
+
+    def fit(self, w: torch.Tensor) -> dict:
+        w = w.float()
+        half = 2 ** (self.bits - 1)
+        s = torch.maximum(-w.amin(dim=-1).clamp(max=0) / half, w.amax(dim=-1).clamp(min=0) / (half - 1))
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        h = s.half()
+        h = torch.where(h.float() < s, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+        scale = h.float().clamp(min=2**-24)
+        return {"scale": scale, "zero": torch.full_like(scale, float(half))}
+
+
+def layer_hessian(model, name: str, ids: torch.Tensor) -> GPTQ:
+    """GPTQ of `name` with its Hessian from the fp model's forward over ids [n, seqlen]."""
+    linear = model.get_submodule(name)
+    g = GPTQ(linear.weight)
+    handle = linear.register_forward_pre_hook(lambda module, args: g.add_batch(args[0]))
+    try:
+        with torch.inference_mode():
+            for row in ids:
+                model(row[None], use_cache=False)
+    finally:
+        handle.remove()
+    return g
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="model folder (safetensors)")
+    p.add_argument("layer", help="the linear's full name, e.g. model.layers.28.mlp.down_proj")
+    p.add_argument("--calib", required=True, help="calibration text file or dataset")
+    p.add_argument("--nsamples", type=int, default=32)
+    p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bits", type=int, default=3)
+    p.add_argument("--group-size", type=int, default=128)
+    args = p.parse_args(argv)
+
+    model, tokenizer = load_fp_model(args.model, "float32")
+    g = layer_hessian(model, args.layer, calibration_ids(tokenizer, args.calib, args.nsamples, args.seqlen,
+                                                         seed=args.seed))
+    H, W = g.H, g.weight
+    diag = H.diagonal()
+    top = torch.argsort(diag, descending=True)[:4].tolist()
+    print(f"{args.layer}: H diagonal median {float(diag.median()):.4g}; largest: "
+          + ", ".join(f"input {i} {float(diag[i]):.4g}" for i in top))
+    signal = float(((W @ H) * W).sum())
+    print("| scale fit | act-order | rel. output error | worst row | its share of the error | its codes at the ends |")
+    print("|---|---|---|---|---|---|")
+    for label, grid in (("quantkit", Grid(args.bits, True)), ("range fit", RangeFitGrid(args.bits, True))):
+        for act_order in (True, False):
+            res = g.quantize(grid, args.group_size, act_order=act_order)
+            D = W - res.dequantize()
+            per_row = ((D @ H) * D).sum(dim=1)
+            worst = int(per_row.argmax())
+            ends = int(((res.codes[worst] == 0) | (res.codes[worst] == grid.maxq)).sum())
+            error = fidelity(W, res.dequantize(), H)["error"]
+            print(f"| {label} | {'on' if act_order else 'off'} | {error:.5f} | {worst} | "
+                  f"{float(per_row[worst]) / signal / error:.0%} | {ends} of {W.shape[1]} |")
+
+
+if __name__ == "__main__":
+    main()
