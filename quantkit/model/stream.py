@@ -183,7 +183,7 @@ _LIBC = None
 def _finite(t: torch.Tensor) -> bool:
     """torch.isfinite(t).all() from two reductions (NaN propagates through amax/amin, an Inf is an extreme): no
     bool copy of a whole embedding, and 10x faster."""
-    return bool(torch.isfinite(torch.stack([t.amax(), t.amin()])).all())
+    return t.numel() == 0 or bool(torch.isfinite(torch.stack([t.amax(), t.amin()])).all())
 
 
 def _distinct_state_names(model) -> list[str]:
