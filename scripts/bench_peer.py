@@ -124,6 +124,8 @@ def main(argv=None):
                    "and report the fastest (this machine's speed drifts by up to 20%% between minutes)")
     p.add_argument("--json", help="write the rows here (after every run)")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat {args.repeat}: use 1 or more runs per tool")
 
     torch.manual_seed(0)
     fp_model, tokenizer = load_fp_model(args.model, "float32")
