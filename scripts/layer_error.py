@@ -10,7 +10,7 @@ exactly on its end code). For each it prints the relative output error and the s
     python scripts/layer_error.py ~/.cache/quantkit-assets/smollm2-135m model.layers.28.mlp.down_proj \\
         --calib ../shared/assets/text/wikitext2_tok_valid.txt --nsamples 32 --bits 3 --group-size 128
 
-docs/QUALITY.md ("A super weight ...") has what it showed on SmolLM2.
+docs/QUALITY.md ("The 2x is one weight") has what it showed on SmolLM2.
 """
 import argparse
 from dataclasses import dataclass
@@ -18,9 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.data import calibration_ids
-from quantkit.methods.gptq import GPTQ, fidelity
+from quantkit.methods.gptq import GPTQ
 from quantkit.methods.grid import Grid
 from quantkit.model.loader import load_fp_model
+
+
+def fp16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """The smallest fp16 value not below each (positive) x, as float32."""
+    h = x.half()
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h).float()
 
 
 @dataclass(frozen=True)
@@ -32,10 +38,7 @@ class RangeFitGrid(Grid):
         w = w.float()
         half = 2 ** (self.bits - 1)
         s = torch.maximum(-w.amin(dim=-1).clamp(max=0) / half, w.amax(dim=-1).clamp(min=0) / (half - 1))
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        h = s.half()
-        h = torch.where(h.float() < s, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
-        scale = h.float().clamp(min=2**-24)
+        scale = fp16_at_least(torch.where(s > 0, s, torch.ones_like(s))).clamp(min=2**-24)
         return {"scale": scale, "zero": torch.full_like(scale, float(half))}
 
 
@@ -80,12 +83,11 @@ def main(argv=None):
         for act_order in (True, False):
             res = g.quantize(grid, args.group_size, act_order=act_order)
             D = W - res.dequantize()
-            per_row = ((D @ H) * D).sum(dim=1)
+            per_row = ((D @ H) * D).sum(dim=1)  # each row's ||(W - Ŵ) X||², summing to the layer's (fidelity's noise)
             worst = int(per_row.argmax())
             ends = int(((res.codes[worst] == 0) | (res.codes[worst] == grid.maxq)).sum())
-            error = fidelity(W, res.dequantize(), H)["error"]
-            print(f"| {label} | {'on' if act_order else 'off'} | {error:.5f} | {worst} | "
-                  f"{float(per_row[worst]) / signal / error:.0%} | {ends} of {W.shape[1]} |")
+            print(f"| {label} | {'on' if act_order else 'off'} | {float(per_row.sum()) / signal:.5f} | {worst} | "
+                  f"{float(per_row[worst] / per_row.sum()):.0%} | {ends} of {W.shape[1]} |")
 
 
 if __name__ == "__main__":

@@ -19,19 +19,14 @@ from pathlib import Path
 import torch
 
 import quantkit.methods.grid as grid
+from layer_error import RangeFitGrid, fp16_at_least
 
 
 def to_nearest(x: torch.Tensor) -> torch.Tensor:
     return x.half().float()
 
 
-def upward(x: torch.Tensor) -> torch.Tensor:
-    """The smallest fp16 value not below each (positive) x, as float32."""
-    h = x.half()
-    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h).float()
-
-
-ROUNDINGS = {"down": grid._fp16_at_most, "nearest": to_nearest, "up": upward}
+ROUNDINGS = {"down": grid._fp16_at_most, "nearest": to_nearest, "up": fp16_at_least}
 PLAIN_FIT = grid.fit
 
 
@@ -39,8 +34,6 @@ def range_fit(w: torch.Tensor, g) -> tuple:
     """Symmetric grids: scripts/layer_error.py's range fit (the dominant extreme exactly on its end code)."""
     if not g.sym:
         return PLAIN_FIT(w, g)
-    from layer_error import RangeFitGrid
-
     params = RangeFitGrid(g.bits, True).fit(w)
     return params["scale"], params["zero"]
 
@@ -50,7 +43,6 @@ def choose_per_group():
     the range fit rounds the original weights with the smaller Hessian-diagonal-weighted error (an experiment: the
     layer's H diagonal reaches the fit through a wrapped GPTQ.quantize)."""
     import quantkit.methods.gptq as gptq
-    from layer_error import RangeFitGrid
 
     plain_quantize, plain_fit_static, diag = gptq.GPTQ.quantize, gptq._fit_static, {}
 

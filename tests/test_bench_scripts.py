@@ -59,6 +59,13 @@ def test_bench_generate_runs_on_cpu(tmp_path, capsys):
     assert "| int4 g128 | 2 |" in capsys.readouterr().out
 
 
+def _text(tmp_path):
+    """A small calibration/eval text file."""
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"the cat {i} sat on the mat and looked at the dog." for i in range(200)))
+    return text
+
+
 PEER_SHIM = """#!{python}
 # Stands in for llm-compressor's Python: "quantizes" by copying the model, takes 5, 3, 4, ... seconds
 import json, os, shutil, sys
@@ -82,8 +89,7 @@ def test_bench_peer_alternates_repeated_runs_and_keeps_the_fastest(tmp_path, cap
     shim.write_text(PEER_SHIM.format(python=sys.executable))
     shim.chmod(0o755)
     monkeypatch.setenv("PEER_RUNS", str(tmp_path / "peer-runs"))
-    text = tmp_path / "text.txt"
-    text.write_text(" ".join(f"the cat {i} sat on the mat and looked at the dog." for i in range(200)))
+    text = _text(tmp_path)
     out = tmp_path / "rows.json"
     bench_peer.main([str(bundled_model_path()), "--peer-python", str(shim), "--calib", str(text), "--eval", str(text),
                      "--nsamples", "2", "--seqlen", "32", "--max-tokens", "256", "--runs", "gptq:4:32",
@@ -103,8 +109,7 @@ def test_layer_error_tables_one_layer(tmp_path, capsys):
     layer_error = pytest.importorskip("layer_error")
     from quantkit.demo import bundled_model_path
 
-    text = tmp_path / "text.txt"
-    text.write_text(" ".join(f"the cat {i} sat on the mat and looked at the dog." for i in range(200)))
+    text = _text(tmp_path)
     layer_error.main([str(bundled_model_path()), "model.layers.1.mlp.down_proj", "--calib", str(text),
                       "--nsamples", "2", "--seqlen", "32", "--bits", "3", "--group-size", "32"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| quantkit") or

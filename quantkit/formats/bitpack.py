@@ -48,12 +48,13 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if kp != k:
         c = torch.cat([c, c.new_zeros((kp - k, *c.shape[1:]))])
     bitpos = torch.arange(kp, dtype=torch.int64, device=c.device) * bits
-    word, offset = bitpos // 32, bitpos % 32
+    offset = bitpos % 32
     view = (-1,) + (1,) * (c.dim() - 1)
     if 32 % bits == 0:  # no code straddles a word: a word is the sum of its codes shifted into place (3.5x faster)
         per = 32 // bits
         words = (c.view(kp // per, per, *c.shape[1:]) << offset[:per].view(view)).sum(dim=1)
     else:
+        word = bitpos // 32
         words = c.new_zeros((kp * bits // 32, *c.shape[1:]))
         words.index_add_(0, word, (c << offset.view(view)) & 0xFFFFFFFF)
         spill = (offset + bits > 32).nonzero().flatten()

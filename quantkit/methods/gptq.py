@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.finite import all_finite
 from quantkit.methods import quantizer as qz
 from quantkit.methods.result import QuantResult
 from quantkit.methods.rtn import check_args
@@ -306,18 +307,13 @@ def _inverse_cholesky(H: torch.Tensor, diag: torch.Tensor, perm: Optional[torch.
         if int(info) == 0:
             torch.cholesky_inverse(V, out=V)
             torch.linalg.cholesky_ex(V, out=(V, info))
-            if int(info) == 0 and _finite(U):
+            if int(info) == 0 and all_finite(U):
                 return U, d, retries
         del U, V
     raise QuantkitError(
         f"GPTQ: the layer's Hessian is not positive definite even with damp={tries[-1]:g} "
         f"(tried {', '.join(f'{t:g}' for t in tries)}); check the calibration data "
         f"(more samples, no degenerate inputs) or use --method rtn for this layer")
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """torch.isfinite(t).all() without a bool copy of t (NaN propagates through amax/amin)."""
-    return bool(torch.isfinite(torch.stack([t.amax(), t.amin()])).all())
 
 
 def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:

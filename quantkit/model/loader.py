@@ -5,6 +5,7 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.finite import all_finite
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -128,7 +129,7 @@ def _check_complete(source, info: dict) -> None:
 def check_finite(model, what: str) -> None:
     """Every parameter finite: one Inf weight turns every logit of a quantized model into NaN."""
     for name, p in model.named_parameters():
-        if p.is_floating_point() and not torch.isfinite(p).all():
+        if p.is_floating_point() and not all_finite(p):
             bad = int((~torch.isfinite(p)).sum())
             raise QuantkitError(f"{what}: tensor {name} has {bad} NaN/Inf value(s) of {p.numel()}: the weights are "
                                 "damaged (or overflowed when cast to a half type: try --dtype float32); fix the model first")

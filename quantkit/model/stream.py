@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
+from quantkit.finite import all_finite
 from quantkit.formats import checkpoint
 from quantkit.formats.checkpoint import INDEX_NAME, SINGLE_NAME
 from quantkit.model import loader
@@ -57,7 +58,7 @@ class StreamedModel:
                 raise QuantkitError(f"a safetensors file of model '{self.source_name}' is truncated or corrupted "
                                     f"({fname}: {e}): download or copy the model again") from e
         for n, t in out.items():
-            if t.is_floating_point() and not _finite(t):
+            if t.is_floating_point() and not all_finite(t):
                 bad = int((~torch.isfinite(t)).sum())
                 raise QuantkitError(f"model '{self.source_name}': tensor {n} has {bad} NaN/Inf value(s) of {t.numel()}: "
                                     "the weights are damaged (or overflowed when cast to a half type: try --dtype "
@@ -178,12 +179,6 @@ def return_freed_memory() -> None:
 
 
 _LIBC = None
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """torch.isfinite(t).all() from two reductions (NaN propagates through amax/amin, an Inf is an extreme): no
-    bool copy of a whole embedding, and 10x faster."""
-    return t.numel() == 0 or bool(torch.isfinite(torch.stack([t.amax(), t.amin()])).all())
 
 
 def _distinct_state_names(model) -> list[str]:
