@@ -2,10 +2,12 @@
 """Where one linear's GPTQ error comes from: its inputs' largest Hessian entries and the rows that carry the error.
 
 The layer's Hessian is accumulated from the fp model on calibration windows (the inputs it would see if every
-earlier layer were exact), then GPTQ runs with act-order on and off and with two fits of the symmetric grid's
-scale: quantkit's (the group's absmax at ±(2^(b-1) - 1/2) steps, so the extreme sits half a step off every code)
-and a range fit (the smallest scale whose codes -2^(b-1) .. 2^(b-1)-1 hold the group: the dominant extreme lands
-exactly on its end code). For each it prints the relative output error and the share of the worst row.
+earlier layer were exact), then GPTQ runs with act-order on and off and with three fits of the symmetric grid's
+scale: max-abs (the group's absmax at ±(2^(b-1) - 1/2) steps, so the extreme sits half a step off every code:
+quantkit's only fit before the choice), range fit (the smallest scale whose codes -2^(b-1) .. 2^(b-1)-1 hold the
+group: the dominant extreme lands exactly on its end code) and quantkit's (per row and group, whichever of the two
+rounds the group with the smaller Hessian-diagonal-weighted error). For each it prints the relative output error and
+the share of the worst row.
 
     python scripts/layer_error.py ~/.cache/quantkit-assets/smollm2-135m model.layers.28.mlp.down_proj \\
         --calib ../shared/assets/text/wikitext2_tok_valid.txt --nsamples 32 --bits 3 --group-size 128
@@ -19,27 +21,27 @@ import torch
 
 from quantkit.data import calibration_ids
 from quantkit.methods.gptq import GPTQ
-from quantkit.methods.grid import Grid
+from quantkit.methods.grid import Grid, range_fit_scale
+from quantkit.methods.grid import fit as grid_fit
 from quantkit.model.loader import load_fp_model
 
 
-def fp16_at_least(x: torch.Tensor) -> torch.Tensor:
-    """The smallest fp16 value not below each (positive) x, as float32."""
-    h = x.half()
-    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h).float()
+@dataclass(frozen=True)
+class MaxAbsGrid(Grid):
+    """The symmetric grid with the max-abs scale only (rounded down to fp16)."""
+
+    def fit(self, w: torch.Tensor, importance=None) -> dict:
+        scale, zero = grid_fit(w, self)
+        return {"scale": scale, "zero": zero}
 
 
 @dataclass(frozen=True)
 class RangeFitGrid(Grid):
-    """The symmetric grid with the range-fitting scale: max(-min / 2^(b-1), max / (2^(b-1) - 1)), rounded up to
-    fp16 so that neither extreme is clamped."""
+    """The symmetric grid with the range-fitting scale only."""
 
-    def fit(self, w: torch.Tensor) -> dict:
-        w = w.float()
-        half = 2 ** (self.bits - 1)
-        s = torch.maximum(-w.amin(dim=-1).clamp(max=0) / half, w.amax(dim=-1).clamp(min=0) / (half - 1))
-        scale = fp16_at_least(torch.where(s > 0, s, torch.ones_like(s))).clamp(min=2**-24)
-        return {"scale": scale, "zero": torch.full_like(scale, float(half))}
+    def fit(self, w: torch.Tensor, importance=None) -> dict:
+        scale = range_fit_scale(w, self)
+        return {"scale": scale, "zero": torch.full_like(scale, float(2 ** (self.bits - 1)))}
 
 
 def layer_hessian(model, name: str, ids: torch.Tensor) -> GPTQ:
@@ -79,7 +81,8 @@ def main(argv=None):
     signal = float(((W @ H) * W).sum())
     print("| scale fit | act-order | rel. output error | worst row | its share of the error | its codes at the ends |")
     print("|---|---|---|---|---|---|")
-    for label, grid in (("quantkit", Grid(args.bits, True)), ("range fit", RangeFitGrid(args.bits, True))):
+    fits = (("max-abs", MaxAbsGrid), ("range fit", RangeFitGrid), ("quantkit (choice)", Grid))
+    for label, grid in ((label, cls(args.bits, True)) for label, cls in fits):
         for act_order in (True, False):
             res = g.quantize(grid, args.group_size, act_order=act_order)
             D = W - res.dequantize()

@@ -104,7 +104,7 @@ def test_bench_peer_alternates_repeated_runs_and_keeps_the_fastest(tmp_path, cap
 
 
 def test_layer_error_tables_one_layer(tmp_path, capsys):
-    """scripts/layer_error.py: the layer's Hessian from the fp model, four GPTQ variants, the worst row's share; the
+    """scripts/layer_error.py: the layer's Hessian from the fp model, six GPTQ variants, the worst row's share; the
     range fit puts each group's dominant extreme exactly on its end code."""
     layer_error = pytest.importorskip("layer_error")
     from quantkit.demo import bundled_model_path
@@ -112,11 +112,28 @@ def test_layer_error_tables_one_layer(tmp_path, capsys):
     text = _text(tmp_path)
     layer_error.main([str(bundled_model_path()), "model.layers.1.mlp.down_proj", "--calib", str(text),
                       "--nsamples", "2", "--seqlen", "32", "--bits", "3", "--group-size", "32"])
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| quantkit") or
-            line.startswith("| range fit")]
-    assert len(rows) == 4
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("| max-abs", "| range fit", "| quantkit"))]
+    assert len(rows) == 6
     w = torch.tensor([[-0.8, 0.1, 0.3, 0.6], [0.9, -0.2, 0.0, 0.45]])
     grid = layer_error.RangeFitGrid(3, True)
     codes, dequant = grid.round(w, grid.fit(w))
     assert codes[0, 0] == 0 and codes[1, 0] == 7  # -4 and +3 steps: the dominant extremes
     assert torch.allclose(dequant[:, 0], w[:, 0], rtol=1e-3)
+
+
+def test_scale_rounding_modes_fit_one_scale_each():
+    """scripts/scale_rounding.py: max-abs reproduces grid.fit's first candidate, range the range fit; asymmetric
+    grids keep quantkit's fit in every mode."""
+    scale_rounding = pytest.importorskip("scale_rounding")
+    from quantkit.methods import grid as qgrid
+
+    w = torch.randn(64, 32)
+    w[:, 3] = w.abs().amax(dim=1) * 1.3
+    g = qgrid.Grid(3, True)
+    fit = {mode: scale_rounding.only(scale_rounding.MODES[mode]) for mode in ("max-abs", "range", "up")}
+    assert torch.equal(fit["max-abs"](g, w)["scale"], qgrid.fit(w, g)[0])
+    assert torch.equal(fit["range"](g, w)["scale"], qgrid.range_fit_scale(w, g))
+    assert (fit["up"](g, w)["scale"] >= fit["max-abs"](g, w)["scale"]).all()
+    asym = qgrid.Grid(3, False)
+    assert torch.equal(fit["range"](asym, w)["scale"], asym.fit(w)["scale"])

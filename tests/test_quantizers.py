@@ -50,7 +50,7 @@ class PairQuantizer:
         a, b = w.float().reshape(w.shape[0], -1, 2).unbind(-1)
         return (a + b) / 2, (a - b) / 2
 
-    def fit(self, w):
+    def fit(self, w, importance=None):
         u, v = self._uv(w)
         peak = torch.maximum(u.abs().amax(dim=1), v.abs().amax(dim=1))
         return {"scale": (peak / (self.mid - 1)).clamp(min=1e-8).half().float()}

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.methods import grid as qgrid
 from quantkit.methods.grid import Grid
 from quantkit.methods.rtn import rtn
 
@@ -95,6 +96,34 @@ def test_sym_negative_extreme_keeps_the_full_code(bits):
     absmax = torch.rand(4096) * 2 + 0.01
     w = torch.rand(4096, 32) * absmax[:, None] * 1.8 - 0.9 * absmax[:, None]
     w[:, 5] = -absmax  # the negative extreme of every row
-    res = rtn(w, Grid(bits, True), 32)
-    assert (res.params["scale"][:, 0] <= 2 * absmax / (2**bits - 1)).all()  # rounded down, never up
-    assert (res.codes[:, 5] == 0).all()
+    scale, zero = qgrid.fit(w, Grid(bits, True))  # the max-abs scale (Grid.fit's first candidate)
+    assert (scale <= 2 * absmax / (2**bits - 1)).all()  # rounded down, never up
+    assert (qgrid.quantize(w[:, 5], scale, zero, 2**bits - 1) == 0).all()
+
+
+def squared_errors(w, scale, bits, importance=torch.tensor(1.0)):
+    zero = torch.full_like(scale, 2.0 ** (bits - 1))
+    decoded = qgrid.fake_quantize(w, scale[:, None], zero[:, None], 2**bits - 1)
+    return ((w.double() - decoded.double()) ** 2 * importance.double()).sum(dim=1)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_sym_scale_is_the_better_of_max_abs_and_range_fit(bits):
+    """Each row takes whichever of the two symmetric scales rounds it with the smaller squared error, weighted by the
+    columns' importance when given. A row whose positive extreme dominates loses half a step on it with the max-abs
+    scale, which is what the range fit avoids."""
+    torch.manual_seed(bits)
+    w = torch.randn(2048, 32)
+    w[:1024, 3] = w[:1024].abs().amax(dim=1) * 1.3  # half the rows: a dominant positive extreme
+    grid = Grid(bits, True)
+    max_abs, range_fit = qgrid.fit(w, grid)[0], qgrid.range_fit_scale(w, grid)
+    for importance in (None, torch.rand(32) ** 4 * 100):
+        weight = torch.tensor(1.0) if importance is None else importance
+        chosen = grid.fit(w, importance=importance)["scale"]
+        assert ((chosen == max_abs) | (chosen == range_fit)).all()
+        errors = [squared_errors(w, s, bits, weight) for s in (chosen, max_abs, range_fit)]
+        assert torch.equal(errors[0], torch.minimum(errors[1], errors[2]))
+        assert (chosen == range_fit).any() and (chosen != range_fit).any()  # both are taken somewhere
+    half = 2 ** (bits - 1)
+    assert (grid.round(w[:1024], {"scale": range_fit[:1024], "zero": torch.full((1024,), half * 1.0)})[0][:, 3]
+            == 2 * half - 1).all()  # the range fit puts the dominant positive extreme on the last code

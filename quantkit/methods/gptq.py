@@ -138,7 +138,7 @@ class GPTQ:
         Wt[dead] = 0
 
         static = act_order and static_groups
-        params = _fit_static(Wt, quantizer, group_size) if static else {}
+        params = _fit_static(Wt, quantizer, group_size, diag_fixed) if static else {}
         perm = _unit_order(diag_fixed, width) if act_order else None
         if perm is not None:
             Wt = Wt[perm]
@@ -147,8 +147,9 @@ class GPTQ:
             Hinv, damp_used, retries = _inverse_cholesky(H, diag_fixed, perm, damp)
         finally:
             H.diagonal().copy_(diag)  # leave self.H as accumulated
+        refit_importance = None if static else (diag_fixed if perm is None else diag_fixed[perm])
         Qt, Wqt = _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, -(-block_size // width) * width,
-                                 refit=not static, n_groups=qz.n_groups(cols, group_size), keep_dequant=keep_dequant)
+                                 refit_importance, n_groups=qz.n_groups(cols, group_size), keep_dequant=keep_dequant)
         del Hinv, Wt
 
         g_idx = qz.group_index(cols, group_size).to(Qt.device)
@@ -200,15 +201,17 @@ def _tiles(columns: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _fit_static(Wt, quantizer, group_size) -> dict:
+def _fit_static(Wt, quantizer, group_size, importance) -> dict:
     """Every group's parameters from the original weights (Wt transposed, [cols, rows]), in original column order
-    (static groups). Each group is fitted on a row-major copy: the quantizers' reductions (E8's rms and scale
+    (static groups), each column's rounding error weighted by its `importance` (H's diagonal) where the quantizer
+    chooses between fits. Each group is fitted on a row-major copy: the quantizers' reductions (E8's rms and scale
     search) then sum in the same order as on the weight itself."""
     cols, rows = Wt.shape
     size = qz.group_width(cols, group_size)
     params = {}
     for g, c0 in enumerate(range(0, cols, size)):
-        for key, value in quantizer.fit(Wt[c0:c0 + size].t().contiguous()).items():
+        group = Wt[c0:c0 + size].t().contiguous()
+        for key, value in quantizer.fit(group, importance=importance[c0:c0 + size]).items():
             params.setdefault(key, torch.zeros(rows, qz.n_groups(cols, group_size), dtype=torch.float32,
                                                device=Wt.device))[:, g] = value
     return params
@@ -220,7 +223,7 @@ def _unit_order(diag: torch.Tensor, width: int) -> torch.Tensor:
     return (units[:, None] * width + torch.arange(width, device=diag.device)).reshape(-1)
 
 
-def _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, block_size, refit, n_groups, keep_dequant):
+def _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, block_size, refit_importance, n_groups, keep_dequant):
     """Round the weights unit by unit in (permuted) column order, each unit's error fed to the columns after it.
 
     Wt is the weight transposed, [cols, rows] (in the order to quantize): each column is a contiguous row, and the
@@ -231,9 +234,10 @@ def _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, block_size, ref
     different last bits flip codes that GPTQ's feedback then spreads), so the codes are W's loop's bit for bit. For
     a unit of columns u with E = (W_u - Q_u) U_uu⁻¹ (U = upper Cholesky factor of H⁻¹), the rest of the block gets
     W -= E U[u, rest] at once, later blocks one lazy update per block: for width 1 this is GPTQ exactly, for wider
-    units it is the block LDLQ of QuIP#. With refit, a group's parameters are fitted when its first column is
-    reached, on the error-updated columns (those in this block are in W1; those past it still miss this block's
-    pending lazy update). Returns (codes, dequantized weights or None), transposed like Wt.
+    units it is the block LDLQ of QuIP#. With `refit_importance` (H's diagonal in Wt's order) groups are refitted: a
+    group's parameters are fitted when its first column is reached, on the error-updated columns (those in this
+    block are in W1; those past it still miss this block's pending lazy update); otherwise `params` holds every
+    group's already. Returns (codes, dequantized weights or None), transposed like Wt.
     """
     cols, rows = Wt.shape
     width = quantizer.width
@@ -253,12 +257,12 @@ def _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, block_size, ref
         for i in range(0, i2 - i1, width):
             c, u = i1 + i, slice(i, i + width)
             g = col_group[c]
-            if refit and c % size == 0:
+            if refit_importance is not None and c % size == 0:
                 end = min(c + size, cols)
                 cur = W1[i:min(end, i2) - i1]
                 if end > i2:
                     cur = torch.cat([cur, Wt[i2:end] - Hinv[i1:c, i2:end].t() @ Err1[:i]])
-                for key, value in quantizer.fit(cur.t().contiguous()).items():
+                for key, value in quantizer.fit(cur.t().contiguous(), importance=refit_importance[c:end]).items():
                     params.setdefault(key, torch.zeros(rows, n_groups, dtype=torch.float32, device=Wt.device))[:, g] = value
                 unit_params.pop(g, None)
             if g not in unit_params:

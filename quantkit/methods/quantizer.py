@@ -9,7 +9,9 @@ codebooks, 8 for an E8 lattice) with parameters fitted per row and per group of 
     settings()  the constructor arguments, e.g. {"bits": 4, "sym": True}: enough to rebuild it
     from_spec(bits, sym, group_size)   classmethod: the quantizer a layer's settings ask for (each takes
                 what applies to it: the integer grid bits and sym, TurboQuant bits and its block d)
-    fit(w)                  -> params {key: [rows]}      one group's parameters, w [rows, cols]
+    fit(w, importance=None) -> params {key: [rows]}      one group's parameters, w [rows, cols]; importance
+                                                         [cols], if given, weighs each column's rounding error
+                                                         (GPTQ's Hessian diagonal; a quantizer may ignore it)
     round(w, params)        -> (codes, dequantized)      w [rows, k * width], params {key: [rows]}
     dequantize(codes, p)    -> weights                   p gathered per column: {key: [rows, cols]}
 

@@ -48,7 +48,8 @@ class OneScalePerGroup:
     bits: int
     spread_by_bits = {}  # set by each quantizer
 
-    def fit(self, w: torch.Tensor) -> dict:
+    def fit(self, w: torch.Tensor, importance=None) -> dict:
+        """{"scale": [rows]} for one group w [rows, cols]; the search is unweighted (`importance` unused)."""
         rms = w.float().pow(2).mean(dim=1).sqrt()
         return {"scale": searched_scale(self, w, rms / self.spread_by_bits[self.bits])}
 

@@ -74,8 +74,8 @@ class TurboQuant(OneScalePerGroup):
             self.__dict__[key] = torch.tensor(self.codebook, dtype=like.dtype, device=like.device)
         return self.__dict__[key]
 
-    def fit(self, w: torch.Tensor) -> dict:
-        """{"scale": [rows]} for the block(s) w [rows, L], fp16-representable and positive."""
+    def fit(self, w: torch.Tensor, importance=None) -> dict:
+        """{"scale": [rows]} for the block(s) w [rows, L], fp16-representable and positive (`importance` unused)."""
         w = w.float()
         s = w.norm(dim=1) / math.sqrt(w.shape[1])
         if self.scale == "ratio":
