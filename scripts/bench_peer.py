@@ -6,10 +6,11 @@ quantizes into a checkpoint that load_quantized reads back; llm-compressor runs 
 (--peer-python, a virtual environment with `pip install llmcompressor`: it pins other transformers
 versions than quantkit's) through scripts/peer_llmcompressor.py, which writes its dequantized weights as a
 plain checkpoint. Both models are then evaluated here by quantkit.eval.perplexity in fp32 on the same
-tokens (and on --heldout text when given). Seconds are each tool's quantization wall time in this run
-(quantkit: quantize() including reading the source and writing the checkpoint; llm-compressor: oneshot()
-only), measured one after the other on the same machine — read them as a ratio; with --repeat N each tool runs
-N times per scheme, the two alternating, and the fastest run counts.
+tokens (and on --heldout text when given). Seconds are each tool's wall time in this run for the same job, a
+model folder in, a packed checkpoint out (quantkit: quantize(), reading the source and writing the checkpoint;
+llm-compressor: loading the model, oneshot() and save_pretrained(save_compressed=True); its oneshot() alone in a
+column of its own), measured one after the other on the same machine — read them as a ratio; with --repeat N
+each tool runs N times per scheme, the two alternating, and the fastest run counts.
 
 Runs are method:bits:group[:asym][:one-pass], method gptq or rtn (llm-compressor's RTN is its
 QuantizationModifier). one-pass: quantkit collects every linear's statistics of a block in one forward, as
@@ -79,29 +80,34 @@ def run_peer(peer_python, model_path, run, calib_file, texts, seqlen, evaluated=
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"llm-compressor run failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
-        seconds = json.loads((out / "timing.json").read_text())["seconds"]
+        timing = json.loads((out / "timing.json").read_text())
+        times = {"times": [timing["seconds"]], "oneshot": [timing["oneshot_seconds"]]}
         if not evaluated:
-            return {"times": [seconds]}
+            return times
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()  # weights only, no tokenizer
-        return {"times": [seconds], **evaluate(model, texts, seqlen)}
+        return {**times, **evaluate(model, texts, seqlen)}
 
 
 def with_run(so_far, run) -> dict:
     """A tool's result for a scheme after one more run: its times so far plus the new one, the rest as first
     measured; seconds is the fastest run (what the code costs with the least interference from the machine)."""
-    times = (so_far["times"] if so_far else []) + run["times"]
-    return {**run, **(so_far or {}), "times": times, "seconds": min(times)}
+    merged = {**run, **(so_far or {})}
+    for key in ("times", "oneshot"):  # every run's seconds (whole job; llm-compressor's oneshot() alone)
+        if key in run:
+            merged[key] = (so_far or {}).get(key, []) + run[key]
+    return {**merged, "seconds": min(merged["times"])}
 
 
 def markdown(rows, text_names) -> str:
     head = ["run"] + [f"quantkit {t} ppl" for t in text_names] + ["quantkit s"]
-    head += [f"llm-compressor {t} ppl" for t in text_names] + ["llm-compressor s", "time ratio"]
+    head += [f"llm-compressor {t} ppl" for t in text_names] + ["llm-compressor s", "time ratio", "its oneshot() s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         q, p = r["quantkit"], r["peer"]
         cells = [r["run"]] + [f"{q[t]:.2f}" for t in text_names] + [f"{q['seconds']:.0f}"]
         cells += [f"{p[t]:.2f}" for t in text_names] + [f"{p['seconds']:.0f}" if p["seconds"] else "—"]
         cells.append(f"{q['seconds'] / p['seconds']:.2f}x" if p["seconds"] else "—")
+        cells.append(f"{min(p['oneshot']):.0f}" if p.get("oneshot") else "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -75,7 +75,8 @@ count = Path(os.environ["PEER_RUNS"])
 n = int(count.read_text()) if count.exists() else 0
 count.write_text(str(n + 1))
 shutil.copytree(model, out)
-Path(out, "timing.json").write_text(json.dumps({{"seconds": [5.0, 3.0, 4.0][n % 3]}}))
+seconds = [5.0, 3.0, 4.0][n % 3]
+Path(out, "timing.json").write_text(json.dumps({{"seconds": seconds, "oneshot_seconds": seconds - 1}}))
 """
 
 
@@ -100,7 +101,11 @@ def test_bench_peer_alternates_repeated_runs_and_keeps_the_fastest(tmp_path, cap
         mine, peer = rows[run]["quantkit"], rows[run]["peer"]
         assert len(mine["times"]) == 2 and mine["seconds"] == min(mine["times"]) and mine["eval"] > 1
         assert peer["times"] == [5.0, 3.0] and peer["seconds"] == 3.0 and peer["eval"] > 1
-    assert "| gptq:4:32 |" in capsys.readouterr().out
+        assert peer["oneshot"] == [4.0, 2.0]
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.startswith("| gptq:4:32 |"))
+    assert "its oneshot() s" in table and row.split(" | ")[-3:][0] == "3" and row.endswith("x | 2 |")
+
 
 
 def test_layer_error_tables_one_layer(tmp_path, capsys):

@@ -445,3 +445,43 @@ def test_cuda_matches_cpu():
         assert torch.equal(res.dequantize(), g.dequant)
         out[dev] = fresh_error(W, res.dequantize().cpu(), X)
     assert out["cuda"] == pytest.approx(out["cpu"], rel=0.05)
+
+
+def test_layers_sharing_a_hessian_factor_it_once_with_the_same_codes(monkeypatch):
+    """q/k/v read one input: its Hessian's inverse factor is computed by the first and reused by the others; the
+    codes are those each layer gets from its own copy of the statistics, and nothing is held after the last."""
+    import quantkit.methods.gptq as gptq_module
+
+    _, sample = make_layer(3, inn=64)
+    X = sample(512)
+    weights = [torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)) for rows in (48, 16, 16)]
+
+    def alone(W):
+        g = GPTQ(W)
+        g.add_batch(X)
+        return g.quantize(Grid(4), group_size=32, act_order=True)
+
+    expected = [alone(W) for W in weights]
+    calls = []
+    real = gptq_module._inverse_cholesky
+    monkeypatch.setattr(gptq_module, "_inverse_cholesky", lambda *a: calls.append(1) or real(*a))
+    first, *siblings = [GPTQ(W) for W in weights]
+    first.add_batch(X)
+    for s in siblings:
+        s.share_statistics(first)
+    factor = first._factor
+    for g, want in zip([first, *siblings], expected):
+        got = g.quantize(Grid(4), group_size=32, act_order=True)
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.params["scale"], want.params["scale"])
+        g.free()
+    assert len(calls) == 1
+    assert factor.users == 0 and factor.value is None
+    # other settings, or a Hessian changed in place, factor again
+    a, b = GPTQ(weights[1]), GPTQ(weights[2])
+    a.add_batch(X)
+    b.share_statistics(a)
+    a.quantize(Grid(4), group_size=32, damp=0.01)
+    b.quantize(Grid(4), group_size=32, damp=0.1)
+    b.add_batch(X)
+    b.quantize(Grid(4), group_size=32, damp=0.1)
+    assert len(calls) == 4

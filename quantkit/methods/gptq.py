@@ -63,6 +63,7 @@ class GPTQ:
         self.H = torch.zeros(self.columns, self.columns, dtype=dtype, device=self.weight.device)
         self.nsamples = 0
         self.dequant: Optional[torch.Tensor] = None  # set by quantize(keep_dequant=True)
+        self._factor = _SharedFactor()
 
     @property
     def H(self) -> Optional[torch.Tensor]:
@@ -95,6 +96,7 @@ class GPTQ:
             self._H[a:b, a:].addmm_(x[:, a:b].t(), x[:, a:], beta=self.nsamples / n, alpha=2.0 / n)
         self._lower_stale = True
         self.nsamples = n
+        self._factor.forget()
 
     def share_statistics(self, other: "GPTQ") -> None:
         """Use `other`'s Hessian (a linear fed the very same inputs, e.g. k_proj beside q_proj): accumulated
@@ -102,17 +104,25 @@ class GPTQ:
         if other.columns != self.columns:
             raise ValueError(f"cannot share a Hessian of {other.columns} inputs with a layer of {self.columns}")
         self.H, self.nsamples = other.H, other.nsamples
+        self._own_factor(other._factor)
+
+    def _own_factor(self, factor: "_SharedFactor") -> None:
+        self._factor.users -= 1
+        factor.users += 1
+        self._factor = factor
 
     def free(self) -> None:
         """Drop the Hessian and the weight copy; the object cannot quantize afterwards."""
         self.H = None
         self.weight = None
         self.dequant = None
+        self._own_factor(_SharedFactor())
 
     def rotate(self, rotation) -> None:
         """Move to the rotated basis: W <- W Πᵀ, H <- Π H Πᵀ (the layer will compute Ŵ (Π x))."""
         self.weight = rotation.rotate_weight(self.weight)
         self.H = rotation.rotate_hessian(self.H)
+        self._own_factor(_SharedFactor())  # a Hessian of its own now
 
     def quantize(self, quantizer, group_size: int = 128, block_size: int = 128, damp: float = 0.01,
                  act_order: bool = False, static_groups: bool = True,
@@ -126,11 +136,10 @@ class GPTQ:
         Does not modify self.H (the diagonal is restored afterwards).
         """
         self._check(quantizer, group_size, block_size, damp, act_order, static_groups)
-        H = self.H
         rows, cols = self.weight.shape
         width = quantizer.width
         size = qz.group_width(cols, group_size)
-        diag = H.diagonal().clone()
+        diag = self.H.diagonal().clone()
         dead = diag == 0
         diag_fixed = torch.where(dead, torch.ones_like(diag), diag)
         # The working copy, one row per column (see _feedback_loop); always a copy, also of a transposed weight
@@ -143,10 +152,8 @@ class GPTQ:
         if perm is not None:
             Wt = Wt[perm]
         col_group = ((perm // size).tolist() if static and perm is not None else [c // size for c in range(cols)])
-        try:
-            Hinv, damp_used, retries = _inverse_cholesky(H, diag_fixed, perm, damp)
-        finally:
-            H.diagonal().copy_(diag)  # leave self.H as accumulated
+        Hinv, damp_used, retries = self._factor.get((self.H, damp, act_order, width),
+                                                    lambda: self._inverse(diag, diag_fixed, perm, damp))
         refit_importance = None if static else (diag_fixed if perm is None else diag_fixed[perm])
         Qt, Wqt = _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, -(-block_size // width) * width,
                                  refit_importance, n_groups=qz.n_groups(cols, group_size), keep_dequant=keep_dequant)
@@ -173,6 +180,12 @@ class GPTQ:
             bias=bias, stats={"damp": damp_used, "retries": retries, "dead": int(dead.sum()), "message": message},
         )
 
+    def _inverse(self, diag, diag_fixed, perm, damp):
+        try:
+            return _inverse_cholesky(self.H, diag_fixed, perm, damp)
+        finally:
+            self.H.diagonal().copy_(diag)  # leave self.H as accumulated
+
     def _check(self, quantizer, group_size, block_size, damp, act_order, static_groups):
         if self.H is None:
             raise RuntimeError("GPTQ.quantize after free()")
@@ -188,6 +201,27 @@ class GPTQ:
         if not torch.isfinite(self.H).all():
             raise QuantkitError("the calibration activations of this layer are NaN/Inf (its GPTQ Hessian is not "
                                 "finite): the model overflows on this data; try --dtype float32")
+
+
+class _SharedFactor:
+    """The inverse Hessian's factor (with its damping and retries) of the layers sharing one Hessian (q/k/v): the
+    first to quantize computes it, the others reuse it (the same H, damping, and act-order permutation give the same
+    matrix, bit for bit). Kept only while another user remains, so a layer alone never holds it past its GPTQ."""
+
+    def __init__(self):
+        self.users = 1   # GPTQ objects reading this Hessian that have not been freed
+        self.key = None  # (the Hessian tensor, damp, act_order, unit width) the value was computed for
+        self.value = None
+
+    def get(self, key, compute):
+        same = self.key is not None and self.key[0] is key[0] and self.key[1:] == key[1:]
+        value = self.value if same else compute()
+        self.key, self.value = (key, value) if self.users > 1 else (None, None)
+        return value
+
+    def forget(self) -> None:
+        """The Hessian changed in place (more samples)."""
+        self.key = self.value = None
 
 
 # Rows per band of add_batch's products. Of the widths tried (128 to 1024, one CPU thread), 192 saved the most on
