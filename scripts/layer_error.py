@@ -15,33 +15,19 @@ the share of the worst row.
 docs/QUALITY.md ("The 2x is one weight") has what it showed on SmolLM2.
 """
 import argparse
-from dataclasses import dataclass
 
 import torch
+from scale_rounding import MODES, single_scale_grid
 
 from quantkit.data import calibration_ids
 from quantkit.methods.gptq import GPTQ
-from quantkit.methods.grid import Grid, range_fit_scale
-from quantkit.methods.grid import fit as grid_fit
+from quantkit.methods.grid import Grid
 from quantkit.model.loader import load_fp_model
 
 
-@dataclass(frozen=True)
-class MaxAbsGrid(Grid):
-    """The symmetric grid with the max-abs scale only (rounded down to fp16)."""
-
-    def fit(self, w: torch.Tensor, importance=None) -> dict:
-        scale, zero = grid_fit(w, self)
-        return {"scale": scale, "zero": zero}
-
-
-@dataclass(frozen=True)
-class RangeFitGrid(Grid):
-    """The symmetric grid with the range-fitting scale only."""
-
-    def fit(self, w: torch.Tensor, importance=None) -> dict:
-        scale = range_fit_scale(w, self)
-        return {"scale": scale, "zero": torch.full_like(scale, float(2 ** (self.bits - 1)))}
+# The max-abs scale only (rounded down to fp16: quantkit's fit before the choice), and the range fit only
+MaxAbsGrid = single_scale_grid(MODES["max-abs"], "MaxAbsGrid")
+RangeFitGrid = single_scale_grid(MODES["range"], "RangeFitGrid")
 
 
 def layer_hessian(model, name: str, ids: torch.Tensor) -> GPTQ:

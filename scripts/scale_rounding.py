@@ -17,6 +17,7 @@ range fit only); the rest is bench_quality's. Asymmetric grids are the same in e
 """
 import runpy
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +35,11 @@ def only(scale_of):
         scale = scale_of(w, self)
         return {"scale": scale, "zero": torch.full_like(scale, float(2 ** (self.bits - 1)))}
     return fit
+
+
+def single_scale_grid(scale_of, name: str) -> type:
+    """A Grid subclass whose symmetric scale is scale_of(w, grid) alone (scripts/layer_error.py compares them)."""
+    return dataclass(frozen=True)(type(name, (grid.Grid,), {"fit": only(scale_of)}))
 
 
 def max_abs(rounding):
