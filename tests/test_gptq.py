@@ -476,6 +476,12 @@ def test_layers_sharing_a_hessian_factor_it_once_with_the_same_codes(monkeypatch
         g.free()
     assert len(calls) == 1
     assert factor.users == 0 and factor.value is None
+    assert all(g._factor.users == 1 and g._factor.value is None for g in [first, *siblings])  # fresh, own
+    alone_layer = GPTQ(weights[0])
+    alone_layer.add_batch(X)
+    alone_layer.quantize(Grid(4), group_size=32)
+    assert alone_layer._factor.value is None  # nobody else reads it: not held past its GPTQ
+    calls.clear()
     # other settings, or a Hessian changed in place, factor again
     a, b = GPTQ(weights[1]), GPTQ(weights[2])
     a.add_batch(X)
@@ -484,4 +490,4 @@ def test_layers_sharing_a_hessian_factor_it_once_with_the_same_codes(monkeypatch
     b.quantize(Grid(4), group_size=32, damp=0.1)
     b.add_batch(X)
     b.quantize(Grid(4), group_size=32, damp=0.1)
-    assert len(calls) == 4
+    assert len(calls) == 3
