@@ -89,6 +89,17 @@ def _computed_calls(model, arch, linear):
     return calls
 
 
+def _norm_runs(model, arch):
+    """Per module of block 0's Arch.feeds_only: a list growing by one per call that really computed (a skipped one
+    passes its input on)."""
+    block = get_submodule(model, arch.blocks)[0]
+    runs = {}
+    for name, _ in arch.feeds_only:
+        runs[name] = []
+        block.get_submodule(name).register_forward_hook(lambda m, a, out, n=name: runs[n].append(out is not a[0]))
+    return runs
+
+
 def _other_family(kind):
     from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, Phi3Config, PhiConfig
 
@@ -115,20 +126,26 @@ _COMPUTED = {"llama-gqa": ((4, 4), (12, 6)), "qwen2": ((4, 4), (12, 6)), "opt": 
 def test_replays_give_the_same_quantized_model_and_skip_the_recomputation(kind):
     """The attention's and the MLP's work, recorded once final (their output linear's input, then their output) and
     replayed in the later passes, makes bit-identical weights to recomputing it in every pass, and the recomputing
-    really stops (the projections feeding them run once per sample, plus the first sample of the first replay)."""
+    really stops (the projections feeding them run once per sample, plus the first sample of the first replay; the
+    norms before them, Arch.feeds_only, only where the replayed submodule reads them)."""
     config = QuantConfig(method="gptq", bits=3, group_size=32)
-    runs = {}
+    runs, norms = {}, {}
     for reuse in (True, False):
         model = tiny_model(kind) if kind in ("llama-gqa", "opt", "qwen2") else _other_family(kind)
         arch = arch_for(model) if reuse else dataclasses.replace(arch_for(model), reusable=())
         attention = _computed_calls(model, arch, arch.sequential[0][0])
         mlp = _computed_calls(model, arch, arch.sequential[0][-1] if kind == "phi" else arch.sequential[2][0])
+        norms[reuse] = _norm_runs(model, arch)
         runs[reuse] = _quantized_weights(model, arch, ids(3), config), (attention.count(True), mlp.count(True))
     (replayed, computed), (recomputed, computed_without) = runs[True], runs[False]
     assert replayed.keys() == recomputed.keys() and len(replayed) == 2 * len(block_linears(arch_for(model)))
     for name in replayed:
         assert torch.equal(replayed[name], recomputed[name]), name
     assert (computed, computed_without) == _COMPUTED[kind]
+    # 3 samples: the attention's norm in the q/k/v and o passes and for the first gate/up sample, the MLP's in the
+    # gate/up and down passes and for the final forward's first sample; without replays in every pass they reach
+    assert {n: (r.count(True), all(norms[False][n])) for n, r in norms[True].items()} == (
+        {} if kind in ("opt", "phi") else dict(zip([n for n, _ in arch_for(model).feeds_only], [(7, True), (7, True)])))
 
 
 def test_a_replayed_output_is_a_copy_consumed_by_the_final_forward():

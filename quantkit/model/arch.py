@@ -13,6 +13,9 @@ For each `config.model_type`:
   reusable    (submodule, its output linear) pairs whose work the calibration loop does not repeat
               (quantkit.model.replay): the output linear's input, recorded once the submodule's other linears are
               quantized, and the submodule's output, once all are; the attention (o_proj) and the MLP (down_proj)
+  feeds_only  (module, reusable submodule) pairs: the module's output is read by that submodule alone (the norm
+              before the attention, the one before the MLP), so while the submodule is replayed it is not run
+              either. Not for post-LN or parallel blocks (OPT-350m, phi), whose norms feed the residual or both.
   fused       each (serving name, linears): linears that vLLM loads into one fused layer of that name
               (q/k/v -> qkv_proj, gate/up -> gate_up_proj), so they must share one quantization setting;
               recipe overrides apply to the whole group and the GPTQ `dynamic` map names both spellings.
@@ -34,12 +37,14 @@ class Arch:
     calibration loop relies on it: it does not compute a stage's own linears while observing them).
     scale_groups: (previous op, the linears it feeds) pairs AWQ can scale; norm_offset: Gemma's 1 + weight
     norms; reusable: (submodule, output linear) pairs replayed once final (the attention, the MLP: nothing
-    downstream of a later stage may feed them); fused: the groups a server fuses into one layer (one setting each)."""
+    downstream of a later stage may feed them); feeds_only: (module, reusable submodule) pairs, the module's
+    output read by the submodule alone; fused: the groups a server fuses into one layer (one setting each)."""
     blocks: str
     sequential: tuple[tuple[str, ...], ...]
     scale_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
     norm_offset: float = 0.0
     reusable: tuple[tuple[str, str], ...] = ()
+    feeds_only: tuple[tuple[str, str], ...] = ()
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
@@ -56,6 +61,7 @@ _LLAMA = Arch(
                   ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
                   ("mlp.up_proj", ("mlp.down_proj",))),
     reusable=(("self_attn", "self_attn.o_proj"), ("mlp", "mlp.down_proj")),
+    feeds_only=(("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp")),
     fused=_LLAMA_FUSED,
 )
 
@@ -82,12 +88,14 @@ ARCHS: dict[str, Arch] = {
         scale_groups=(("input_layernorm", ("attention.query_key_value",)),
                       ("post_attention_layernorm", ("mlp.dense_h_to_4h",))),
         reusable=(("attention", "attention.dense"), ("mlp", "mlp.dense_4h_to_h")),
+        feeds_only=(("input_layernorm", "attention"), ("post_attention_layernorm", "mlp")),  # also parallel residual
     ),
     "gpt2": Arch(
         blocks="transformer.h",
         sequential=(("attn.c_attn",), ("attn.c_proj",), ("mlp.c_fc",), ("mlp.c_proj",)),
         scale_groups=(("ln_1", ("attn.c_attn",)), ("ln_2", ("mlp.c_fc",))),
         reusable=(("attn", "attn.c_proj"), ("mlp", "mlp.c_proj")),
+        feeds_only=(("ln_1", "attn"), ("ln_2", "mlp")),
     ),
     "phi": Arch(
         blocks="model.layers",
@@ -104,6 +112,7 @@ ARCHS: dict[str, Arch] = {
         scale_groups=(("input_layernorm", ("self_attn.qkv_proj",)),
                       ("post_attention_layernorm", ("mlp.gate_up_proj",))),
         reusable=(("self_attn", "self_attn.o_proj"), ("mlp", "mlp.down_proj")),
+        feeds_only=(("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp")),
     ),
 }
 

@@ -13,7 +13,8 @@ Arch.reusable (the attention, the MLP) together with its output linear (o_proj, 
   returns per sample; later passes return a copy (the block may add to it in place).
 
 The block's final forward consumes both (each sample's recordings are dropped once replayed), so the block's outputs
-take their place and peak memory does not grow. Replaying returns exactly what recomputing would: the same modules
+take their place and peak memory does not grow. A module whose output only the replayed submodule reads (Arch.feeds_only:
+the norm before it) then returns its input unchanged instead of computing what nobody reads. Replaying returns exactly what recomputing would: the same modules
 on the same inputs, bit for bit. A Llama block ran its attention in four passes and its MLP's gate/up in two; with
 the replays, the attention runs in one and a sample, the gate/up in one and a sample (the first replayed sample runs
 the submodule for real, to learn how it wraps its output linear's result).
@@ -42,6 +43,11 @@ class _Recorded:
     def replays(self) -> bool:
         return self.tail_final or self.outputs is not None
 
+    def needs_no_input(self, i: int) -> bool:
+        """Sample i's output comes from a recording alone (its recorded output, or its tail through a known rebuild)."""
+        return ((self.outputs is not None and i in self.outputs)
+                or (self.tail_final and self.rebuild is not None and i in self.tail_inputs))
+
 
 class ReplayedOutputs:
     """The recordings of one block's reusable submodules (see the module docstring). The calibration loop calls
@@ -49,8 +55,9 @@ class ReplayedOutputs:
     that pass's input hooks, and final(submodule, ...) once every linear in the submodule is quantized; each pass
     runs inside active()."""
 
-    def __init__(self, block: nn.Module, device, store_device, n_samples: int):
+    def __init__(self, block: nn.Module, device, store_device, n_samples: int, feeds_only=()):
         self.block, self.device, self.store_device, self.n_samples = block, device, store_device, n_samples
+        self.feeds_only = feeds_only  # (module, submodule): the module's output is read by the submodule alone
         self.recorded: dict[str, _Recorded] = {}
         self.sample = 0  # the sample being forwarded (BlockRunner sets it)
 
@@ -94,13 +101,25 @@ class ReplayedOutputs:
     def active(self, consume=False):
         """consume: the last pass; replay and drop, record nothing."""
         replaying = [r for r in self.recorded.values() if r.replays]
+        unread = [(self.block.get_submodule(m), self.recorded[sub]) for m, sub in self.feeds_only
+                  if sub in self.recorded and self.recorded[sub].replays]
         for r in replaying:
             r.module.forward = self._replaying(r, r.module.forward, consume)
+        for module, r in unread:
+            module.forward = self._unless_read(r, module.forward)
         try:
             yield
         finally:
-            for r in replaying:
-                del r.module.forward  # the class's forward again
+            for module in [r.module for r in replaying] + [m for m, _ in unread]:
+                del module.forward  # the class's forward again
+
+    def _unless_read(self, r: _Recorded, compute):
+        """The forward of a module feeding r alone: skipped (its input passed on) where r does not read it."""
+        def forward(*args, **kwargs):
+            if r.needs_no_input(self.sample):
+                return args[0] if args else next(iter(kwargs.values()))
+            return compute(*args, **kwargs)
+        return forward
 
     def _replaying(self, r: _Recorded, compute, consume: bool):
         def forward(*args, **kwargs):

@@ -110,10 +110,10 @@ def _outputs_not_computed(block: nn.Module, names):
 class BlockRunner:
     """Forwards the calibration samples through one block on the compute device."""
 
-    def __init__(self, block, inputs, kwargs, device, store_device="cpu"):
+    def __init__(self, block, inputs, kwargs, device, store_device="cpu", feeds_only=()):
         self.block, self.inputs, self.device = block, inputs, device
         self.kwargs = {k: to_device(v, device) for k, v in kwargs.items()}
-        self.replayed = ReplayedOutputs(block, device, store_device, len(inputs))
+        self.replayed = ReplayedOutputs(block, device, store_device, len(inputs), feeds_only)
 
     def _samples(self, indices=None):
         """The inputs (all, or those at `indices`) on the compute device, one at a time (the replayed outputs
@@ -223,7 +223,7 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
         prefix = f"{arch.blocks}.{i}"
         block = replay(i) if i < start else source.load(prefix)
         block.to(device)
-        runner = BlockRunner(block, inputs, kwargs, device, store_device)
+        runner = BlockRunner(block, inputs, kwargs, device, store_device, arch.feeds_only)
         results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, arch.reusable,
                                                        on_result, group)
         inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)
