@@ -186,9 +186,10 @@ def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids, t
     return None
 
 
-# A layer's work (its Hessian, the inverse's factor, weight copies: about 4 * in * (in + out) bytes) is freed before
-# the next layer's. Handing those pages back to the OS walks the heap (≈ 7 ms here): worth it after a wide layer, while
-# after a small one (all of SmolLM2's: 210 trims were 1.5 s of a 120 s GPTQ run) the trim after each block suffices.
+# A layer's work (its Hessian, the inverse's factor, weight copies: about 4 * in * (in + out) bytes) is freed
+# before the next layer's. Handing those pages back to the OS walks the heap (≈ 7 ms here): worth it after a wide
+# layer, while after a small one (all of SmolLM2's: 210 trims were 1.5 s of a 120 s GPTQ run) the trim after each
+# block suffices.
 LAYER_TRIM_BYTES = 64 << 20
 
 

@@ -156,7 +156,7 @@ class GPTQ:
         if perm is not None:
             Wt = Wt[perm]
         col_group = ((perm // size).tolist() if static and perm is not None else [c // size for c in range(cols)])
-        Hinv, damp_used, retries = self._factor.get((self.H, damp, act_order, width),
+        Hinv, damp_used, retries = self._factor.get(self.H, (damp, act_order, width),
                                                     lambda: self._inverse(diag, diag_fixed, perm, damp))
         refit_importance = None if static else (diag_fixed if perm is None else diag_fixed[perm])
         Qt, Wqt = _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, -(-block_size // width) * width,
@@ -213,24 +213,25 @@ class _SharedFactor:
     matrix, bit for bit). Kept only while another user remains, so a layer alone never holds it past its GPTQ."""
 
     def __init__(self):
-        self.users = 1   # GPTQ objects reading this Hessian that have not been freed
-        self.key = None  # (the Hessian tensor, damp, act_order, unit width) the value was computed for
+        self.users = 1          # GPTQ objects reading this Hessian that have not been freed
+        self.hessian = None     # the tensor the value was computed from (compared by identity)
+        self.settings = None    # (damp, act_order, unit width) it was computed with
         self.value = None
 
-    def get(self, key, compute):
-        same = self.key is not None and self.key[0] is key[0] and self.key[1:] == key[1:]
-        value = self.value if same else compute()
-        self.key, self.value = (key, value) if self.users > 1 else (None, None)
+    def get(self, hessian, settings, compute):
+        value = self.value if (self.hessian is hessian and self.settings == settings) else compute()
+        keep = self.users > 1
+        self.hessian, self.settings, self.value = (hessian, settings, value) if keep else (None, None, None)
         return value
 
     def forget(self) -> None:
         """The Hessian changed in place (more samples)."""
-        self.key = self.value = None
+        self.hessian = self.settings = self.value = None
 
 
-# Rows per band of add_batch's products. Of the widths tried (128 to 768, 512-token batches, two CPU threads, AMD Zen 4),
-# 192 was the best or within 3 % of it on 1536, 2048 and 4096 inputs (0.59-0.66x the full product's time) and 8 % off
-# on 576 (0.78x against 128's 0.72x).
+# Rows per band of add_batch's products. Of the widths tried (128 to 768, 512-token batches, two CPU threads,
+# AMD Zen 4), 192 was the best or within 3 % of it on 1536, 2048 and 4096 inputs (0.59-0.66x the full product's
+# time) and 8 % off on 576 (0.78x against 128's 0.72x).
 HESSIAN_TILE = 192
 
 

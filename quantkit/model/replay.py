@@ -13,11 +13,12 @@ Arch.reusable (the attention, the MLP) together with its output linear (o_proj, 
   returns per sample; later passes return a copy (the block may add to it in place).
 
 The block's final forward consumes both (each sample's recordings are dropped once replayed), so the block's outputs
-take their place and peak memory does not grow. A module whose output only the replayed submodule reads (Arch.feeds_only:
-the norm before it) then returns its input unchanged instead of computing what nobody reads. Replaying returns exactly what recomputing would: the same modules
-on the same inputs, bit for bit. A Llama block ran its attention in four passes and its MLP's gate/up in two; with
-the replays, the attention runs in one and a sample, the gate/up in one and a sample (the first replayed sample runs
-the submodule for real, to learn how it wraps its output linear's result).
+take their place and peak memory does not grow. A module whose output only the replayed submodule reads
+(Arch.feeds_only: the norm before it) then returns its input unchanged instead of computing what nobody reads.
+Replaying returns exactly what recomputing would: the same modules on the same inputs, bit for bit. A Llama block
+ran its attention in four passes and its MLP's gate/up in two; with the replays, the attention runs in one and a
+sample, the gate/up in one and a sample (the first replayed sample runs the submodule for real, to learn how it wraps
+its output linear's result); the norm in front of each runs only where its output is read.
 """
 from contextlib import contextmanager
 from typing import Callable, Optional
