@@ -10,6 +10,7 @@ from quantkit.config import QuantConfig
 from quantkit.methods.gptq import GPTQ
 from quantkit.methods.registry import Method
 from quantkit.model.arch import arch_for, block_linears, get_submodule
+from quantkit.model.replay import ReplayedOutputs
 from quantkit.model.sequential import _observe_stage, input_hooks, run_sequential
 from test_awq import _block_runner, ids, tiny_model
 
@@ -148,7 +149,7 @@ def test_replays_give_the_same_quantized_model_and_skip_the_recomputation(kind):
         {} if kind in ("opt", "phi") else dict(zip([n for n, _ in arch_for(model).feeds_only], [(7, True), (7, True)])))
 
 
-def test_a_replayed_output_is_a_copy_consumed_by_the_final_forward():
+def test_a_replayed_output_is_copied_for_later_passes_and_handed_to_the_final_forward():
     model = tiny_model("llama-gqa")
     _, block, runner = _block_runner(model, n=2)
     reference = runner.forward_all(keep_outputs=True)
@@ -160,12 +161,24 @@ def test_a_replayed_output_is_a_copy_consumed_by_the_final_forward():
     first = kept.clone()
     with torch.no_grad():
         block.self_attn.o_proj.weight.mul_(2)  # a replay does not see it: the output was recorded
+    returned, handle = _outputs_of(block.self_attn)
+    runner.observe(["mlp.down_proj"], lambda n, x, source: None)  # a later pass: replays a copy (may be modified)
+    assert [t.data_ptr() for t in returned] and all(t.data_ptr() != kept.data_ptr() for t in returned)
+    returned.clear()
     replayed = runner.forward_all(keep_outputs=True)
+    handle.remove()
     assert all(torch.equal(a, b) for a, b in zip(reference, replayed))
-    assert recorded == {} and torch.equal(kept, first)  # consumed, and replayed as a copy (never modified)
+    assert recorded == {} and torch.equal(kept, first)  # consumed, and never modified
+    assert returned[0].data_ptr() == kept.data_ptr()  # the last reader gets the recording itself
     assert "forward" not in vars(block.self_attn)  # the class's forward is back
     changed = runner.forward_all(keep_outputs=True)  # nothing recorded any more: computed with the new weight
     assert not torch.equal(changed[0], reference[0])
+
+
+def _outputs_of(module):
+    """([first output tensor of each call], the hook's handle)."""
+    returned = []
+    return returned, module.register_forward_hook(lambda m, args, out: returned.append(out[0]))
 
 
 def _recorded_tail(kind="llama-gqa", n=2):
@@ -208,6 +221,26 @@ def test_a_tail_is_replayed_through_the_output_linear_as_it_is_now():
     replayed = runner.forward_all(keep_outputs=True)
     recomputed = runner.forward_all(keep_outputs=True)  # nothing recorded any more
     assert all(torch.equal(a, b) for a, b in zip(replayed, recomputed))
+
+
+def test_a_tail_input_is_kept_as_fed_only_where_the_pass_stops_at_it_and_it_owns_its_memory():
+    """Nothing computes on the input that ends a pass, so it is recorded without a copy; an input the pass goes
+    on from, or a view into a larger buffer (which it would keep alive), is copied."""
+    _, block, runner = _block_runner(tiny_model("llama-gqa"), n=2)
+    runner.replayed.record_tail("mlp", "mlp.down_proj")
+    fed = []
+    runner.observe(["mlp.down_proj"], lambda n, x, source: fed.append(x), parallel=True)
+    recorded = runner.replayed.recorded["mlp"].tail_inputs
+    assert [recorded[i] is x for i, x in enumerate(fed)] == [True, True]
+
+    replayed = ReplayedOutputs(block, "cpu", "cpu", n_samples=3)
+    replayed.record_tail("mlp", "mlp.down_proj")
+    buffer = torch.randn(4, block.mlp.down_proj.in_features)
+    for i, (x, last) in enumerate([(buffer[:2], True), (buffer.clone(), False), (buffer.clone(), True)]):
+        replayed.sample = i
+        replayed.fed("mlp.down_proj", x, last)
+        assert torch.equal(replayed.recorded["mlp"].tail_inputs[i], x)
+        assert (replayed.recorded["mlp"].tail_inputs[i] is x) == (i == 2)
 
 
 def test_a_tail_not_fitting_in_memory_is_not_recorded(monkeypatch):

@@ -10,7 +10,7 @@ Arch.reusable (the attention, the MLP) together with its output linear (o_proj, 
   gate/up, are not run again. Recorded on the compute device, and only where they fit a quarter of its free memory
   (the MLP's are tokens x intermediate size).
 - its output: once everything in the submodule is final and a later pass remains, the next pass records what it
-  returns per sample; later passes return a copy (the block may add to it in place).
+  returns per sample; later passes return a copy (the block may add to it in place), the last one the recording.
 
 The block's final forward consumes both (each sample's recordings are dropped once replayed), so the block's outputs
 take their place and peak memory does not grow. A module whose output only the replayed submodule reads
@@ -78,14 +78,16 @@ class ReplayedOutputs:
         r = self._entry(name)
         r.tail, r.tail_name, r.recording_tail = self.block.get_submodule(linear), linear, True
 
-    def fed(self, linear: str, x: torch.Tensor) -> None:
-        """An observed linear's input: kept where it is a tail being recorded (and all samples' fit the budget)."""
+    def fed(self, linear: str, x: torch.Tensor, last: bool = False) -> None:
+        """An observed linear's input: kept where it is a tail being recorded (and all samples' fit the budget).
+        last: the pass stops at this input, so nothing computes on x again: x itself is kept where it is a compact
+        tensor on the compute device (a copy otherwise; the copies were 1 % of a SmolLM2 GPTQ run)."""
         for r in self.recorded.values():
             if r.recording_tail and r.tail_name == linear:
                 if not r.tail_inputs and x.numel() * x.element_size() * self.n_samples > free_bytes(self.device) // 4:
                     r.recording_tail = False  # would not fit: the submodule is computed as before
                     continue
-                r.tail_inputs[self.sample] = x.to(self.device, copy=True)
+                r.tail_inputs[self.sample] = x if last and _compact_on(x, self.device) else x.to(self.device, copy=True)
 
     def final(self, name: str, record_outputs: bool = True) -> None:
         """Every linear of submodule `name` is quantized and its input final: replay its tail from now on, and
@@ -126,8 +128,9 @@ class ReplayedOutputs:
         def forward(*args, **kwargs):
             i = self.sample
             if r.outputs is not None and i in r.outputs:
-                out = r.outputs.pop(i) if consume else r.outputs[i]
-                return to_device(out, self.device, copy=True)
+                if consume:  # the last reader: the recording itself
+                    return to_device(r.outputs.pop(i), self.device)
+                return to_device(r.outputs[i], self.device, copy=True)  # the block may add to it in place
             recording = r.outputs is not None and not consume
             out = self._from_tail(r, i, compute, args, kwargs, drop=consume or recording)
             if recording:
@@ -181,6 +184,12 @@ def free_bytes(device) -> int:
     except OSError:
         pass
     return 0
+
+
+def _compact_on(x: torch.Tensor, device) -> bool:
+    """x is contiguous on `device` and its storage holds nothing else (keeping it keeps no larger buffer alive)."""
+    return (x.device == torch.device(device) and x.is_contiguous()
+            and x.untyped_storage().nbytes() == x.numel() * x.element_size())
 
 
 def to_device(v, device, copy=False):

@@ -147,9 +147,10 @@ class BlockRunner:
             same = (x.data_ptr(), x.shape, x.stride())
             source = next((n for n, y in fed.items() if (y.data_ptr(), y.shape, y.stride()) == same), name)
             fed[name] = x
-            self.replayed.fed(name, x)
+            last = len(fed) == len(names)
+            self.replayed.fed(name, x, last)
             sink(name, x, source)
-            if len(fed) == len(names):
+            if last:
                 raise _StopForward
 
         skipped = _outputs_not_computed(self.block, names) if parallel else contextlib.nullcontext()
