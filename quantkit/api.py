@@ -71,10 +71,17 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     """
     config = config or QuantConfig()
     group, device = distributed.from_environment(resolve_device(device))  # under torchrun: this process's share
-    if group.active:
-        _check_distributed(config, resume)
-    if not group.is_writer:
-        return _follow(group, model, config, device, dtype, calibration_ids, trust_remote_code)
+    with contextlib.closing(group):  # a process group started here ends here, on every rank
+        if group.active:
+            _check_distributed(config, resume)
+        if not group.is_writer:
+            return _follow(group, model, config, device, dtype, calibration_ids, trust_remote_code)
+        return _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable,
+                      trust_remote_code)
+
+
+def _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable, trust_remote_code):
+    """quantize() on the process that writes (the only one, or rank 0 under torchrun)."""
     out_path = output.claim_output(out, overwrite, sources=[model], resume=resume)  # before any heavy work
     partial = (output.partial_runs(out_path) or [None])[0] if resume else None
     t_start = time.perf_counter()

@@ -20,8 +20,9 @@ from quantkit.errors import QuantkitError
 class Group:
     """The ranks of the run: rank/world, and the few collective steps the block loop needs."""
 
-    def __init__(self, rank: int = 0, world: int = 1):
+    def __init__(self, rank: int = 0, world: int = 1, owns_process_group: bool = False):
         self.rank, self.world = rank, world
+        self.owns_process_group = owns_process_group  # started by from_environment (not by the caller's code)
 
     @property
     def active(self) -> bool:
@@ -74,11 +75,16 @@ class Group:
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
-    def barrier(self) -> None:
-        if self.active:
+    def close(self) -> None:
+        """Tear down the process group this module started, while Python is still whole: a process that exits with
+        it alive can abort in gloo's teardown ('terminate called without an active exception', SIGABRT, after the
+        work is done; pytorch/pytorch#190489), which torchrun reports as a failed run."""
+        if self.owns_process_group:
             import torch.distributed as dist
 
-            dist.barrier()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.owns_process_group = False
 
 
 SINGLE = Group()
@@ -86,7 +92,7 @@ SINGLE = Group()
 
 def from_environment(device: str) -> tuple[Group, str]:
     """(the group, this rank's device) under torchrun; (SINGLE, device) otherwise. Initializes the process group
-    once: NCCL when the device is CUDA (rank r on cuda:LOCAL_RANK), gloo on CPU."""
+    once: NCCL when the device is CUDA (rank r on cuda:LOCAL_RANK), gloo on CPU; Group.close() ends it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return SINGLE, device
@@ -100,6 +106,7 @@ def from_environment(device: str) -> tuple[Group, str]:
                                 "GPUs: start at most one process per GPU (--nproc-per-node)")
         device = f"cuda:{local}"
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
+    starts = not dist.is_initialized()  # else the caller's own group, left for it to end
+    if starts:
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    return Group(rank, world), device
+    return Group(rank, world, owns_process_group=starts), device

@@ -43,6 +43,27 @@ def test_two_gloo_ranks_write_what_one_process_writes(model_factory, tmp_path, m
         assert rb[name]["error"] == pytest.approx(ra[name]["error"], rel=1e-4)
 
 
+@pytest.mark.parametrize("started_by_caller", [False, True])
+def test_quantize_ends_the_process_group_it_started_also_on_failure(monkeypatch, started_by_caller):
+    """A rank that exits with its gloo group alive can abort in the teardown (SIGABRT once the work is done, which
+    torchrun reports as a failure): quantize() ends the group it started, whatever happens; a group the caller
+    started is the caller's to end."""
+    import torch.distributed as dist
+
+    from quantkit.api import quantize
+
+    calls, alive = [], [started_by_caller]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: alive[0])
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: (calls.append(backend), alive.__setitem__(0, True)))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: (calls.append("destroy"), alive.__setitem__(0, False)))
+    with pytest.raises(QuantkitError, match="--resume"):
+        quantize("model", "out", QuantConfig(), device="cpu", resume=True)
+    assert calls == ([] if started_by_caller else ["gloo", "destroy"])
+    assert alive == [started_by_caller]
+
+
 def test_samples_split_contiguously_and_too_few_are_refused():
     ids = torch.arange(20).reshape(5, 4)
     shares = [Group(r, 2).split(ids) for r in range(2)]
