@@ -33,7 +33,7 @@ from quantkit.report import inspect_checkpoint
 
 
 def parse_run(text):
-    """method:bits:group[:asym][:hadamard] -> dict of QuantConfig fields."""
+    """method:bits:group[:asym][:hadamard][:no-act-order] -> dict of QuantConfig fields."""
     parts = text.split(":")
     run = {"method": parts[0], "bits": int(parts[1]), "group_size": int(parts[2])}
     for flag in parts[3:]:
@@ -41,8 +41,10 @@ def parse_run(text):
             run["sym"] = flag == "sym"
         elif flag == "hadamard":
             run["rotate"] = flag
+        elif flag == "no-act-order":
+            run["act_order"] = False
         else:
-            raise SystemExit(f"run {text!r}: unknown flag {flag!r} (asym, sym or hadamard)")
+            raise SystemExit(f"run {text!r}: unknown flag {flag!r} (asym, sym, hadamard or no-act-order)")
     return run
 
 
@@ -57,7 +59,7 @@ def main(argv=None):
     p.add_argument("--calib", required=True, help="calibration dataset (name or file)")
     p.add_argument("--eval", required=True, help="evaluation dataset (name or file)")
     p.add_argument("--runs", nargs="+", required=True,
-                   help="method:bits:group[:asym][:hadamard], e.g. gptq:4:128 or gptq:3:64:hadamard")
+                   help="method:bits:group[:asym][:hadamard][:no-act-order], e.g. gptq:4:128 or gptq:3:64:hadamard")
     p.add_argument("--nsamples", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=32768)

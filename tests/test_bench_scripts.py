@@ -142,3 +142,15 @@ def test_scale_rounding_modes_fit_one_scale_each():
     assert (fit["up"](g, w)["scale"] >= fit["max-abs"](g, w)["scale"]).all()
     asym = qgrid.Grid(3, False)
     assert torch.equal(fit["range"](asym, w)["scale"], asym.fit(w)["scale"])
+
+
+def test_bench_quality_runs_name_their_options():
+    """The run specs the docs' tables were made with (e.g. the act-order comparison in docs/QUALITY.md)."""
+    bench_quality = pytest.importorskip("bench_quality")
+
+    assert bench_quality.parse_run("gptq:3:128:no-act-order") == {"method": "gptq", "bits": 3, "group_size": 128,
+                                                                  "act_order": False}
+    assert bench_quality.parse_run("gptq:4:64:asym:hadamard") == {"method": "gptq", "bits": 4, "group_size": 64,
+                                                                  "sym": False, "rotate": "hadamard"}
+    with pytest.raises(SystemExit, match="unknown flag"):
+        bench_quality.parse_run("gptq:4:64:act-order")
