@@ -76,7 +76,8 @@ _CONFIG_OPTIONS = [
     click.option("--act-order/--no-act-order", default=True,
                  help="GPTQ: quantize columns by descending Hessian diagonal, with static groups so g_idx stays "
                       "i // group_size (no reordering cost at inference). Much better on models with outlier "
-                      "channels (SmolLM2-135M, WikiText-2 ppl, fp 29.8: w4 g128 38.2 vs 44.0 without, w3 g128 77.7 vs 106.3)."),
+                      "channels (SmolLM2-135M, WikiText-2 ppl, fp 29.8: w4 g128 38.2 vs 44.0 without, w3 g128 "
+                      "77.7 vs 106.3)."),
     click.option("--true-sequential/--no-true-sequential", default=True,
                  help="Calibrate each stage of a block (q/k/v, o, gate/up, down) on the outputs of the already "
                       "quantized stages before it (GPTQ rounding; with AWQ's round-to-nearest only the error "
