@@ -148,16 +148,18 @@ def build_config(ctx, params: dict, recipe_path) -> QuantConfig:
 @click.option("--trust-remote-code", is_flag=True, help=TRUST_HELP)
 def quantize(ctx, model, out, recipe, device, dtype, overwrite, resume, trust_remote_code, **params):
     """Quantize MODEL (hub id or local folder) into the checkpoint folder OUT."""
+    from quantkit import distributed
     from quantkit.api import quantize as run
     from quantkit.report import layer_table
 
     config = build_config(ctx, params, recipe)
     report = run(model, out, config, device=device, dtype=dtype, overwrite=overwrite, resume=resume,
                  trust_remote_code=trust_remote_code)
-    if report is None:  # a torchrun process other than rank 0: rank 0 writes and reports
-        return
-    click.echo(layer_table(report))
-    click.echo(f"wrote {out} ({len(report['layers'])} quantized linears, {report['seconds']:.1f} s)")
+    if report is not None:  # None: a torchrun process other than rank 0, which writes and reports
+        click.echo(layer_table(report))
+        click.echo(f"wrote {out} ({len(report['layers'])} quantized linears, {report['seconds']:.1f} s)")
+    if distributed.under_torchrun():
+        distributed.leave_now()
 
 
 @main.command()
