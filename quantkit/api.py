@@ -155,7 +155,8 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
 
 
 def _compute_dtype(device, dtype):
-    """CPU half-precision matmuls are slow: calibrate in fp32 there (the checkpoint keeps the source's dtype)."""
+    """Calibrate in fp32 on CPU (the checkpoint keeps the source's dtype): half-precision activations round the codes
+    worse (docs/QUALITY.md: SmolLM2 w3 66.3 against 64.8 ppl in bf16) and most CPUs lack fast bf16 matmuls."""
     return "float32" if device == "cpu" and dtype == "auto" else dtype
 
 
