@@ -14,8 +14,8 @@ from quantkit.formats import checkpoint, codecs, compat, output, shards
 from quantkit.formats import quantkit_format, resume as resume_state
 from quantkit.loading import load_quantized  # noqa: F401  (public API)
 from quantkit.methods.registry import Method
-from quantkit.model.arch import (arch_for, block_linears, fused_groups, fused_siblings, get_submodule, get_weight,
-                                 is_linear, require_scale_groups)
+from quantkit.model.arch import (arch_for, block_linears, check_window, fused_groups, fused_siblings, get_submodule,
+                                 get_weight, is_linear, require_scale_groups)
 from quantkit.model.loader import resolve_device
 from quantkit.model.sequential import calibrated_blocks, data_free_blocks
 from quantkit.model.stream import open_model, return_freed_memory
@@ -103,7 +103,7 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
     if config.needs_calibration:
         if method.use_awq:
             require_scale_groups(arch, fp_model.config.model_type)
-        calibration_ids = _calibration(config, tokenizer, calibration_ids)
+        calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
     n_blocks = len(get_submodule(fp_model, arch.blocks))
     fingerprint = resume_state.fingerprint(model, config, device, compute_dtype, n_blocks,
                                            calibration_ids if config.needs_calibration else None)
@@ -160,9 +160,14 @@ def _compute_dtype(device, dtype):
     return "float32" if device == "cpu" and dtype == "auto" else dtype
 
 
-def _calibration(config: QuantConfig, tokenizer, calibration_ids):
+def _calibration(config: QuantConfig, tokenizer, calibration_ids, model_config):
+    """The calibration windows [nsamples, seqlen]: the caller's, or read from config.dataset; no longer than the
+    model's context."""
     if calibration_ids is not None:
+        length = calibration_ids.shape[-1]
+        check_window(model_config, length, f"calibration windows of {length} tokens")
         return calibration_ids
+    check_window(model_config, config.seqlen, f"--seqlen {config.seqlen}")  # before the data is read
     from quantkit.data import calibration_ids as load_calibration
 
     return load_calibration(tokenizer, config.dataset, config.nsamples, config.seqlen, config.seed)
@@ -186,8 +191,8 @@ def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids, t
     arch = arch_for(source.model)
     config.bind_fused_groups(fused_siblings(arch, quantizable_linears(source.model, arch)))
     method = Method(config, arch)
-    blocks = calibrated_blocks(source, arch, _calibration(config, tokenizer, calibration_ids), method, device,
-                               config.true_sequential, group=group)
+    ids = _calibration(config, tokenizer, calibration_ids, source.model.config)
+    blocks = calibrated_blocks(source, arch, ids, method, device, config.true_sequential, group=group)
     with contextlib.closing(blocks):
         for _ in blocks:
             return_freed_memory()

@@ -68,7 +68,8 @@ _CONFIG_OPTIONS = [
                  help="Calibration data: wikitext2, c4, pileval, or a local .txt/.jsonl/.json/.parquet file. "
                       "Unused by rtn."),
     click.option("--nsamples", type=int, default=128, help="Calibration windows."),
-    click.option("--seqlen", type=int, default=512, help="Tokens per calibration window."),
+    click.option("--seqlen", type=int, default=512,
+                 help="Tokens per calibration window, at most the model's context (max_position_embeddings)."),
     click.option("--seed", type=int, default=0, help="Seed for choosing calibration windows (and rotation signs)."),
     click.option("--damp", type=float, default=0.01, help="GPTQ damping, as a fraction of the mean Hessian diagonal "
                                                           "(raised automatically if the Cholesky fails)."),
@@ -188,7 +189,8 @@ def eval():  # noqa: A001  (the command is called eval)
 @eval.command()
 @click.argument("path")
 @click.option("--dataset", default="wikitext2", help="wikitext2, c4, pileval (eval split) or a local text file.")
-@click.option("--seqlen", type=int, default=512, help="Tokens per non-overlapping window.")
+@click.option("--seqlen", type=int, default=512,
+              help="Tokens per non-overlapping window, at most the model's context (max_position_embeddings).")
 @click.option("--max-tokens", type=int, default=None, help="Evaluate only the first T tokens (default: all).")
 @click.option("--device", default="auto", help="cpu, cuda, cuda:N or auto.")
 @click.option("--dtype", default=None, help="Activation dtype (default: fp32 on CPU, fp16/bf16 on GPU).")
@@ -212,7 +214,8 @@ def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json, stream
 @click.argument("quant")
 @click.option("--base", required=True, help="The floating-point model QUANT was made from (folder or hub id).")
 @click.option("--dataset", default="wikitext2", help="wikitext2, c4, pileval (eval split) or a local text file.")
-@click.option("--seqlen", type=int, default=512, help="Tokens per non-overlapping window.")
+@click.option("--seqlen", type=int, default=512,
+              help="Tokens per non-overlapping window, at most the model's context (max_position_embeddings).")
 @click.option("--max-tokens", type=int, default=None, help="Compare on the first T tokens only (default: all).")
 @click.option("--device", default="auto", help="cpu, cuda, cuda:N or auto.")
 @click.option("--dtype", default=None, help="Activation dtype (default: fp32 on CPU, fp16/bf16 on GPU).")

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
-from quantkit.eval import check_eval_options, model_logits, model_device, split_windows
+from quantkit.eval import check_eval_options, check_seqlen, model_logits, model_device, split_windows
 
 
 def mean_stderr(values: np.ndarray) -> dict:
@@ -203,6 +203,7 @@ def compare_paths(quant: str, base: str, dataset: str, seqlen: int, max_tokens=N
     from quantkit.data import eval_ids
     from quantkit.eval import load_any
 
+    check_seqlen(seqlen)
     tokenizers = {}
     for role, path in (("base", base), ("quant", quant)):
         try:

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-SEQLEN = 512  # the bundled model's context length
+SEQLEN = 512  # windows for a model whose config names no context (stories260k's is 512)
 
 
 def bundled_model_path() -> Path:
     return Path(str(resources.files("quantkit") / "assets" / "stories260k"))
 
 
-def sample_text_ids(model, n_tokens: int, seed: int, seqlen: int = SEQLEN) -> torch.Tensor:
+def sample_text_ids(model, n_tokens: int, seed: int, seqlen: int) -> torch.Tensor:
     """[rows, seqlen] token ids sampled from `model` (temperature 1), starting at BOS."""
     rows = max(1, n_tokens // seqlen)
     bos = model.config.bos_token_id if model.config.bos_token_id is not None else 1
@@ -37,15 +37,19 @@ def run_demo(out, bits, group_size, method, n_tokens, overwrite=False) -> str:
     from quantkit.eval import perplexity
     from quantkit.formats.output import claim_output
     from quantkit.loading import load_quantized
+    from quantkit.model.arch import context_length
     from quantkit.model.loader import load_fp_model
 
     src = bundled_model_path()
     if out is not None:
         claim_output(out, overwrite, sources=[src])  # before the sampling: refuse a bad -o at once
     fp_model, _ = load_fp_model(str(src), "float32")
-    eval_rows = sample_text_ids(fp_model, n_tokens, seed=0)
-    config = QuantConfig(method=method, bits=bits, group_size=group_size, nsamples=32, seqlen=SEQLEN)
-    calib_rows = sample_text_ids(fp_model, config.nsamples * SEQLEN, seed=1) if config.needs_calibration else None
+    seqlen = context_length(fp_model.config) or SEQLEN  # windows as long as the model's context
+    eval_rows = sample_text_ids(fp_model, n_tokens, seed=0, seqlen=seqlen)
+    config = QuantConfig(method=method, bits=bits, group_size=group_size, nsamples=32, seqlen=seqlen)
+    calib_rows = None
+    if config.needs_calibration:
+        calib_rows = sample_text_ids(fp_model, config.nsamples * seqlen, seed=1, seqlen=seqlen)
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(out) if out else Path(tmp) / "stories260k-quantized"
         t0 = time.perf_counter()
@@ -54,13 +58,13 @@ def run_demo(out, bits, group_size, method, n_tokens, overwrite=False) -> str:
         seconds = time.perf_counter() - t0
         q_model = load_quantized(target)
         stream = eval_rows.reshape(1, -1)
-        fp = perplexity(fp_model, stream, SEQLEN, progress=False)
-        q = perplexity(q_model, stream, SEQLEN, progress=False)
+        fp = perplexity(fp_model, stream, seqlen, progress=False)
+        q = perplexity(q_model, stream, seqlen, progress=False)
         size = sum(f.stat().st_size for f in target.glob("*.safetensors"))
     return "\n".join([
         f"stories260k, {method} w{bits} g{group_size}: quantized in {seconds:.1f} s, checkpoint {size / 1024:.0f} KiB"
         + (f", written to {out}" if out else " (deleted afterwards; keep it with -o DIR)"),
-        f"perplexity on {fp['tokens']} self-generated tokens (seqlen {SEQLEN}):",
+        f"perplexity on {fp['tokens']} self-generated tokens (seqlen {seqlen}):",
         "| model | perplexity |", "|---|---|",
         f"| fp32 | {fp['ppl']:.3f} |",
         f"| {method} w{bits} g{group_size} | {q['ppl']:.3f} |",

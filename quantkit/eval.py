@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
+from quantkit.model.arch import check_window
 
 # Positions per cross-entropy call: bounds the float32 copy of the logits to
 # _LOSS_CHUNK x vocab floats (e.g. 1024 x 152k x 4 B ≈ 0.6 GB for Qwen) however long the window.
@@ -61,9 +62,14 @@ def _as_stream(input_ids: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"input_ids must be one token stream of shape [1, T], got {tuple(input_ids.shape)}")
 
 
-def check_eval_options(n_tokens: int, seqlen: int, batch_size: int) -> None:
+def check_seqlen(seqlen: int) -> None:
+    """Before anything is loaded: a window of fewer than 2 tokens predicts nothing."""
     if seqlen < 2:
         raise QuantkitError(f"--seqlen must be at least 2 to predict any token, got {seqlen}")
+
+
+def check_eval_options(n_tokens: int, seqlen: int, batch_size: int) -> None:
+    check_seqlen(seqlen)
     if batch_size < 1:
         raise QuantkitError(f"--batch-size must be at least 1, got {batch_size}")
     if n_tokens < seqlen:
@@ -92,6 +98,7 @@ def model_device(model) -> torch.device:
 
 
 def model_logits(model, batch: torch.Tensor) -> torch.Tensor:
+    check_window(getattr(model, "config", None), batch.shape[-1], f"--seqlen {batch.shape[-1]}")
     output = model(batch, use_cache=False)  # no KV cache: each window is one forward pass
     return output.logits if hasattr(output, "logits") else output[0]
 
@@ -163,6 +170,7 @@ def evaluate_path(path, dataset, seqlen, max_tokens=None, device="auto", dtype=N
                   stream=False, trust_remote_code=False) -> dict:
     from quantkit.data import eval_ids
 
+    check_seqlen(seqlen)
     model, tokenizer = load_any(path, device, dtype, stream, trust_remote_code)
     ids = eval_ids(tokenizer, dataset, max_tokens)
     return perplexity(model, ids, seqlen, progress=progress)

@@ -92,12 +92,14 @@ def test_bad_inputs(model_factory, tmp_path, text_file):
     assert_user_error(run("quantize", src, "-o", existing), "already exists", "--overwrite")
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    assert_user_error(run("quantize", src, "-o", tmp_path / "o", "--method", "gptq", "--dataset", empty), "empty")
+    assert_user_error(run("quantize", src, "-o", tmp_path / "o", "--method", "gptq", "--dataset", empty,
+                          "--seqlen", 64), "empty")
     short = tmp_path / "short.txt"
     short.write_text("tiny")
-    assert_user_error(run("quantize", src, "-o", tmp_path / "o", "--method", "gptq", "--dataset", short), "--seqlen")
-    assert_user_error(run("quantize", src, "-o", tmp_path / "o", "--method", "gptq", "--dataset", "nosuchset"),
-                      "nosuchset")
+    assert_user_error(run("quantize", src, "-o", tmp_path / "o", "--method", "gptq", "--dataset", short,
+                          "--seqlen", 64), "--seqlen")
+    assert_user_error(run("quantize", src, "-o", tmp_path / "o", "--method", "gptq", "--dataset", "nosuchset",
+                          "--seqlen", 64), "nosuchset")
     bad_recipe = tmp_path / "bad.yaml"
     bad_recipe.write_text("bitz: 4\n")
     assert_user_error(run("quantize", src, "-o", tmp_path / "o", "--recipe", bad_recipe), "bitz")

@@ -136,6 +136,51 @@ def test_quantizing_a_quantized_checkpoint(tmp_path, checkpoint_dir):
     quantize_refused(tmp_path, checkpoint_dir, words=["already quantized"])
 
 
+# --------------------------------------------------------------------------- windows past the model's context
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])  # a learned position table (an IndexError), RoPE (silent)
+def test_windows_longer_than_the_context_are_refused(tmp_path, model_factory, text_file, kind):
+    src = model_factory(kind)  # max_position_embeddings / n_positions 256
+    quantize_refused(tmp_path, src, "--method", "gptq", "--dataset", text_file, "--nsamples", 2, "--seqlen", 300,
+                     words=["--seqlen 300", "context of 256 tokens", "--seqlen 256 or less"])
+    for command in (("eval", "perplexity", src), ("eval", "compare", src, "--base", src)):
+        assert_user_error(run(*command, "--dataset", text_file, "--seqlen", 300, "--device", "cpu"),
+                          "--seqlen 300", "context of 256")
+
+
+def test_calibration_windows_given_to_the_api_are_checked_too(tmp_path, model_factory):
+    from quantkit.api import quantize
+
+    with pytest.raises(QuantkitError, match="calibration windows of 257 tokens .* context of 256"):
+        quantize(str(model_factory("llama")), tmp_path / "out", QuantConfig(method="gptq", group_size=32),
+                 device="cpu", calibration_ids=torch.zeros(2, 257, dtype=torch.long))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_window_below_two_tokens_is_refused_before_anything_loads(tmp_path):
+    # nothing at the model path and a hub dataset name: the option is what is named, at once
+    for command in (("eval", "perplexity", tmp_path / "none"), ("eval", "compare", tmp_path / "q", "--base", tmp_path / "b")):
+        assert_user_error(run(*command, "--seqlen", 1), "--seqlen must be at least 2")
+
+
+def test_context_length_reads_the_config_and_its_rope_scaling():
+    from transformers import GPT2Config, LlamaConfig, PretrainedConfig
+
+    from quantkit.model.arch import context_length
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "rope_theta": 500000.0}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}
+    assert context_length(LlamaConfig(max_position_embeddings=4096)) == 4096
+    assert context_length(LlamaConfig(max_position_embeddings=4096, rope_parameters={"rope_type": "linear", "factor": 4.0,
+                                                                                     "rope_theta": 1e4})) == 16384
+    assert context_length(LlamaConfig(max_position_embeddings=131072, rope_parameters=llama3)) == 131072
+    assert context_length(LlamaConfig(max_position_embeddings=32768, rope_parameters=yarn)) == 131072
+    assert context_length(GPT2Config(n_positions=1024)) == 1024
+    assert context_length(PretrainedConfig()) is None and context_length(None) is None
+
+
 # --------------------------------------------------------------------------- recipes
 
 

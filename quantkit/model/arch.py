@@ -198,3 +198,33 @@ def fused_siblings(arch: Arch, names) -> dict[str, tuple[str, ...]]:
         for m in members:
             out[m] = tuple(x for x in members if x != m)
     return out
+
+
+# config.json fields that bound the positions a model was built for: a learned position table (GPT-2, OPT) has no
+# row past them, and a RoPE model was never trained there. transformers maps most families onto the first.
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def context_length(model_config) -> int | None:
+    """The longest window the model takes: its config's context field, times a RoPE scaling factor where one is
+    declared (Llama 3.1 and Qwen's yarn store the scaled length, a linear or dynamic scaling the original one:
+    the larger reading is taken). None when the config names no context."""
+    limit = next((int(v) for f in CONTEXT_FIELDS if isinstance(v := getattr(model_config, f, None), int)), None)
+    if limit is None:
+        return None
+    params = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    per_layer_type = [p for p in params.values() if isinstance(p, dict)] if isinstance(params, dict) else []
+    for p in per_layer_type or [params]:
+        kind = p.get("rope_type", p.get("type", "default")) if isinstance(p, dict) else "default"
+        if kind != "default" and isinstance(p.get("factor"), (int, float)):
+            limit = max(limit, int(p.get("original_max_position_embeddings", limit) * p["factor"]))
+    return limit
+
+
+def check_window(model_config, seqlen: int, what: str) -> None:
+    """Refuse windows longer than the model's context (`what` names the setting, e.g. '--seqlen 4096'): past it a
+    learned position table fails with an index error and a RoPE model computes activations it never saw."""
+    limit = context_length(model_config)
+    if limit is not None and seqlen > limit:
+        raise QuantkitError(f"{what} is longer than the model's context of {limit} tokens (its config.json's "
+                            f"max_position_embeddings or equivalent): use --seqlen {limit} or less")
