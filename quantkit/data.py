@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -309,6 +310,10 @@ def calibration_ids(tokenizer, dataset: str, nsamples: int, seqlen: int, seed: i
             f"dataset {dataset} has only {stream.numel()} tokens, fewer than --seqlen {seqlen}: "
             "use a longer file or a smaller --seqlen"
         )
+    if stream.numel() < nsamples * seqlen:
+        print(f"warning: dataset {dataset} has {stream.numel()} tokens, fewer than the {nsamples} x {seqlen} the "
+              "calibration windows cover: they overlap, so the statistics weigh repeated text; a longer text (or "
+              "fewer --nsamples) gives distinct windows", file=sys.stderr)
     starts = _window_starts(stream.numel() - seqlen + 1, nsamples, seed)
     return stream[starts[:, None] + torch.arange(seqlen)]
 

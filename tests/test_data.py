@@ -250,6 +250,15 @@ def test_each_calibration_window_is_a_contiguous_slice_of_the_stream(tokenizer, 
         assert (all_slices == window).all(dim=1).any()
 
 
+def test_overlapping_windows_are_reported(tokenizer, txt_file, capsys):
+    n_tokens = stream_of(tokenizer, DOCS).numel()
+    data.calibration_ids(tokenizer, str(txt_file), nsamples=n_tokens // 16, seqlen=16, seed=0)
+    assert capsys.readouterr().err == ""  # they fit side by side
+    data.calibration_ids(tokenizer, str(txt_file), nsamples=n_tokens // 16 + 1, seqlen=16, seed=0)
+    warning = capsys.readouterr().err
+    assert warning.startswith("warning: ") and f"has {n_tokens} tokens" in warning and "overlap" in warning
+
+
 def test_calibration_window_as_long_as_the_whole_stream(tokenizer, txt_file):
     stream = stream_of(tokenizer, DOCS)
     ids = data.calibration_ids(tokenizer, str(txt_file), nsamples=3, seqlen=stream.numel(), seed=0)

@@ -136,6 +136,12 @@ def test_quantizing_a_quantized_checkpoint(tmp_path, checkpoint_dir):
     quantize_refused(tmp_path, checkpoint_dir, words=["already quantized"])
 
 
+@pytest.mark.parametrize("size,words", [("4XB", ["'4XB' is not understood"]), ("0", ["'0' is not a positive size"]),
+                                        ("0.1B", ["not a positive size"])])
+def test_shard_sizes_are_checked(tmp_path, source, size, words):
+    quantize_refused(tmp_path, source, "--max-shard-size", size, words=words)
+
+
 # --------------------------------------------------------------------------- windows past the model's context
 
 
