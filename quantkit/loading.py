@@ -75,8 +75,8 @@ def load_quantized(path, device_map=None, dtype=None, stream=False):
     from quantkit.model.sequential import move_loaded
 
     folder = Path(path)
+    device = _device(device_map)  # before the files are read: a mistyped device is named at once
     config, tensors, layers, codec = checkpoint.read_checkpoint(folder)
-    device = _device(device_map)
     dtype = parse_dtype(dtype) or _default_dtype(parse_dtype(config.get("dtype") or config.get("torch_dtype")), device)
     qc = config["quantization_config"]  # config.json's, or an AutoGPTQ folder's quantize_config.json
     model, qc = _skeleton(folder, dtype, qc)

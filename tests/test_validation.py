@@ -142,6 +142,15 @@ def test_shard_sizes_are_checked(tmp_path, source, size, words):
     quantize_refused(tmp_path, source, "--max-shard-size", size, words=words)
 
 
+@pytest.mark.parametrize("device", ["tpu", "mps", "meta", "cuda:x", "cpu:first"])
+def test_unsupported_devices_are_named(tmp_path, source, text_file, device):
+    quantize_refused(tmp_path, source, "--method", "gptq", "--dataset", text_file, "--nsamples", 2, "--seqlen", 32,
+                     "--device", device, words=[f"--device {device} is not supported", "cpu, cuda, cuda:N"])
+    assert_user_error(run("eval", "perplexity", source, "--dataset", text_file, "--device", device), "not supported")
+    with pytest.raises(QuantkitError, match="not supported"):
+        load_quantized(source, device_map=device)
+
+
 # --------------------------------------------------------------------------- windows past the model's context
 
 

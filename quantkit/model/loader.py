@@ -20,11 +20,19 @@ def parse_dtype(name):
 
 
 def resolve_device(device: str) -> str:
-    """'auto' -> the GPU when there is one, else the CPU; a CUDA device without a GPU is a user error."""
+    """'auto' -> the GPU when there is one, else the CPU. What the code runs on is the CPU and CUDA GPUs (the
+    kernels are Triton's for CUDA): any other device, a CUDA device without a GPU or past the last one is a user
+    error, named before anything loads."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
+        raise QuantkitError(f"--device {device} is not supported: use cpu, cuda, cuda:N (N = 0, 1, ...) or auto")
+    if kind == "cuda" and not torch.cuda.is_available():
         raise QuantkitError(f"--device {device} was asked for but no CUDA GPU is visible: use --device cpu or auto")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        raise QuantkitError(f"--device {device} was asked for but this machine has {torch.cuda.device_count()} "
+                            f"GPU(s): use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return device
 
 
