@@ -177,7 +177,7 @@ def convert(src, out, checkpoint_format, overwrite):
     from quantkit.formats.convert import convert as run
 
     report = run(src, out, checkpoint_format, overwrite)
-    click.echo(f"wrote {out} ({report['layers']} quantized linears, {report['source_quant_method']} -> "
+    click.echo(f"wrote {out} ({report['layers']} quantized linears, {report['source_format']} -> "
                f"{checkpoint_format})")
 
 

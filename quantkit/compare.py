@@ -18,6 +18,7 @@ Chosen over caching top-k log-probs because KL needs the whole base distribution
 """
 import math
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -193,12 +194,26 @@ def check_same_tokenizer(base_tok, quant_tok) -> None:
                             "the model it was made from")
 
 
+# What a quantized checkpoint keeps of the model it was made from (transformers maps the families' own names).
+SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
+
+
+def warn_if_unrelated(base_config, quant_config, base, quant) -> None:
+    """One warning line when the quantized model cannot have been made from the base (another family or shape):
+    its KLD and agreement would compare two different models, not measure quantization."""
+    differ = [f"{f} {getattr(quant_config, f, None)} vs {getattr(base_config, f, None)}" for f in SHAPE_FIELDS
+              if getattr(quant_config, f, None) != getattr(base_config, f, None)]
+    if differ:
+        print(f"warning: {quant} was not quantized from {base} ({', '.join(differ)}): these figures compare two "
+              "different models; pass the model it was made from as --base", file=sys.stderr)
+
+
 def compare_paths(quant: str, base: str, dataset: str, seqlen: int, max_tokens=None, device="auto", dtype=None,
                   low_memory=False, cache_dir=None, prompts=(), max_new_tokens=32, progress=True, stream=False,
                   trust_remote_code=False) -> dict:
     """`quantkit eval compare`: the figures of compare_models (or compare_low_memory) on `dataset`, plus the
     greedy continuations of each prompt by both models."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from quantkit.data import eval_ids
     from quantkit.eval import load_any
@@ -212,6 +227,9 @@ def compare_paths(quant: str, base: str, dataset: str, seqlen: int, max_tokens=N
             raise QuantkitError(f"no tokenizer could be loaded for {role} model {path} ({type(e).__name__}): "
                                 "pass a model folder with its tokenizer files") from e
     check_same_tokenizer(tokenizers["base"], tokenizers["quant"])
+    configs = {role: AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+               for role, path in (("base", base), ("quant", quant))}
+    warn_if_unrelated(configs["base"], configs["quant"], base, quant)
     tokenizer = tokenizers["base"]
     ids = eval_ids(tokenizer, dataset, max_tokens)
     continuations = {}

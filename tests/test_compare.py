@@ -147,6 +147,12 @@ def test_cli_compare(model_factory, tmp_path, text_file):
     assert json.loads(low.stdout) == data
     text = CliRunner().invoke(main, args)
     assert "KL divergence" in text.output and "top-1 agreement" in text.output and "quantized:" in text.output
+    assert "warning" not in text.stderr
+    # a base of another shape (same tokenizer) runs, with a warning naming what differs
+    unrelated = args[:4] + [str(model_factory("llama-deep"))] + args[5:]
+    warned = CliRunner().invoke(main, unrelated)
+    assert warned.exit_code == 0, warned.output
+    assert "warning: " in warned.stderr and "num_hidden_layers 2 vs 4" in warned.stderr
     # a base model with another tokenizer is refused
     other = tmp_path / "other"
     shutil.copytree(src, other)

@@ -98,6 +98,10 @@ def test_cli_convert_and_overwrite(sources, tmp_path):
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 2 and "already exists" in again.output
     assert CliRunner().invoke(main, [*args, "--overwrite"]).exit_code == 0
+    # the source's layout is named, not its quant_method ("gptq" for both GPTQ versions)
+    v2 = CliRunner().invoke(main, ["convert", str(sources["asym_v2"]), "-o", str(tmp_path / "v2"),
+                                   "--checkpoint-format", "compressed-tensors"])
+    assert v2.exit_code == 0 and "gptq_v2 -> compressed-tensors" in v2.output, v2.output
     refused = CliRunner().invoke(main, ["convert", str(sources["bits3"]), "-o", str(tmp_path / "x"),
                                         "--checkpoint-format", "awq"])
     assert refused.exit_code == 2 and "error: --checkpoint-format awq cannot store" in refused.output
