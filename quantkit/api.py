@@ -93,6 +93,9 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
     names = quantizable_linears(fp_model, arch)
     config.bind_fused_groups(fused_siblings(arch, names))
     specs = {n: config.spec_for(n) for n in names}
+    for override in config.unmatched_overrides(names):
+        print(f"warning: {override} matches none of the model's {len(names)} quantizable linears (such as "
+              f"{names[-1]}): it changes nothing; check its spelling", file=sys.stderr)
     if all(s is None for s in specs.values()):
         raise QuantkitError(f"the recipe's module overrides skip all {len(names)} quantizable linears: nothing to "
                             "quantize; remove a skip: true or narrow its pattern")

@@ -182,6 +182,11 @@ class QuantConfig:
                 spec.update({k: o[k] for k in ("bits", "group_size", "sym") if k in o})
         return LayerSpec(**spec, quantizer_name=self.quantizer)
 
+    def unmatched_overrides(self, names) -> list[str]:
+        """The recipe's overrides whose pattern matches none of `names` (a misspelled pattern changes nothing)."""
+        return [f"recipe modules[{i}] pattern {o['pattern']!r}" for i, o in enumerate(self.modules)
+                if not any(self._matches(o, n) for n in names)]
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

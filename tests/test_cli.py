@@ -71,6 +71,15 @@ def test_recipe_with_cli_override(model_factory, tmp_path):
     assert (tmp_path / "q2" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
+def test_a_recipe_pattern_that_matches_nothing_is_reported(model_factory, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("modules:\n  - pattern: 'down_prj'\n    bits: 8\n  - pattern: 'down_proj'\n    bits: 8\n")
+    result = run("quantize", model_factory("llama"), "-o", tmp_path / "q", "--recipe", recipe, "--group-size", 32)
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if "matches none" in line]
+    assert len(warnings) == 1 and "modules[0] pattern 'down_prj'" in warnings[0] and "check its spelling" in warnings[0]
+
+
 def test_toml_recipe(model_factory, tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text('bits = 3\ngroup_size = -1\nsym = false\n')
