@@ -255,9 +255,9 @@ def open_model(source: str, dtype="auto", trust_remote_code=False):
             if all(n in files for n in model.names):  # else renamed or missing tensors: transformers decides
                 model.check_shapes()
                 return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code), declared
-    print(f"note: {source} cannot be streamed block by block (not a local safetensors folder): loading it whole",
+    fp_model, tokenizer = loader.load_fp_model(source, dtype, trust_remote_code)  # a bad id fails here, without the note
+    print(f"note: {source} was loaded whole: it is not a local safetensors folder, which is read block by block",
           file=sys.stderr)
-    fp_model, tokenizer = loader.load_fp_model(source, dtype, trust_remote_code)
     return InMemoryModel(fp_model, source), tokenizer, loader.stored_dtype(fp_model, trust_remote_code)
 
 
