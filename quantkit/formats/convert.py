@@ -73,7 +73,8 @@ def convert(src, out, checkpoint_format: str, overwrite: bool = False) -> dict:
             kept[f"{name}.{suffix}"] = t
     config["quantization_config"] = new_qc
     report = {"quantkit_version": __version__, "converted_from": str(src), "source_quant_method": qc["quant_method"],
-              "source_format": qc.get("checkpoint_format", qc["quant_method"]), "checkpoint_format": checkpoint_format, "layers": len(results)}
+              "source_format": qc.get("checkpoint_format", qc["quant_method"]),  # gptq_v2 shows, not only "gptq"
+              "checkpoint_format": checkpoint_format, "layers": len(results)}
     with output.staged_folder(out, overwrite, sources=[src]) as tmp:
         checkpoint.write_tensors(tmp, kept, checkpoint.parse_size("4GB"))
         checkpoint.write_json(tmp / "config.json", config)
