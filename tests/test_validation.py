@@ -175,7 +175,8 @@ def test_calibration_windows_given_to_the_api_are_checked_too(tmp_path, model_fa
 
 def test_a_window_below_two_tokens_is_refused_before_anything_loads(tmp_path):
     # nothing at the model path and a hub dataset name: the option is what is named, at once
-    for command in (("eval", "perplexity", tmp_path / "none"), ("eval", "compare", tmp_path / "q", "--base", tmp_path / "b")):
+    for command in (("eval", "perplexity", tmp_path / "none"),
+                    ("eval", "compare", tmp_path / "q", "--base", tmp_path / "b")):
         assert_user_error(run(*command, "--seqlen", 1), "--seqlen must be at least 2")
 
 
@@ -188,8 +189,8 @@ def test_context_length_reads_the_config_and_its_rope_scaling():
               "high_freq_factor": 4.0, "rope_theta": 500000.0}
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}
     assert context_length(LlamaConfig(max_position_embeddings=4096)) == 4096
-    assert context_length(LlamaConfig(max_position_embeddings=4096, rope_parameters={"rope_type": "linear", "factor": 4.0,
-                                                                                     "rope_theta": 1e4})) == 16384
+    linear = {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}
+    assert context_length(LlamaConfig(max_position_embeddings=4096, rope_parameters=linear)) == 16384
     assert context_length(LlamaConfig(max_position_embeddings=131072, rope_parameters=llama3)) == 131072
     assert context_length(LlamaConfig(max_position_embeddings=32768, rope_parameters=yarn)) == 131072
     assert context_length(GPT2Config(n_positions=1024)) == 1024

@@ -255,7 +255,7 @@ def open_model(source: str, dtype="auto", trust_remote_code=False):
             if all(n in files for n in model.names):  # else renamed or missing tensors: transformers decides
                 model.check_shapes()
                 return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code), declared
-    fp_model, tokenizer = loader.load_fp_model(source, dtype, trust_remote_code)  # a bad id fails here, without the note
+    fp_model, tokenizer = loader.load_fp_model(source, dtype, trust_remote_code)  # a bad id fails here, note unsaid
     print(f"note: {source} was loaded whole: it is not a local safetensors folder, which is read block by block",
           file=sys.stderr)
     return InMemoryModel(fp_model, source), tokenizer, loader.stored_dtype(fp_model, trust_remote_code)
