@@ -222,7 +222,7 @@ def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json, stream
 @click.option("--low-memory", is_flag=True,
               help="Hold one model at a time: the base model's fp32 log-probs are cached on disk "
                    "(tokens x vocab x 4 bytes) and read back while the quantized model runs. Same numbers.")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+@click.option("--cache-dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Where --low-memory puts its temporary cache (default: the system temp folder).")
 @click.option("--prompts", default=None,
               help="A text file (one prompt per line) or a prompt: greedy continuations of both models side by "

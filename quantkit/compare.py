@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
 from quantkit.eval import check_eval_options, check_seqlen, model_logits, model_device, split_windows
+from quantkit.model.arch import context_length
 
 
 def mean_stderr(values: np.ndarray) -> dict:
@@ -208,6 +209,18 @@ def warn_if_unrelated(base_config, quant_config, base, quant) -> None:
               "different models; pass the model it was made from as --base", file=sys.stderr)
 
 
+def check_prompt_lengths(config, tokenizer, prompts, max_new_tokens: int) -> None:
+    """Before any work: a prompt and its continuation must fit the model's context (past it a RoPE model rambles
+    on positions it never saw, a learned position table fails)."""
+    limit = context_length(config)
+    for prompt in prompts:
+        n = len(tokenizer(prompt).input_ids)
+        if limit is not None and n + max_new_tokens > limit:
+            raise QuantkitError(f"the prompt {prompt[:40]!r} ({n} tokens) plus --max-new-tokens {max_new_tokens} is "
+                                f"longer than the model's context of {limit} tokens: use --max-new-tokens "
+                                f"{max(limit - n, 0)} or less, or a shorter prompt")
+
+
 def compare_paths(quant: str, base: str, dataset: str, seqlen: int, max_tokens=None, device="auto", dtype=None,
                   low_memory=False, cache_dir=None, prompts=(), max_new_tokens=32, progress=True, stream=False,
                   trust_remote_code=False) -> dict:
@@ -231,6 +244,7 @@ def compare_paths(quant: str, base: str, dataset: str, seqlen: int, max_tokens=N
                for role, path in (("base", base), ("quant", quant))}
     warn_if_unrelated(configs["base"], configs["quant"], base, quant)
     tokenizer = tokenizers["base"]
+    check_prompt_lengths(configs["base"], tokenizer, prompts, max_new_tokens)
     ids = eval_ids(tokenizer, dataset, max_tokens)
     continuations = {}
 

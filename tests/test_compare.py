@@ -148,6 +148,12 @@ def test_cli_compare(model_factory, tmp_path, text_file):
     text = CliRunner().invoke(main, args)
     assert "KL divergence" in text.output and "top-1 agreement" in text.output and "quantized:" in text.output
     assert "warning" not in text.stderr
+    # a continuation past the context (256) is refused before any work, a missing cache folder by name
+    too_long = args[:-1] + ["256"]
+    refused = CliRunner().invoke(main, too_long)
+    assert refused.exit_code == 2 and "--max-new-tokens 256" in refused.output and "context of 256" in refused.output
+    missing = CliRunner().invoke(main, args + ["--low-memory", "--cache-dir", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output and "Traceback" not in missing.output
     # a base of another shape (same tokenizer) runs, with a warning naming what differs
     unrelated = args[:4] + [str(model_factory("llama-deep"))] + args[5:]
     warned = CliRunner().invoke(main, unrelated)
