@@ -2,6 +2,7 @@
 import contextlib
 import dataclasses
 import math
+import re
 import sys
 import time
 
@@ -13,6 +14,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import checkpoint, codecs, compat, output, shards
 from quantkit.formats import quantkit_format, resume as resume_state
 from quantkit.loading import load_quantized  # noqa: F401  (public API)
+from quantkit.methods import quantizer as qz
 from quantkit.methods.registry import Method
 from quantkit.model.arch import (arch_for, block_linears, check_window, fused_groups, fused_siblings, get_submodule,
                                  get_weight, is_linear, require_scale_groups)
@@ -334,15 +336,36 @@ def _summary(res):
 
 
 def check_compat(model, arch, names, config) -> list[str]:
-    """The readers that would refuse the checkpoint (quantkit.formats.compat), before any calibration:
+    """Before any calibration: each layer's shape against its quantizer (an error), then the readers that would
+    refuse the checkpoint (quantkit.formats.compat):
     a QuantkitError for the --compat target, a warning line on stderr for each other reader."""
     specs = {n: config.spec_for(n) for n in names}
     shapes = {n: tuple(reversed(get_weight(model.get_submodule(n)).shape)) for n in names}
+    _check_units(specs, shapes)
     codecs.precheck(config, specs, shapes)
     found = compat.enforce(compat.check(config, specs, shapes, fused_groups(arch, names)), config.compat)
     for line in found:
         print(f"warning: {line}", file=sys.stderr)
     return found
+
+
+def _check_units(specs: dict, shapes: dict) -> None:
+    """Every layer's inputs split into its quantizer's units (E8 rounds 8 columns at a time), checked before any
+    work; the error names the layers and the recipe override that leaves them in floating point."""
+    refused = {}
+    for name, spec in specs.items():
+        try:
+            if spec is not None:
+                qz.check_shape(spec.quantizer(), shapes[name][0], spec.group_size)
+        except QuantkitError as e:
+            refused[name] = e
+    if refused:
+        first, reason = next(iter(refused.items()))
+        leaves = {n.split(".", 3)[-1] if n.count(".") >= 3 else n for n in refused}  # e.g. mlp.down_proj
+        pattern = "|".join(re.escape(leaf) for leaf in sorted(leaves))
+        more = f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""
+        raise QuantkitError(f"{first}{more}: {reason}. Keep such layers in floating point with a recipe override "
+                            f"(modules: - pattern: '({pattern})$' skip: true)")
 
 
 def _write_configs(tmp, model, tokenizer, results, names, config, method, report, save_dtype, codec):

@@ -151,6 +151,22 @@ def test_unsupported_devices_are_named(tmp_path, source, text_file, device):
         load_quantized(source, device_map=device)
 
 
+def test_layers_a_quantizer_cannot_split_are_named_before_any_work_with_the_override_that_skips_them(tmp_path):
+    from quantkit.demo import bundled_model_path
+
+    src = bundled_model_path()  # stories260k: every mlp.down_proj has 172 inputs, not a multiple of E8's 8
+    result = run("quantize", src, "-o", tmp_path / "out", "--method", "e8", "--bits", 2, "--group-size", 32)
+    assert_user_error(result, "model.layers.0.mlp.down_proj (and 4 more layers)", "multiples of 8")
+    assert "blocks" not in result.output and "e8:" not in result.output  # refused before the first block
+    pattern = result.output.strip().splitlines()[-1].split("pattern: '")[1].split("'")[0]
+    recipe = tmp_path / "skip.yaml"
+    recipe.write_text(f"modules:\n  - pattern: '{pattern}'\n    skip: true\n")
+    result = run("quantize", src, "-o", tmp_path / "out", "--method", "e8", "--bits", 2, "--group-size", 32,
+                 "--recipe", recipe)
+    assert result.exit_code == 0, result.output
+    assert "30 quantized linears" in result.output
+
+
 # --------------------------------------------------------------------------- windows past the model's context
 
 
