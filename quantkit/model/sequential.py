@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from quantkit.errors import QuantkitError
 from quantkit.finite import all_finite
 from quantkit.model.arch import Arch, get_submodule, get_weight, set_weight  # noqa: F401 (re-exported)
-from quantkit.model.replay import ReplayedOutputs, to_device
+from quantkit.model.replay import ReplayedOutputs, free_bytes, to_device
 
 
 class _StopForward(Exception):
@@ -49,6 +49,22 @@ def move_loaded(module: nn.Module, device, recurse=True) -> None:
 
 def first_tensor(out):
     return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def check_activation_memory(model_config, input_ids: torch.Tensor, dtype: torch.dtype, store_device) -> None:
+    """Refuse at once a calibration whose stored activations alone exceed the free memory of `store_device`: a
+    block's inputs and outputs for every sample (2 x tokens x hidden) are held there together, and past the host's
+    available memory the kernel's OOM killer ends the run without a word (its finished blocks kept for --resume)."""
+    hidden, free = getattr(model_config, "hidden_size", None), free_bytes(store_device)
+    if not isinstance(hidden, int) or free == 0:
+        return  # unknown: nothing to say in advance
+    width = torch.finfo(dtype).bits // 8
+    need = 2 * input_ids.numel() * hidden * width
+    if need > free:
+        raise QuantkitError(f"the calibration activations need {need / 2**30:.2f} GiB ({input_ids.shape[0]} x "
+                            f"{input_ids.shape[-1]} tokens x hidden size {hidden} x {width} bytes, a block's inputs "
+                            f"and outputs) but {free / 2**30:.2f} GiB are free: use fewer --nsamples or a shorter "
+                            "--seqlen")
 
 
 def capture_block_inputs(model, arch: Arch, input_ids: torch.Tensor, device, store_device="cpu"):
@@ -214,9 +230,11 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
     group = group or SINGLE
     model = source.model
     blocks = get_submodule(model, arch.blocks)
+    input_ids = group.split(input_ids)
+    check_activation_memory(model.config, input_ids, source.dtype, store_device)
     undo = source.load_outside(arch.blocks, device)  # embeddings etc. load on first use
     try:
-        inputs, kwargs = capture_block_inputs(model, arch, group.split(input_ids), device, store_device)
+        inputs, kwargs = capture_block_inputs(model, arch, input_ids, device, store_device)
     finally:
         undo()
     stages = arch.sequential if true_sequential else (tuple(n for s in arch.sequential for n in s),)
