@@ -226,19 +226,14 @@ def compare_paths(quant: str, base: str, dataset: str, seqlen: int, max_tokens=N
                   trust_remote_code=False) -> dict:
     """`quantkit eval compare`: the figures of compare_models (or compare_low_memory) on `dataset`, plus the
     greedy continuations of each prompt by both models."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from quantkit.data import eval_ids
     from quantkit.eval import load_any
+    from quantkit.model.loader import load_tokenizer
 
     check_seqlen(seqlen)
-    tokenizers = {}
-    for role, path in (("base", base), ("quant", quant)):
-        try:
-            tokenizers[role] = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as e:
-            raise QuantkitError(f"no tokenizer could be loaded for {role} model {path} ({type(e).__name__}): "
-                                "pass a model folder with its tokenizer files") from e
+    tokenizers = {role: load_tokenizer(path, trust_remote_code) for role, path in (("base", base), ("quant", quant))}
     check_same_tokenizer(tokenizers["base"], tokenizers["quant"])
     configs = {role: AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
                for role, path in (("base", base), ("quant", quant))}

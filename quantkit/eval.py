@@ -128,19 +128,13 @@ def load_any(path, device="auto", dtype=None, stream=False, trust_remote_code=Fa
     """(model, tokenizer) for a quantized folder or a floating-point model (folder or hub id).
     stream: keep the decoder blocks on disk and read each as it runs (quantkit.model.offload).
     trust_remote_code: run a floating-point model's own code (config.json auto_map); off by default."""
-    from transformers import AutoTokenizer
-
     from quantkit.loading import load_quantized
-    from quantkit.model.loader import load_fp_model, resolve_device
+    from quantkit.model.loader import load_fp_model, load_tokenizer, resolve_device
 
     device = resolve_device(device)
     if is_quantized_folder(path):
         model = load_quantized(path, device_map=device, dtype=dtype, stream=stream)
-        try:
-            return model, AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as e:
-            raise QuantkitError(f"{path} has no usable tokenizer ({type(e).__name__}): copy the tokenizer files of "
-                                "the source model into it") from e
+        return model, load_tokenizer(path)
     dtype = dtype or ("float32" if device == "cpu" else "auto")
     if stream:
         return _stream_fp_model(path, device, dtype, trust_remote_code)

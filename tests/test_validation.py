@@ -147,6 +147,18 @@ def test_model_code_runs_only_with_trust_remote_code(tmp_path, source, monkeypat
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
+def test_a_folder_without_its_tokenizer_is_named(tmp_path, source, text_file, checkpoint_dir):
+    for folder in (source, checkpoint_dir):
+        for f in folder.glob("*"):
+            if f.name.startswith(("tokenizer", "special_tokens")):
+                f.unlink()
+    quantize_refused(tmp_path, source, "--method", "gptq", "--dataset", text_file, "--nsamples", 2, "--seqlen", 32,
+                     words=["no tokenizer could be loaded", "tokenizer files"])
+    for path in (source, checkpoint_dir):
+        assert_user_error(run("eval", "perplexity", path, "--dataset", text_file, "--device", "cpu"),
+                          "no tokenizer could be loaded")
+
+
 def test_quantizing_a_quantized_checkpoint(tmp_path, checkpoint_dir):
     quantize_refused(tmp_path, checkpoint_dir, words=["already quantized"])
 

@@ -55,7 +55,7 @@ def load_fp_model(source: str, dtype="auto", trust_remote_code=False):
     Weights are read from safetensors only (pickle .bin files can run code when loaded); a model's own Python
     code (auto_map in config.json) runs only with trust_remote_code=True (`--trust-remote-code`)."""
     from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     source = str(source)
     if looks_local(source):
@@ -67,7 +67,6 @@ def load_fp_model(source: str, dtype="auto", trust_remote_code=False):
         refuse_quantized(source, config)
         model, info = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=parse_dtype(dtype),
                                                            output_loading_info=True, use_safetensors=True, **remote)
-        tokenizer = AutoTokenizer.from_pretrained(source, **remote)
     except SafetensorError as e:
         raise QuantkitError(f"a safetensors file of model '{source}' is truncated or corrupted ({e}): "
                             "download or copy the model again") from e
@@ -76,7 +75,22 @@ def load_fp_model(source: str, dtype="auto", trust_remote_code=False):
     _check_complete(source, info)
     check_finite(model, f"model '{source}'")
     model.eval()
-    return model, tokenizer
+    return model, load_tokenizer(source, trust_remote_code)
+
+
+def load_tokenizer(source, trust_remote_code=False):
+    """The model's tokenizer; a folder without usable tokenizer files is a user error that says so."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):
+            raise load_error(str(source), e) from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise QuantkitError(f"no tokenizer could be loaded from '{source}' ({first}): the folder needs its model's "
+                            "tokenizer files (tokenizer.json or tokenizer.model, and tokenizer_config.json); copy "
+                            "them from where the model came from") from e
 
 
 def check_local_folder(source: str) -> None:

@@ -237,7 +237,7 @@ def compute_dtype_for(config, dtype):
 def open_model(source: str, dtype="auto", trust_remote_code=False):
     """(StreamedModel or InMemoryModel, tokenizer, stored dtype) for a quantization run (or a streamed
     evaluation). trust_remote_code: run the model's own code (config.json auto_map); off unless asked."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     source = str(source)
     folder = Path(source).expanduser()
@@ -254,7 +254,7 @@ def open_model(source: str, dtype="auto", trust_remote_code=False):
             model = StreamedModel(folder, config, compute_dtype_for(config, dtype), files, source, trust_remote_code)
             if all(n in files for n in model.names):  # else renamed or missing tensors: transformers decides
                 model.check_shapes()
-                return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code), declared
+                return model, loader.load_tokenizer(folder, trust_remote_code), declared
     fp_model, tokenizer = loader.load_fp_model(source, dtype, trust_remote_code)  # a bad id fails here, note unsaid
     print(f"note: {source} was loaded whole: it is not a local safetensors folder, which is read block by block",
           file=sys.stderr)
