@@ -361,7 +361,7 @@ def _check_units(specs: dict, shapes: dict) -> None:
             refused[name] = e
     if refused:
         first, reason = next(iter(refused.items()))
-        leaves = {n.split(".", 3)[-1] if n.count(".") >= 3 else n for n in refused}  # e.g. mlp.down_proj
+        leaves = {re.sub(r"^.*?\.\d+\.", "", n) for n in refused}  # after the block index: mlp.down_proj, fc2
         pattern = "|".join(re.escape(leaf) for leaf in sorted(leaves))
         more = f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""
         raise QuantkitError(f"{first}{more}: {reason}. Keep such layers in floating point with a recipe override "
