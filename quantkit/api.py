@@ -354,9 +354,10 @@ def _check_units(specs: dict, shapes: dict) -> None:
     work; the error names the layers and the recipe override that leaves them in floating point."""
     refused = {}
     for name, spec in specs.items():
+        if spec is None:
+            continue
         try:
-            if spec is not None:
-                qz.check_shape(spec.quantizer(), shapes[name][0], spec.group_size)
+            qz.check_shape(spec.quantizer(), shapes[name][0], spec.group_size)
         except QuantkitError as e:
             refused[name] = e
     if refused:

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
 from quantkit.eval import check_eval_options, check_seqlen, model_logits, model_device, split_windows
-from quantkit.model.arch import context_length
+from quantkit.model.arch import check_window
 
 
 def mean_stderr(values: np.ndarray) -> dict:
@@ -212,13 +212,11 @@ def warn_if_unrelated(base_config, quant_config, base, quant) -> None:
 def check_prompt_lengths(config, tokenizer, prompts, max_new_tokens: int) -> None:
     """Before any work: a prompt and its continuation must fit the model's context (past it a RoPE model rambles
     on positions it never saw, a learned position table fails)."""
-    limit = context_length(config)
     for prompt in prompts:
         n = len(tokenizer(prompt).input_ids)
-        if limit is not None and n + max_new_tokens > limit:
-            raise QuantkitError(f"the prompt {prompt[:40]!r} ({n} tokens) plus --max-new-tokens {max_new_tokens} is "
-                                f"longer than the model's context of {limit} tokens: use --max-new-tokens "
-                                f"{max(limit - n, 0)} or less, or a shorter prompt")
+        check_window(config, n + max_new_tokens, f"the prompt {prompt[:40]!r} ({n} tokens) plus --max-new-tokens "
+                     f"{max_new_tokens}", lambda limit: f"use --max-new-tokens {max(limit - n, 0)} or less, or a "
+                     "shorter prompt")
 
 
 def compare_paths(quant: str, base: str, dataset: str, seqlen: int, max_tokens=None, device="auto", dtype=None,

@@ -221,10 +221,11 @@ def context_length(model_config) -> int | None:
     return limit
 
 
-def check_window(model_config, seqlen: int, what: str) -> None:
-    """Refuse windows longer than the model's context (`what` names the setting, e.g. '--seqlen 4096'): past it a
-    learned position table fails with an index error and a RoPE model computes activations it never saw."""
+def check_window(model_config, length: int, what: str, fix=lambda limit: f"use --seqlen {limit} or less") -> None:
+    """Refuse `length` tokens past the model's context (`what` names them, e.g. '--seqlen 4096'; fix(limit) says
+    what to do instead): past it a learned position table fails with an index error and a RoPE model computes
+    activations it never saw."""
     limit = context_length(model_config)
-    if limit is not None and seqlen > limit:
+    if limit is not None and length > limit:
         raise QuantkitError(f"{what} is longer than the model's context of {limit} tokens (its config.json's "
-                            f"max_position_embeddings or equivalent): use --seqlen {limit} or less")
+                            f"max_position_embeddings or equivalent): {fix(limit)}")

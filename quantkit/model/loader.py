@@ -87,10 +87,9 @@ def load_tokenizer(source, trust_remote_code=False):
     except (OSError, ValueError) as e:
         if "trust_remote_code" in str(e):
             raise load_error(str(source), e) from e
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise QuantkitError(f"no tokenizer could be loaded from '{source}' ({first}): the folder needs its model's "
-                            "tokenizer files (tokenizer.json or tokenizer.model, and tokenizer_config.json); copy "
-                            "them from where the model came from") from e
+        raise QuantkitError(f"no tokenizer could be loaded from '{source}' ({_first_line(e)}): the folder needs its "
+                            "model's tokenizer files (tokenizer.json or tokenizer.model, and tokenizer_config.json); "
+                            "copy them from where the model came from") from e
 
 
 def check_local_folder(source: str) -> None:
@@ -103,12 +102,16 @@ def check_local_folder(source: str) -> None:
 
 def load_error(source: str, e: Exception) -> QuantkitError:
     """What transformers' failure to load `source` means for the user."""
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if "trust_remote_code" in str(e):
         return QuantkitError(f"model '{source}' ships its own Python code (auto_map in its config.json), which "
                              "quantkit runs only when asked: pass --trust-remote-code if you trust that code")
-    return QuantkitError(f"could not load model '{source}' ({first}): check the id or path, "
+    return QuantkitError(f"could not load model '{source}' ({_first_line(e)}): check the id or path, "
                          "or download the model and pass its folder")
+
+
+def _first_line(e: Exception) -> str:
+    """The first line of an exception's message (transformers' run to paragraphs), or its type's name."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def check_safetensors(source: str) -> None:
