@@ -75,7 +75,7 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     group, device = distributed.from_environment(resolve_device(device))  # under torchrun: this process's share
     with contextlib.closing(group):  # a process group started here ends here, on every rank
         if group.active:
-            _check_distributed(config, resume)
+            distributed.check_supported(config, resume)
         if not group.is_writer:
             return _follow(group, model, config, device, dtype, calibration_ids, trust_remote_code)
         return _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable,
@@ -176,15 +176,6 @@ def _calibration(config: QuantConfig, tokenizer, calibration_ids, model_config):
     from quantkit.data import calibration_ids as load_calibration
 
     return load_calibration(tokenizer, config.dataset, config.nsamples, config.seqlen, config.seed)
-
-
-def _check_distributed(config: QuantConfig, resume: bool) -> None:
-    """What a torchrun run can do: GPTQ-style calibration (summed Hessians), not AWQ's search, not --resume."""
-    if resume:
-        raise QuantkitError("--resume is not supported under torchrun: resume the run with a single process")
-    if config.needs_calibration and "awq" in config.method:
-        raise QuantkitError(f"--method {config.method} cannot be spread over processes (AWQ's scale search needs "
-                            "every sample's activations in one place): run it as a single process")
 
 
 def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids, trust_remote_code) -> None:

@@ -13,6 +13,10 @@ class _Group(click.Group):
     """Turns QuantkitError (a user mistake) into one line on stderr and exit code 2, and running out of memory
     (CPU, or torch's CUDA OutOfMemoryError) into one line and exit code 1: never a traceback."""
 
+    def main(self, args=None, *rest, **kwargs):
+        self.argv = list(sys.argv[1:] if args is None else args)  # what --processes hands on to its processes
+        return super().main(args, *rest, **kwargs)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -146,15 +150,28 @@ def build_config(ctx, params: dict, recipe_path) -> QuantConfig:
                    "device, versions, source model or calibration data differ. Without --resume an interrupted run "
                    "of OUT is an error (never silently deleted or reused): resume it, or delete its .OUT.tmp-PID "
                    "folder to start over.")
+@click.option("--processes", type=click.IntRange(min=1), default=1,
+              help="Spread calibration over N processes of this machine, started by quantkit (what torchrun "
+                   "--nproc-per-node N does): with --device cuda process r runs on cuda:r (NCCL; choose the GPUs "
+                   "with CUDA_VISIBLE_DEVICES), on the CPU they share its cores (gloo). Each process forwards its "
+                   "share of the samples; the Hessians are summed, so the checkpoint is the single-process one. "
+                   "GPTQ-style methods; not awq, not with --resume; data-free methods run as one process.")
 @click.pass_context
 @click.option("--trust-remote-code", is_flag=True, help=TRUST_HELP)
-def quantize(ctx, model, out, recipe, device, dtype, overwrite, resume, trust_remote_code, **params):
+def quantize(ctx, model, out, recipe, device, dtype, overwrite, resume, processes, trust_remote_code, **params):
     """Quantize MODEL (hub id or local folder) into the checkpoint folder OUT."""
     from quantkit import distributed
     from quantkit.api import quantize as run
     from quantkit.report import layer_table
 
     config = build_config(ctx, params, recipe)
+    if processes > 1 and not config.needs_calibration:
+        click.echo(f"note: --method {config.method} needs no calibration, which is what --processes spreads: running "
+                   "as one process", err=True)
+    elif processes > 1:
+        ctx.exit(_launch(processes, model, out, config, device, overwrite, resume))
+    elif config.needs_calibration and not distributed.under_torchrun():
+        _mention_idle_gpus(device)
     report = run(model, out, config, device=device, dtype=dtype, overwrite=overwrite, resume=resume,
                  trust_remote_code=trust_remote_code)
     if report is not None:  # None: a torchrun process other than rank 0, which writes and reports
@@ -162,6 +179,34 @@ def quantize(ctx, model, out, recipe, device, dtype, overwrite, resume, trust_re
         click.echo(f"wrote {out} ({len(report['layers'])} quantized linears, {report['seconds']:.1f} s)")
     if distributed.under_torchrun():
         distributed.leave_now()
+
+
+def _launch(processes: int, model: str, out: str, config: QuantConfig, device: str, overwrite: bool,
+            resume: bool) -> int:
+    """quantize --processes N: this same command as N ranks (quantkit.distributed), checked before any starts."""
+    from quantkit import distributed
+    from quantkit.formats.output import check_output
+    from quantkit.model.loader import resolve_device
+
+    if distributed.under_torchrun():
+        raise QuantkitError("--processes starts its own processes: under torchrun leave it out (torchrun's "
+                            "--nproc-per-node sets the number)")
+    distributed.check_supported(config, resume)
+    if config.nsamples < processes:
+        raise QuantkitError(f"--nsamples {config.nsamples} cannot be shared by {processes} processes: use at least "
+                            "one sample per process")
+    check_output(out, overwrite, sources=[model])  # rank 0 checks again; this saves starting N model loads
+    argv = distributed.without_option(main.argv, "--processes")
+    return distributed.launch_local(processes, argv, resolve_device(device))
+
+
+def _mention_idle_gpus(device: str) -> None:
+    import torch
+
+    if device in ("auto", "cuda") and torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        count = torch.cuda.device_count()
+        click.echo(f"note: calibrating on cuda:0 alone while {count} GPUs are visible: --processes {count} spreads "
+                   "the work over all of them", err=True)
 
 
 @main.command()

@@ -9,7 +9,11 @@ Hessian a single process would have accumulated, up to float summation order. Ea
 share of the stage's linears (round robin) and sends the results to all (every rank needs the quantized
 weights for the next stage's inputs); rank 0 alone writes the checkpoint. Without torchrun (WORLD_SIZE unset
 or 1) every method here is a no-op and nothing is imported from torch.distributed.
+
+`quantkit quantize --processes N` starts the same N processes itself (launch_local: torchrun's launcher used as
+a library), so one machine's GPUs are used without a torchrun command line.
 """
+import logging
 import os
 import sys
 
@@ -104,6 +108,63 @@ def leave_now() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def check_supported(config, resume: bool) -> None:
+    """What a run over several processes can do: GPTQ-style calibration (summed Hessians), not AWQ's search, not
+    --resume. Checked before any process starts."""
+    if resume:
+        raise QuantkitError("--resume is not supported over several processes: resume the run with a single process")
+    if config.needs_calibration and "awq" in config.method:
+        raise QuantkitError(f"--method {config.method} cannot be spread over processes (AWQ's scale search needs "
+                            "every sample's activations in one place): run it as a single process")
+
+
+def launch_local(processes: int, argv: list, device: str) -> int:
+    """Run `python -m quantkit.cli *argv` as `processes` ranks of one job on this machine and wait for them: rank
+    r on cuda:r when `device` is CUDA (NCCL), all on the CPU otherwise (gloo). Returns the exit code: 0, or the
+    first failed rank's (the launcher stops the other ranks when one fails). `device` is already resolved."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    if device.startswith("cuda"):
+        if device != "cuda":
+            raise QuantkitError(f"--processes {processes} puts process r on cuda:r, so --device {device} cannot be "
+                                "kept: give --device cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs)")
+        if processes > torch.cuda.device_count():
+            raise QuantkitError(f"--processes {processes} asks for one GPU per process, but this machine has "
+                                f"{torch.cuda.device_count()}: use at most --processes {torch.cuda.device_count()}")
+    # torchrun gives each process 1 thread; the CPU's cores shared out serve a CPU run better
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // processes)))
+    # the launcher logs every stop (W/E lines with pids, each logger at its own level); the processes' own
+    # messages and the line below say what the user needs
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
+            logger.setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(["--standalone", f"--nproc-per-node={processes}", "-m", "quantkit.cli", *argv]))
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        print(f"error: process {rank} of {processes} stopped with exit code {failure.exitcode}, which ended the run "
+              "(its message is above)", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException as e:  # Ctrl-C or SIGTERM: the launcher stopped the processes, which said what they kept
+        return 128 + int(e.sigval)
+    return 0
+
+
+def without_option(argv: list, option: str) -> list:
+    """argv less `option VALUE` and `option=VALUE`."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            kept.append(arg)
+    return kept
 
 
 def from_environment(device: str) -> tuple[Group, str]:

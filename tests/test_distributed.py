@@ -15,24 +15,29 @@ from quantkit.errors import QuantkitError
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
 
-def quantize_cli(nproc, src, out, text, method):
+def quantize_cli(nproc, src, out, text, method, launch="torchrun"):
+    """launch: torchrun, or quantkit's own --processes."""
     args = ["quantize", str(src), "-o", str(out), "--method", method, "--bits", "4", "--group-size", "32",
             "--dataset", str(text), "--nsamples", "6", "--seqlen", "48", "--device", "cpu"]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-                if nproc > 1 else [sys.executable])
+    launcher = [sys.executable]
+    if nproc > 1 and launch == "torchrun":
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    elif nproc > 1:
+        args += ["--processes", str(nproc)]
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(out.parent)}
     done = subprocess.run([*launcher, "-m", "quantkit.cli", *args], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
 
-@pytest.mark.parametrize("method", ["gptq", "turboquant+gptq"])
-def test_two_gloo_ranks_write_what_one_process_writes(model_factory, tmp_path, method):
+@pytest.mark.parametrize("method,launch", [("gptq", "torchrun"), ("turboquant+gptq", "torchrun"),
+                                           ("gptq", "--processes")])
+def test_two_gloo_ranks_write_what_one_process_writes(model_factory, tmp_path, method, launch):
     text = tmp_path / "calib.txt"
     text.write_text("\n".join(f"Once upon a time there was a little cat number {i} who liked to play." for i in range(300)))
     src = model_factory("llama-gqa")
     quantize_cli(1, src, tmp_path / "one", text, method)
-    two = quantize_cli(2, src, tmp_path / "two", text, method)
+    two = quantize_cli(2, src, tmp_path / "two", text, method, launch)
     assert two.stdout.count("wrote ") == 1  # rank 0 reports, the other rank stays quiet
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("one", "two"))
     assert a.keys() == b.keys()
@@ -74,10 +79,62 @@ def test_samples_split_contiguously_and_too_few_are_refused():
 
 
 def test_what_cannot_be_spread_is_refused():
-    from quantkit.api import _check_distributed
+    from quantkit.distributed import check_supported
 
     with pytest.raises(QuantkitError, match="single process"):
-        _check_distributed(QuantConfig(method="awq+gptq"), resume=False)
+        check_supported(QuantConfig(method="awq+gptq"), resume=False)
     with pytest.raises(QuantkitError, match="--resume"):
-        _check_distributed(QuantConfig(method="gptq"), resume=True)
-    _check_distributed(QuantConfig(method="gptq"), resume=False)
+        check_supported(QuantConfig(method="gptq"), resume=True)
+    check_supported(QuantConfig(method="gptq"), resume=False)
+
+
+def test_processes_option_refuses_before_starting_any(tmp_path, monkeypatch):
+    """Every refusal of --processes comes from the launching process, before N model loads: nothing is started
+    (the launcher is replaced by a failure) and nothing is written."""
+    from click.testing import CliRunner
+
+    from quantkit import distributed
+    from quantkit.cli import main
+
+    monkeypatch.setattr(distributed, "launch_local", lambda *a: pytest.fail("a process was started"))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("")
+    base = ["quantize", "model", "--method", "gptq", "--processes", "2", "--device", "cpu"]
+    cases = {"--method awq cannot be spread": ["-o", str(tmp_path / "a"), "--method", "awq"],
+             "--resume is not supported": ["-o", str(tmp_path / "a"), "--resume"],
+             "--nsamples 1 cannot be shared by 2": ["-o", str(tmp_path / "a"), "--nsamples", "1"],
+             "already exists": ["-o", str(tmp_path / "taken")]}
+    for message, extra in cases.items():
+        result = CliRunner().invoke(main, base + extra)
+        assert result.exit_code == 2 and message in result.output, result.output
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = CliRunner().invoke(main, base + ["-o", str(tmp_path / "a")])
+    assert result.exit_code == 2 and "under torchrun leave it out" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_processes_need_one_gpu_each_and_the_whole_cuda_device():
+    from quantkit.distributed import launch_local
+
+    with pytest.raises(QuantkitError, match="give --device cuda"):
+        launch_local(2, ["quantize"], "cuda:1")
+    with pytest.raises(QuantkitError, match=f"this machine has {torch.cuda.device_count()}"):
+        launch_local(torch.cuda.device_count() + 1, ["quantize"], "cuda")
+
+
+def test_the_processes_get_the_command_without_processes():
+    from quantkit.distributed import without_option
+
+    argv = ["quantize", "m", "--processes", "2", "-o", "out", "--processes=3", "--seqlen", "8"]
+    assert without_option(argv, "--processes") == ["quantize", "m", "-o", "out", "--seqlen", "8"]
+
+
+def test_a_data_free_method_with_processes_runs_as_one(model_factory, tmp_path):
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    result = CliRunner().invoke(main, ["quantize", str(model_factory("llama-gqa")), "-o", str(tmp_path / "q"),
+                                       "--method", "rtn", "--processes", "2", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "running as one process" in result.output and (tmp_path / "q" / "model.safetensors").exists()

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from quantkit.distributed import under_torchrun
 from quantkit.errors import QuantkitError
 
 REPORT_NAME = "quantkit_report.json"
@@ -272,15 +273,22 @@ def staged_folder(out, overwrite: bool, sources=(), adopt: Path | None = None, k
             _discard(staging, created)
             raise _write_error(out, e) from e
         raise QuantkitError(f"could not write {out} ({e.strerror or e}): no space left on the device; {kept}: "
-                            "free some space and run the same command with --resume, or delete that folder") from e
+                            f"free some space and {_resume_hint()}, or delete that folder") from e
     except BaseException as e:
         kept = _keep(staging, keep) if _from_outside(e) else None
         if kept is None:
             _discard(staging, created)
         else:
             what = "interrupted" if isinstance(e, KeyboardInterrupt) else "out of memory"
-            _say(f"{what}: {kept}; run the same command with --resume to continue, or delete that folder")
+            _say(f"{what}: {kept}; {_resume_hint()} to continue, or delete that folder")
         raise
+
+
+def _resume_hint() -> str:
+    """A run over several processes resumes as one (the blocks it wrote are the same either way)."""
+    if under_torchrun():
+        return "run the same command as one process (without --processes or torchrun) with --resume"
+    return "run the same command with --resume"
 
 
 def _from_outside(e: BaseException) -> bool:
