@@ -13,6 +13,7 @@ or 1) every method here is a no-op and nothing is imported from torch.distribute
 `quantkit quantize --processes N` starts the same N processes itself (launch_local: torchrun's launcher used as
 a library), so one machine's GPUs are used without a torchrun command line.
 """
+import io
 import logging
 import os
 import sys
@@ -25,8 +26,8 @@ from quantkit.errors import QuantkitError
 class Group:
     """The ranks of the run: rank/world, and the few collective steps the block loop needs."""
 
-    def __init__(self, rank: int = 0, world: int = 1, owns_process_group: bool = False):
-        self.rank, self.world = rank, world
+    def __init__(self, rank: int = 0, world: int = 1, owns_process_group: bool = False, device: str = "cpu"):
+        self.rank, self.world, self.device = rank, world, device
         self.owns_process_group = owns_process_group  # started by from_environment (not by the caller's code)
 
     @property
@@ -71,14 +72,15 @@ class Group:
             obs.nsamples = next(o.nsamples for o in observers if o.H is obs.H)
 
     def broadcast(self, obj, src: int):
-        """obj of rank `src` on every rank (pickled: a QuantResult with its tensors)."""
+        """obj of rank `src` on every rank, its tensors on this rank's device: a GPU tensor pickled as it is would
+        come back on the sender's GPU (a second CUDA context there, and a device mismatch on the next step)."""
         if not self.active:
             return obj
         import torch.distributed as dist
 
-        box = [obj if self.rank == src else None]
+        box = [to_bytes(obj) if self.rank == src else None]
         dist.broadcast_object_list(box, src=src)
-        return box[0]
+        return obj if self.rank == src else from_bytes(box[0], self.device)
 
     def close(self) -> None:
         """Tear down the process group this module started, while Python is still whole: a process that exits with
@@ -94,6 +96,18 @@ class Group:
 
 
 SINGLE = Group()
+
+
+def to_bytes(obj) -> bytes:
+    """obj (any picklable object holding tensors on any device) as torch.save's bytes."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes, device) -> object:
+    """to_bytes' object back, every tensor on `device` (quantkit's own objects: not weights_only)."""
+    return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
 
 
 def under_torchrun() -> bool:
@@ -186,4 +200,4 @@ def from_environment(device: str) -> tuple[Group, str]:
     starts = not dist.is_initialized()  # else the caller's own group, left for it to end
     if starts:
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    return Group(rank, world, owns_process_group=starts), device
+    return Group(rank, world, owns_process_group=starts, device=device), device

@@ -138,3 +138,19 @@ def test_a_data_free_method_with_processes_runs_as_one(model_factory, tmp_path):
                                        "--method", "rtn", "--processes", "2", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert "running as one process" in result.output and (tmp_path / "q" / "model.safetensors").exists()
+
+
+def test_results_sent_between_processes_land_on_the_receivers_device():
+    """Pickled as they are, the tensors of a result quantized on cuda:0 would come back on cuda:0 in the process
+    of cuda:1; what Group.broadcast sends is rebuilt on the receiver's device (meta stands in for another GPU)."""
+    from quantkit.distributed import from_bytes, to_bytes
+    from quantkit.methods.grid import Grid
+    from quantkit.methods.result import QuantResult
+
+    res = QuantResult(torch.zeros(4, 8, dtype=torch.int32), {"scale": torch.ones(4, 1)}, torch.zeros(8, dtype=torch.int32),
+                      Grid(4, True), 8, stats={"error": 0.5})
+    got = from_bytes(to_bytes(res), "meta")
+    assert got.codes.device.type == got.params["scale"].device.type == got.g_idx.device.type == "meta"
+    assert got.codes.shape == (4, 8) and got.stats == {"error": 0.5} and got.quantizer.bits == 4
+    same = from_bytes(to_bytes(res), "cpu")
+    assert torch.equal(same.codes, res.codes) and torch.equal(same.params["scale"], res.params["scale"])
