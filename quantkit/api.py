@@ -125,7 +125,8 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
         else:
             resume_state.clean(tmp)
             start = job.restore(tmp, resume_state.finished_blocks(tmp), device)
-            print(f"resuming {out}: blocks 0-{start - 1} of {n_blocks} are done", file=sys.stderr)
+            finished = "block 0" if start == 1 else f"blocks 0-{start - 1}"
+            print(f"resuming {out}: {finished} of {n_blocks} {'is' if start == 1 else 'are'} done", file=sys.stderr)
         if start == n_blocks:
             blocks = (b for b in ())
         elif config.needs_calibration:

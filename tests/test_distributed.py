@@ -154,3 +154,44 @@ def test_results_sent_between_processes_land_on_the_receivers_device():
     assert got.codes.shape == (4, 8) and got.stats == {"error": 0.5} and got.quantizer.bits == 4
     same = from_bytes(to_bytes(res), "cpu")
     assert torch.equal(same.codes, res.codes) and torch.equal(same.params["scale"], res.params["scale"])
+
+
+def test_a_killed_multi_process_run_resumes_as_one_process(model_factory, tmp_path):
+    """Rank 0 (the writer) SIGKILLed after block 0: the launcher stops the other rank, the staging folder keeps
+    block 0, and the same command as one process with --resume finishes the checkpoint one process writes
+    (byte-identical on this model, as the uninterrupted 2-process run is; the report's errors differ in the
+    Hessians' last bits)."""
+    from test_resume import KILLER
+
+    text = tmp_path / "calib.txt"
+    text.write_text("\n".join(f"Once upon a time there was a little cat number {i} who liked to play." for i in range(300)))
+    src = model_factory("llama-gqa")
+    quantize_cli(1, src, tmp_path / "one", text, "gptq")
+    killer = tmp_path / "killer.py"
+    killer.write_text(KILLER)
+    out = tmp_path / "two"
+    args = ["quantize", str(src), "-o", str(out), "--method", "gptq", "--bits", "4", "--group-size", "32",
+            "--dataset", str(text), "--nsamples", "6", "--seqlen", "48", "--device", "cpu"]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(killer), "block-00000", *args], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode != 0
+    left = list(tmp_path.glob(".two.tmp-*"))
+    assert len(left) == 1 and len(list(left[0].glob("part-block-*.safetensors"))) == 1 and not out.exists()
+
+    resumed = subprocess.run([sys.executable, "-m", "quantkit.cli", *args, "--resume"], capture_output=True,
+                             text=True, env=env, timeout=600)
+    assert resumed.returncode == 0 and "block 0 of 2 is done" in resumed.stdout + resumed.stderr, resumed.stderr
+    files = sorted(p.name for p in out.iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "one").iterdir())
+    for name in files:
+        if name != "quantkit_report.json":
+            assert (out / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
+def test_an_interrupted_multi_process_run_says_to_resume_as_one(monkeypatch):
+    from quantkit.formats.output import _resume_hint
+
+    assert _resume_hint() == "run the same command with --resume"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "as one process (without --processes or torchrun) with --resume" in _resume_hint()
