@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from quantkit.kernels.device import on_device
+
 try:  # the module must import where triton does not (CPU-only installs)
     import triton
     import triton.language as tl
@@ -120,8 +122,9 @@ def rotate_triton(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Ten
         tile = block_m * block
         warps = 4 if tile <= 4096 else 8 if tile <= 16384 else 16
         grid = (triton.cdiv(m, block_m), n // block)
-        _rotate_kernel[grid](x2, s, y, m, n, 1.0 / math.sqrt(block), B=block, LOG_B=block.bit_length() - 1,
-                             BLOCK_M=block_m, num_warps=warps)
+        with on_device(x2):
+            _rotate_kernel[grid](x2, s, y, m, n, 1.0 / math.sqrt(block), B=block, LOG_B=block.bit_length() - 1,
+                                 BLOCK_M=block_m, num_warps=warps)
     return y.reshape(x.shape)
 
 

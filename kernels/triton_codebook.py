@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from quantkit.formats import bitpack
+from quantkit.kernels.device import on_device
 from quantkit.kernels.triton_decode import _packed_codes
 
 
@@ -130,9 +131,10 @@ def codebook_matmul(x, codes, scales, g_idx, codebook, bits, bias=None, lattice_
     block_m = 16 if m <= 16 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
     table = codebook if decode == E8P else codebook.float().contiguous()
-    codebook_kernel[grid](x, codes, scales, g_idx.to(torch.int32), table,
-                          bias if bias is not None else scales, y, m, n, k, kw, float(lattice_offset or 0.0),
-                          float(e8p_ratio or 1.0), BITS=bits,
-                          DECODE=decode, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-                          BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32)
+    with on_device(x):
+        codebook_kernel[grid](x, codes, scales, g_idx.to(torch.int32), table,
+                              bias if bias is not None else scales, y, m, n, k, kw, float(lattice_offset or 0.0),
+                              float(e8p_ratio or 1.0), BITS=bits,
+                              DECODE=decode, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                              BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32)
     return y

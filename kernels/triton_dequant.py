@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.device import on_device
 from quantkit.kernels.triton_decode import _decode, _group_params, _group_row, _in_range, _packed_codes
 from quantkit.kernels.triton_gptq import fits_groups
 from quantkit.kernels.triton_gptq_ops import check_packed, group_layout
@@ -108,7 +109,8 @@ def dequantize_checked(qweight, qzeros, scales, g_idx, bits, in_features, zero_o
         kernel, config = _heuristic_kernel, dict(config)
         uniform = uniform and gs % config["BLOCK_K"] == 0
     grid = lambda a: (triton.cdiv(n, a["BLOCK_N"]), triton.cdiv(k, a["BLOCK_K"]))  # noqa: E731
-    kernel[grid](qw_ptr=qweight, qz_ptr=qzeros, s_ptr=scales, g_ptr=g_idx, w_ptr=w, N=n, K=k,
-                 KW=qweight.shape[0], NW=qzeros.shape[1], GS=gs if uniform else 1, UNIFORM=uniform,
-                 **meta, **(config or {}))
+    with on_device(w):
+        kernel[grid](qw_ptr=qweight, qz_ptr=qzeros, s_ptr=scales, g_ptr=g_idx, w_ptr=w, N=n, K=k,
+                     KW=qweight.shape[0], NW=qzeros.shape[1], GS=gs if uniform else 1, UNIFORM=uniform,
+                     **meta, **(config or {}))
     return w

@@ -11,6 +11,7 @@ import torch
 import triton
 
 from quantkit.formats import bitpack
+from quantkit.kernels.device import on_device
 from quantkit.kernels.triton_gptq import (DECODE_CONFIGS, GEMM_CONFIGS, M1_CONFIGS, decode_kernel, gemm_kernel,
                                           m1_kernel, split_k, untuned_kernel)
 
@@ -154,12 +155,13 @@ def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, in_features, bias=None,
     meta["UNIFORM"] = uniform
     ws, locks = _workspace(x.device, *sizes)
     grid = lambda a: (triton.cdiv(m, a["BLOCK_M"]) * triton.cdiv(n, a["BLOCK_N"]), a["SPLIT_K"])  # noqa: E731
-    kernel[grid](
-        x_ptr=x, qw_ptr=qweight, qz_ptr=qzeros, s_ptr=scales, g_ptr=g_idx,
-        b_ptr=bias if bias is not None else y, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
-        M=m, N=n, K=k, KW=qweight.shape[0], NW=qzeros.shape[1], GS=gs if uniform else 1,
-        stride_xm=x.stride(0), stride_ym=y.stride(0), M_BUCKET=_m_bucket(m), NUM_SMS=num_sms,
-        **meta, **(config or {}))
+    with on_device(x):
+        kernel[grid](
+            x_ptr=x, qw_ptr=qweight, qz_ptr=qzeros, s_ptr=scales, g_ptr=g_idx,
+            b_ptr=bias if bias is not None else y, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
+            M=m, N=n, K=k, KW=qweight.shape[0], NW=qzeros.shape[1], GS=gs if uniform else 1,
+            stride_xm=x.stride(0), stride_ym=y.stride(0), M_BUCKET=_m_bucket(m), NUM_SMS=num_sms,
+            **meta, **(config or {}))
     return y
 
 

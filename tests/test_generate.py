@@ -55,3 +55,15 @@ def test_static_cache_decode_gives_the_same_tokens(checkpoint, device):
     dynamic = model.generate(prompt, **kwargs)
     static = model.generate(prompt, cache_implementation="static", **kwargs)
     assert static.shape == (2, 17) and torch.equal(static, dynamic)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_model_on_the_second_gpu_generates_while_the_first_is_current(checkpoint):
+    """Triton launches on the current device: without quantkit.kernels.device's guard a layer on cuda:1 fails
+    while cuda:0 is current (the default in a process that did not choose)."""
+    src, out = checkpoint
+    assert torch.cuda.current_device() == 0
+    model = load_quantized(out, device_map="cuda:1", dtype=torch.float16)
+    prompt = torch.tensor([[1, 17, 42, 99, 7]], device="cuda:1")
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, **kwargs), fake_quant(src, torch.float16, "cuda:1").generate(prompt, **kwargs))

@@ -447,3 +447,39 @@ def test_use_m1_configs_swaps_candidates_and_resizes_the_workspace():
 def test_interpreter_cases_in_fresh_process():
     """Triton was imported before this module could turn the interpreter on: rerun it in a new one."""
     rerun_with_interpreter(__file__, timeout=900)
+
+
+def test_launches_run_on_their_tensors_gpu(monkeypatch):
+    """Every Triton launch in quantkit.kernels sits under on_device(...), which makes the tensors' GPU current
+    when another one is (Triton launches on the current device)."""
+    import ast
+    import contextlib
+    from pathlib import Path
+
+    from quantkit.kernels import device as kd
+
+    class FakeCuda:
+        is_cuda, device = True, torch.device("cuda", 1)
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: (entered.append(d), contextlib.nullcontext())[1])
+    with kd.on_device(FakeCuda()):
+        pass
+    assert entered == [torch.device("cuda", 1)]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    with kd.on_device(FakeCuda()), kd.on_device(torch.zeros(1)):
+        pass
+    assert len(entered) == 1  # already current, or a CPU tensor: no guard
+
+    root = Path(kd.__file__).parent
+    unguarded = []
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        guarded = {id(n) for w in ast.walk(tree) if isinstance(w, ast.With)
+                   and any("on_device" in ast.unparse(item.context_expr) for item in w.items)
+                   for n in ast.walk(w)}
+        for node in ast.walk(tree):  # kernel[grid](...): a call of a subscript
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and id(node) not in guarded:
+                unguarded.append(f"{path.name}:{node.lineno}")
+    assert not unguarded, unguarded
