@@ -18,9 +18,12 @@ from quantkit.model.arch import arch_for, get_weight
 def _device(device_map):
     if device_map is None:
         return "cpu"
+    if device_map == "balanced":
+        return resolve_device("cuda")
     if isinstance(device_map, (str, torch.device)):
         return resolve_device(str(device_map))
-    raise QuantkitError(f"device_map {device_map!r} is not supported: use None, 'auto', 'cpu' or a device like 'cuda:0'")
+    raise QuantkitError(f"device_map {device_map!r} is not supported: use None, 'auto', 'balanced', 'cpu' or a "
+                        "device like 'cuda:0'")
 
 
 def _default_dtype(config_dtype, device):
@@ -65,13 +68,15 @@ def _swap_quantized(model, layers, codec, qc, dtype):
 def load_quantized(path, device_map=None, dtype=None, stream=False):
     """Load a quantkit/GPTQ-layout checkpoint folder as a transformers model in eval mode.
 
-    device_map: None or "cpu" (CPU), "auto" (the GPU when there is one) or a device string.
+    device_map: None or "cpu" (CPU), "auto" (the GPU when there is one; the decoder blocks spread over all
+        visible GPUs when the model does not fit on one, quantkit.model.placement), "balanced" (spread over all
+        GPUs in any case) or a device string such as "cuda:1".
     dtype: activation/float-parameter dtype; default fp32 on CPU, fp16/bf16 on GPU.
     stream: keep the decoder blocks (and an untied lm_head) in the files and read each one when its forward
         runs (quantkit.model.offload): memory ≈ the embedding + one block, for checkpoints larger than
         memory; every forward reads the blocks again, so it is slower (fine for evaluation, slow for generate).
     """
-    from quantkit.model import offload
+    from quantkit.model import offload, placement
     from quantkit.model.sequential import move_loaded
 
     folder = Path(path)
@@ -108,4 +113,6 @@ def load_quantized(path, device_map=None, dtype=None, stream=False):
     if stream:
         move_loaded(model, device)
         return model.eval()
+    if device_map in ("auto", "balanced") and device == "cuda":
+        return placement.place_on_gpus(model.eval(), blocks_path, always=device_map == "balanced")
     return model.to(device).eval()

@@ -67,3 +67,45 @@ def test_a_model_on_the_second_gpu_generates_while_the_first_is_current(checkpoi
     prompt = torch.tensor([[1, 17, 42, 99, 7]], device="cuda:1")
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(prompt, **kwargs), fake_quant(src, torch.float16, "cuda:1").generate(prompt, **kwargs))
+
+
+def test_blocks_are_assigned_in_order_in_equal_shares_within_budgets():
+    from quantkit.errors import QuantkitError
+    from quantkit.model.placement import assign_blocks
+
+    assert assign_blocks(0, [10] * 8, [100, 100]) == [0] * 4 + [1] * 4
+    assert assign_blocks(20, [10] * 8, [100, 100]) == [0] * 3 + [1] * 5  # the embeddings count on GPU 0
+    assert assign_blocks(0, [10] * 9, [30, 100, 100]) == [0] * 3 + [1] * 3 + [2] * 3
+    assert assign_blocks(0, [10] * 6, [25, 100]) == [0] * 2 + [1] * 4  # GPU 0 full before its share
+    with pytest.raises(QuantkitError, match="stream=True"):
+        assign_blocks(0, [10] * 8, [30, 30])
+    with pytest.raises(QuantkitError, match="block 2 needs"):
+        assign_blocks(0, [10, 10, 45], [40, 40])
+
+
+def test_a_model_spread_over_devices_generates_the_same_tokens(checkpoint):
+    """The placement path (outside modules, block map, accelerate's hooks, the KV cache left alone) on two CPU
+    'devices': the hooks run as they would between GPUs, and the tokens do not change."""
+    from quantkit.model.placement import outside_modules, spread
+
+    _, out = checkpoint
+    prompt = torch.tensor([[1, 17, 42, 99, 7]])
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = load_quantized(out).generate(prompt, **kwargs)
+    model = load_quantized(out)
+    outside = {"model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head"}
+    assert set(outside_modules(model, "model.layers")) == outside
+    model = spread(model, "model.layers", ["cpu", "cpu"], [1 << 40, 1 << 40])
+    assert set(model.hf_device_map) == outside | {"model.layers.0", "model.layers.1"}
+    assert hasattr(model.model.layers[1], "_hf_hook")
+    assert torch.equal(model.generate(prompt, **kwargs), want)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_balanced_loading_spreads_the_blocks_over_the_gpus(checkpoint):
+    src, out = checkpoint
+    model = load_quantized(out, device_map="balanced", dtype=torch.float16)
+    assert set(model.hf_device_map.values()) == {"cuda:0", "cuda:1"}
+    prompt = torch.tensor([[1, 17, 42, 99, 7]], device="cuda:0")
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, **kwargs), fake_quant(src, torch.float16, "cuda:0").generate(prompt, **kwargs))
