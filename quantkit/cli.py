@@ -154,7 +154,8 @@ def build_config(ctx, params: dict, recipe_path) -> QuantConfig:
               help="Spread calibration over N processes of this machine, started by quantkit (what torchrun "
                    "--nproc-per-node N does): with --device cuda process r runs on cuda:r (NCCL; choose the GPUs "
                    "with CUDA_VISIBLE_DEVICES), on the CPU they share its cores (gloo). Each process forwards its "
-                   "share of the samples; the Hessians are summed, so the checkpoint is the single-process one. "
+                   "share of the samples; the Hessians are summed, so the checkpoint is the single-process one up to "
+                   "float summation order. "
                    "GPTQ-style methods; not awq, not with --resume; data-free methods run as one process.")
 @click.pass_context
 @click.option("--trust-remote-code", is_flag=True, help=TRUST_HELP)

@@ -13,14 +13,16 @@ or 1) every method here is a no-op and nothing is imported from torch.distribute
 `quantkit quantize --processes N` starts the same N processes itself (launch_local: torchrun's launcher used as
 a library), so one machine's GPUs are used without a torchrun command line.
 """
+import contextlib
 import io
 import logging
 import os
+import re
 import sys
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, StoppedFromOutside
 
 
 class Group:
@@ -55,19 +57,8 @@ class Group:
         """Sum each distinct Hessian over the ranks, weighted by token counts: H = Σ_r n_r H_r / Σ_r n_r."""
         if not self.active:
             return
-        import torch.distributed as dist
-
-        seen = set()
-        for obs in observers:
-            if id(obs.H) in seen:  # shared by linears fed the same tensor: reduced once
-                continue
-            seen.add(id(obs.H))
-            count = torch.tensor([float(obs.nsamples)], dtype=torch.float64, device=obs.H.device)
-            dist.all_reduce(count)
-            obs.H.mul_(obs.nsamples)
-            dist.all_reduce(obs.H)
-            obs.H.div_(float(count))
-            obs.nsamples = int(count.item())
+        with _collective("summing the Hessians"):
+            _sum_hessians(observers)
         for obs in observers:  # the sharers see the reduced count too
             obs.nsamples = next(o.nsamples for o in observers if o.H is obs.H)
 
@@ -79,7 +70,8 @@ class Group:
         import torch.distributed as dist
 
         box = [to_bytes(obj) if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src)
+        with _collective("sending the quantized layers"):
+            dist.broadcast_object_list(box, src=src)
         return obj if self.rank == src else from_bytes(box[0], self.device)
 
     def close(self) -> None:
@@ -96,6 +88,42 @@ class Group:
 
 
 SINGLE = Group()
+
+
+def _sum_hessians(observers) -> None:
+    import torch.distributed as dist
+
+    seen = set()
+    for obs in observers:
+        if id(obs.H) in seen:  # shared by linears fed the same tensor: reduced once
+            continue
+        seen.add(id(obs.H))
+        count = torch.tensor([float(obs.nsamples)], dtype=torch.float64, device=obs.H.device)
+        dist.all_reduce(count)
+        obs.H.mul_(obs.nsamples)
+        dist.all_reduce(obs.H)
+        obs.H.div_(float(count))
+        obs.nsamples = int(count.item())
+
+
+@contextlib.contextmanager
+def _collective(what: str):
+    """A collective step whose peer died (killed, out of memory, its own error) fails in gloo/NCCL with a transport
+    error: one line instead, and the run's finished blocks are kept (StoppedFromOutside)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if type(e).__name__ == "OutOfMemoryError":  # this process's own: reported as such
+            raise
+        raise StoppedFromOutside(f"another process of the run stopped while {what} ({_transport_error(e)}); the "
+                                 "lines around this one say which and why") from e
+
+
+def _transport_error(e: BaseException) -> str:
+    """gloo's '[/path/pair.cc:537] Read error [127.0.0.1]:40122: Connection reset by peer. This is typically...'
+    as 'Read error [127.0.0.1]:40122: Connection reset by peer'."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0][:160]
 
 
 def to_bytes(obj) -> bytes:
@@ -159,10 +187,12 @@ def launch_local(processes: int, argv: list, device: str) -> int:
     try:
         run(parse_args(["--standalone", f"--nproc-per-node={processes}", "-m", "quantkit.cli", *argv]))
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
-        print(f"error: process {rank} of {processes} stopped with exit code {failure.exitcode}, which ended the run "
-              "(its message is above)", file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 1
+        rank, failure = e.get_first_failure()  # the others were stopped because of it
+        code = failure.exitcode
+        how = (f"stopped with exit code {code}" if code > 0 else  # its error line is above
+               f"was killed by signal {-code}{' (the out-of-memory killer sends it)' if code == -9 else ''}")
+        print(f"error: process {rank} of {processes} {how}, which ended the run", file=sys.stderr)
+        return code if code > 0 else 128 - code
     except SignalException as e:  # Ctrl-C or SIGTERM: the launcher stopped the processes, which said what they kept
         return 128 + int(e.sigval)
     return 0

@@ -195,3 +195,65 @@ def test_an_interrupted_multi_process_run_says_to_resume_as_one(monkeypatch):
     assert _resume_hint() == "run the same command with --resume"
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert "as one process (without --processes or torchrun) with --resume" in _resume_hint()
+
+
+PEER_KILLER = """
+import os, signal, sys
+from quantkit import distributed
+from quantkit.cli import main
+broadcast, calls = distributed.Group.broadcast, []
+def broadcast_then_die(self, obj, src):
+    calls.append(src)
+    if self.rank == 1 and len(calls) == 12:  # in block 1 (7 linears a block)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return broadcast(self, obj, src)
+distributed.Group.broadcast = broadcast_then_die
+main(sys.argv[1:])
+"""
+
+
+def test_a_process_killed_mid_run_leaves_the_writer_one_line_and_its_blocks(model_factory, tmp_path):
+    """Rank 1 SIGKILLed (the out-of-memory killer's way) while the layers of block 1 are exchanged: rank 0's
+    collective fails in gloo; it says so in one line (no traceback), keeps block 0 for --resume like after Ctrl-C,
+    and the resumed run writes the single-process checkpoint."""
+    text = tmp_path / "calib.txt"
+    text.write_text("\n".join(f"Once upon a time there was a little cat number {i} who liked to play." for i in range(300)))
+    src = model_factory("llama-gqa")
+    quantize_cli(1, src, tmp_path / "one", text, "gptq")
+    killer = tmp_path / "killer.py"
+    killer.write_text(PEER_KILLER)
+    out = tmp_path / "two"
+    args = ["quantize", str(src), "-o", str(out), "--method", "gptq", "--bits", "4", "--group-size", "32",
+            "--dataset", str(text), "--nsamples", "6", "--seqlen", "48", "--device", "cpu"]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(killer), *args], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode != 0
+    traced = [line for line in run.stderr.splitlines() if 'File "' in line and "quantkit" in line]
+    assert not traced, run.stderr[-3000:]  # (torchrun's own launcher prints a traceback of its frames)
+    assert "error: another process of the run stopped while sending the quantized layers" in run.stderr
+    assert "stopped: the 1 of 2 blocks finished are kept" in run.stderr
+    left = list(tmp_path.glob(".two.tmp-*"))
+    assert len(left) == 1 and not out.exists()
+
+    resumed = subprocess.run([sys.executable, "-m", "quantkit.cli", *args, "--resume"], capture_output=True,
+                             text=True, env=env, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    for name in (p.name for p in (tmp_path / "one").iterdir()):
+        if name != "quantkit_report.json":
+            assert (out / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
+def test_a_failed_collective_is_one_line_and_out_of_memory_stays_itself():
+    from quantkit.distributed import _collective
+    from quantkit.errors import StoppedFromOutside
+
+    gloo = RuntimeError("[/x/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:40122: Connection reset by peer. "
+                        "This is typically caused by a remote worker hanging")
+    with pytest.raises(StoppedFromOutside, match=r"while summing \(Read error \[127.0.0.1\]:40122: Connection reset by "
+                                                 r"peer\); the lines around"):
+        with _collective("summing"):
+            raise gloo
+    with pytest.raises(torch.OutOfMemoryError):
+        with _collective("summing"):
+            raise torch.OutOfMemoryError("CUDA out of memory")

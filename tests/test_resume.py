@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from quantkit import api
 from quantkit.cli import main
 from quantkit.config import QuantConfig
+from quantkit.errors import StoppedFromOutside
 from quantkit.formats import output, shards
 from tiny_models import make_model_folder
 
@@ -102,10 +103,11 @@ def test_sigkilled_run_resumes_to_a_byte_identical_checkpoint(world, method, key
     (KeyboardInterrupt, 1, "interrupted: the 2 of 4 blocks finished are kept"),  # Ctrl-C, SIGTERM; click: Aborted!
     (MemoryError, 1, "out of memory: the 2 of 4 blocks finished are kept"),
     (OSError(errno.ENOSPC, "No space left on device"), 2, "no space left on the device; the 2 of 4 blocks finished"),
+    (StoppedFromOutside("another process of the run stopped"), 2, "stopped: the 2 of 4 blocks finished are kept"),
 ])
 def test_a_run_stopped_from_outside_keeps_its_blocks_and_says_how_to_continue(world, monkeypatch, stop, code, words):
     root = world[0]
-    out = root / f"stopped-{type(stop).__name__ if isinstance(stop, OSError) else stop.__name__}"
+    out = root / f"stopped-{stop.__name__ if isinstance(stop, type) else type(stop).__name__}"
     save = shards.save_part
 
     def stop_at_block_2(folder, key, tensors, info=None):

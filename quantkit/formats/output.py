@@ -42,7 +42,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from quantkit.distributed import under_torchrun
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, StoppedFromOutside
 
 REPORT_NAME = "quantkit_report.json"
 STAGING_MARKER = ".quantkit-staging.json"
@@ -279,7 +279,8 @@ def staged_folder(out, overwrite: bool, sources=(), adopt: Path | None = None, k
         if kept is None:
             _discard(staging, created)
         else:
-            what = "interrupted" if isinstance(e, KeyboardInterrupt) else "out of memory"
+            what = ("interrupted" if isinstance(e, KeyboardInterrupt) else "stopped" if isinstance(e, StoppedFromOutside)
+                    else "out of memory")
             _say(f"{what}: {kept}; {_resume_hint()} to continue, or delete that folder")
         raise
 
@@ -292,8 +293,9 @@ def _resume_hint() -> str:
 
 
 def _from_outside(e: BaseException) -> bool:
-    """A failure that another try can get past: Ctrl-C/SIGTERM, or memory (CPU, or torch's CUDA OOM)."""
-    return isinstance(e, (KeyboardInterrupt, MemoryError)) or type(e).__name__ == "OutOfMemoryError"
+    """A failure that another try can get past: Ctrl-C/SIGTERM, memory (CPU, or torch's CUDA OOM), or another
+    process of the run dying."""
+    return isinstance(e, (KeyboardInterrupt, MemoryError, StoppedFromOutside)) or type(e).__name__ == "OutOfMemoryError"
 
 
 def _keep(staging, keep) -> str | None:
