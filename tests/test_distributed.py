@@ -15,17 +15,34 @@ from quantkit.errors import QuantkitError
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def calib_text(folder):
+    text = folder / "calib.txt"
+    text.write_text("\n".join(f"Once upon a time there was a little cat number {i} who liked to play." for i in range(300)))
+    return text
+
+
+def quantize_args(src, out, text, method="gptq"):
+    return ["quantize", str(src), "-o", str(out), "--method", method, "--bits", "4", "--group-size", "32",
+            "--dataset", str(text), "--nsamples", "6", "--seqlen", "48", "--device", "cpu"]
+
+
+def run_env(home):
+    return {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(home)}
+
+
 def quantize_cli(nproc, src, out, text, method, launch="torchrun"):
     """launch: torchrun, or quantkit's own --processes."""
-    args = ["quantize", str(src), "-o", str(out), "--method", method, "--bits", "4", "--group-size", "32",
-            "--dataset", str(text), "--nsamples", "6", "--seqlen", "48", "--device", "cpu"]
+    args = quantize_args(src, out, text, method)
     launcher = [sys.executable]
     if nproc > 1 and launch == "torchrun":
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        launcher = [*TORCHRUN, f"--nproc-per-node={nproc}"]
     elif nproc > 1:
         args += ["--processes", str(nproc)]
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(out.parent)}
-    done = subprocess.run([*launcher, "-m", "quantkit.cli", *args], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run([*launcher, "-m", "quantkit.cli", *args], capture_output=True, text=True,
+                          env=run_env(out.parent), timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
@@ -33,8 +50,7 @@ def quantize_cli(nproc, src, out, text, method, launch="torchrun"):
 @pytest.mark.parametrize("method,launch", [("gptq", "torchrun"), ("turboquant+gptq", "torchrun"),
                                            ("gptq", "--processes")])
 def test_two_gloo_ranks_write_what_one_process_writes(model_factory, tmp_path, method, launch):
-    text = tmp_path / "calib.txt"
-    text.write_text("\n".join(f"Once upon a time there was a little cat number {i} who liked to play." for i in range(300)))
+    text = calib_text(tmp_path)
     src = model_factory("llama-gqa")
     quantize_cli(1, src, tmp_path / "one", text, method)
     two = quantize_cli(2, src, tmp_path / "two", text, method, launch)
@@ -156,37 +172,39 @@ def test_results_sent_between_processes_land_on_the_receivers_device():
     assert torch.equal(same.codes, res.codes) and torch.equal(same.params["scale"], res.params["scale"])
 
 
-def test_a_killed_multi_process_run_resumes_as_one_process(model_factory, tmp_path):
-    """Rank 0 (the writer) SIGKILLed after block 0: the launcher stops the other rank, the staging folder keeps
-    block 0, and the same command as one process with --resume finishes the checkpoint one process writes
-    (byte-identical on this model, as the uninterrupted 2-process run is; the report's errors differ in the
-    Hessians' last bits)."""
-    from test_resume import KILLER
-
-    text = tmp_path / "calib.txt"
-    text.write_text("\n".join(f"Once upon a time there was a little cat number {i} who liked to play." for i in range(300)))
-    src = model_factory("llama-gqa")
+def killed_then_resumed(model_factory, tmp_path, script: str, *script_args):
+    """tmp_path/one written by one process; a 2-rank torchrun of `script` (the CLI with a rank killed) writing
+    tmp_path/two, which it leaves unfinished; then the same command as one process with --resume. Asserts that
+    this finishes the checkpoint one process writes (byte-identical on this model, as the uninterrupted 2-process
+    run is; the report's errors differ in the Hessians' last bits). Returns (killed run, resumed run)."""
+    text, src, out = calib_text(tmp_path), model_factory("llama-gqa"), tmp_path / "two"
     quantize_cli(1, src, tmp_path / "one", text, "gptq")
     killer = tmp_path / "killer.py"
-    killer.write_text(KILLER)
-    out = tmp_path / "two"
-    args = ["quantize", str(src), "-o", str(out), "--method", "gptq", "--bits", "4", "--group-size", "32",
-            "--dataset", str(text), "--nsamples", "6", "--seqlen", "48", "--device", "cpu"]
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(killer), "block-00000", *args], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode != 0
+    killer.write_text(script)
+    args = quantize_args(src, out, text)
+    killed = subprocess.run([*TORCHRUN, "--nproc-per-node=2", str(killer), *script_args, *args], capture_output=True,
+                            text=True, env=run_env(tmp_path), timeout=600)
+    assert killed.returncode != 0
     left = list(tmp_path.glob(".two.tmp-*"))
     assert len(left) == 1 and len(list(left[0].glob("part-block-*.safetensors"))) == 1 and not out.exists()
-
     resumed = subprocess.run([sys.executable, "-m", "quantkit.cli", *args, "--resume"], capture_output=True,
-                             text=True, env=env, timeout=600)
-    assert resumed.returncode == 0 and "block 0 of 2 is done" in resumed.stdout + resumed.stderr, resumed.stderr
+                             text=True, env=run_env(tmp_path), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
     files = sorted(p.name for p in out.iterdir())
     assert files == sorted(p.name for p in (tmp_path / "one").iterdir())
     for name in files:
         if name != "quantkit_report.json":
             assert (out / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    return killed, resumed
+
+
+def test_a_killed_multi_process_run_resumes_as_one_process(model_factory, tmp_path):
+    """Rank 0 (the writer) SIGKILLed after writing block 0: the launcher stops the other rank; one process
+    resumes the run."""
+    from test_resume import KILLER
+
+    _, resumed = killed_then_resumed(model_factory, tmp_path, KILLER, "block-00000")
+    assert "block 0 of 2 is done" in resumed.stderr
 
 
 def test_an_interrupted_multi_process_run_says_to_resume_as_one(monkeypatch):
@@ -214,34 +232,13 @@ main(sys.argv[1:])
 
 def test_a_process_killed_mid_run_leaves_the_writer_one_line_and_its_blocks(model_factory, tmp_path):
     """Rank 1 SIGKILLed (the out-of-memory killer's way) while the layers of block 1 are exchanged: rank 0's
-    collective fails in gloo; it says so in one line (no traceback), keeps block 0 for --resume like after Ctrl-C,
-    and the resumed run writes the single-process checkpoint."""
-    text = tmp_path / "calib.txt"
-    text.write_text("\n".join(f"Once upon a time there was a little cat number {i} who liked to play." for i in range(300)))
-    src = model_factory("llama-gqa")
-    quantize_cli(1, src, tmp_path / "one", text, "gptq")
-    killer = tmp_path / "killer.py"
-    killer.write_text(PEER_KILLER)
-    out = tmp_path / "two"
-    args = ["quantize", str(src), "-o", str(out), "--method", "gptq", "--bits", "4", "--group-size", "32",
-            "--dataset", str(text), "--nsamples", "6", "--seqlen", "48", "--device", "cpu"]
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(killer), *args], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode != 0
-    traced = [line for line in run.stderr.splitlines() if 'File "' in line and "quantkit" in line]
-    assert not traced, run.stderr[-3000:]  # (torchrun's own launcher prints a traceback of its frames)
-    assert "error: another process of the run stopped while sending the quantized layers" in run.stderr
-    assert "stopped: the 1 of 2 blocks finished are kept" in run.stderr
-    left = list(tmp_path.glob(".two.tmp-*"))
-    assert len(left) == 1 and not out.exists()
-
-    resumed = subprocess.run([sys.executable, "-m", "quantkit.cli", *args, "--resume"], capture_output=True,
-                             text=True, env=env, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr
-    for name in (p.name for p in (tmp_path / "one").iterdir()):
-        if name != "quantkit_report.json":
-            assert (out / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    collective fails in gloo; it says so in one line (no traceback) and keeps block 0 for --resume, as after
+    Ctrl-C."""
+    killed, _ = killed_then_resumed(model_factory, tmp_path, PEER_KILLER)
+    traced = [line for line in killed.stderr.splitlines() if 'File "' in line and "quantkit" in line]
+    assert not traced, killed.stderr[-3000:]  # (torchrun's own launcher prints a traceback of its frames)
+    assert "error: another process of the run stopped while sending the quantized layers" in killed.stderr
+    assert "stopped: the 1 of 2 blocks finished are kept" in killed.stderr
 
 
 def test_a_failed_collective_is_one_line_and_out_of_memory_stays_itself():
