@@ -193,9 +193,7 @@ def _launch(processes: int, model: str, out: str, config: QuantConfig, device: s
         raise QuantkitError("--processes starts its own processes: under torchrun leave it out (torchrun's "
                             "--nproc-per-node sets the number)")
     distributed.check_supported(config, resume)
-    if config.nsamples < processes:
-        raise QuantkitError(f"--nsamples {config.nsamples} cannot be shared by {processes} processes: use at least "
-                            "one sample per process")
+    distributed.check_shareable(config.nsamples, processes)
     check_output(out, overwrite, sources=[model])  # rank 0 checks again; this saves starting N model loads
     argv = distributed.without_option(main.argv, "--processes")
     return distributed.launch_local(processes, argv, resolve_device(device))

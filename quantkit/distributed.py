@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from quantkit.errors import QuantkitError, StoppedFromOutside
+from quantkit.errors import QuantkitError, StoppedFromOutside, first_line
 
 
 class Group:
@@ -44,9 +44,7 @@ class Group:
         """This rank's contiguous share of the calibration samples [nsamples, seqlen]."""
         if not self.active:
             return input_ids
-        if input_ids.shape[0] < self.world:
-            raise QuantkitError(f"{input_ids.shape[0]} calibration samples cannot be shared by {self.world} "
-                                "processes: use at least one --nsamples per process, or fewer processes")
+        check_shareable(input_ids.shape[0], self.world)
         return input_ids.tensor_split(self.world)[self.rank]
 
     def owner(self, index: int) -> int:
@@ -122,8 +120,7 @@ def _collective(what: str):
 def _transport_error(e: BaseException) -> str:
     """gloo's '[/path/pair.cc:537] Read error [127.0.0.1]:40122: Connection reset by peer. This is typically...'
     as 'Read error [127.0.0.1]:40122: Connection reset by peer'."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0][:160]
+    return re.sub(r"^\[[^\]]*\]\s*", "", first_line(e)).split(". ")[0][:160]
 
 
 def to_bytes(obj) -> bytes:
@@ -160,6 +157,13 @@ def check_supported(config, resume: bool) -> None:
     if config.needs_calibration and "awq" in config.method:
         raise QuantkitError(f"--method {config.method} cannot be spread over processes (AWQ's scale search needs "
                             "every sample's activations in one place): run it as a single process")
+
+
+def check_shareable(nsamples: int, processes: int) -> None:
+    """Every process needs at least one calibration sample of its own."""
+    if nsamples < processes:
+        raise QuantkitError(f"--nsamples {nsamples} cannot be shared by {processes} processes: use at least one "
+                            "--nsamples per process, or fewer processes")
 
 
 def launch_local(processes: int, argv: list, device: str) -> int:

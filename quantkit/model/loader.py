@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, first_line
 from quantkit.finite import all_finite
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -87,7 +87,7 @@ def load_tokenizer(source, trust_remote_code=False):
     except (OSError, ValueError) as e:
         if "trust_remote_code" in str(e):
             raise load_error(str(source), e) from e
-        raise QuantkitError(f"no tokenizer could be loaded from '{source}' ({_first_line(e)}): the folder needs its "
+        raise QuantkitError(f"no tokenizer could be loaded from '{source}' ({first_line(e)}): the folder needs its "
                             "model's tokenizer files (tokenizer.json or tokenizer.model, and tokenizer_config.json); "
                             "copy them from where the model came from") from e
 
@@ -105,13 +105,8 @@ def load_error(source: str, e: Exception) -> QuantkitError:
     if "trust_remote_code" in str(e):
         return QuantkitError(f"model '{source}' ships its own Python code (auto_map in its config.json), which "
                              "quantkit runs only when asked: pass --trust-remote-code if you trust that code")
-    return QuantkitError(f"could not load model '{source}' ({_first_line(e)}): check the id or path, "
+    return QuantkitError(f"could not load model '{source}' ({first_line(e)}): check the id or path, "
                          "or download the model and pass its folder")
-
-
-def _first_line(e: Exception) -> str:
-    """The first line of an exception's message (transformers' run to paragraphs), or its type's name."""
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def check_safetensors(source: str) -> None:
