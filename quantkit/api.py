@@ -331,8 +331,7 @@ def check_compat(model, arch, names, config) -> list[str]:
     """Before any calibration: each layer's shape against its quantizer (an error), then the readers that would
     refuse the checkpoint (quantkit.formats.compat):
     a QuantkitError for the --compat target, a warning line on stderr for each other reader."""
-    specs = {n: config.spec_for(n) for n in names}
-    shapes = {n: tuple(reversed(get_weight(model.get_submodule(n)).shape)) for n in names}
+    specs, shapes = layer_specs(model, names, config)
     _check_units(specs, shapes)
     codecs.precheck(config, specs, shapes)
     found = compat.enforce(compat.check(config, specs, shapes, fused_groups(arch, names)), config.compat)
@@ -341,9 +340,16 @@ def check_compat(model, arch, names, config) -> list[str]:
     return found
 
 
-def _check_units(specs: dict, shapes: dict) -> None:
-    """Every layer's inputs split into its quantizer's units (E8 rounds 8 columns at a time), checked before any
-    work; the error names the layers and the recipe override that leaves them in floating point."""
+def layer_specs(model, names, config) -> tuple[dict, dict]:
+    """({name: its LayerSpec, None when skipped}, {name: (in_features, out_features)}): what the pre-checks read."""
+    specs = {n: config.spec_for(n) for n in names}
+    shapes = {n: tuple(reversed(get_weight(model.get_submodule(n)).shape)) for n in names}
+    return specs, shapes
+
+
+def unit_misfits(specs: dict, shapes: dict) -> dict:
+    """{name: reason} of the layers whose inputs do not split into their quantizer's units (E8 rounds 8 columns at
+    a time); specs and shapes as check_compat builds them."""
     refused = {}
     for name, spec in specs.items():
         if spec is None:
@@ -352,13 +358,23 @@ def _check_units(specs: dict, shapes: dict) -> None:
             qz.check_shape(spec.quantizer(), shapes[name][0], spec.group_size)
         except QuantkitError as e:
             refused[name] = e
+    return refused
+
+
+def skip_override(names) -> dict:
+    """The recipe override that keeps these layers, and their namesakes in every block, in floating point."""
+    leaves = {re.sub(r"^.*?\.\d+\.", "", n) for n in names}  # after the block index: mlp.down_proj, fc2
+    return {"pattern": "(" + "|".join(re.escape(leaf) for leaf in sorted(leaves)) + ")$", "skip": True}
+
+
+def _check_units(specs: dict, shapes: dict) -> None:
+    """unit_misfits checked before any work; the error names the layers and the override that skips them."""
+    refused = unit_misfits(specs, shapes)
     if refused:
         first, reason = next(iter(refused.items()))
-        leaves = {re.sub(r"^.*?\.\d+\.", "", n) for n in refused}  # after the block index: mlp.down_proj, fc2
-        pattern = "|".join(re.escape(leaf) for leaf in sorted(leaves))
         more = f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""
         raise QuantkitError(f"{first}{more}: {reason}. Keep such layers in floating point with a recipe override "
-                            f"(modules: - pattern: '({pattern})$' skip: true)")
+                            f"(modules: - pattern: '{skip_override(refused)['pattern']}' skip: true)")
 
 
 def _write_configs(tmp, model, tokenizer, results, names, config, method, report, save_dtype, codec):

@@ -36,7 +36,8 @@ class _Group(click.Group):
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(package_name="quantkit")
 def main():
-    """Offline weight quantization for Hugging Face causal LMs (RTN, GPTQ, AWQ -> GPTQ-layout checkpoints; TurboQuant and rotations -> quantkit format)."""
+    """Offline weight quantization for Hugging Face causal LMs (RTN, GPTQ, AWQ -> GPTQ-layout checkpoints;
+    TurboQuant, E8 lattice codebooks and rotations -> quantkit format)."""
 
 
 STREAM_HELP = ("Keep the decoder blocks on disk and read each one when it runs: memory about one block plus the "

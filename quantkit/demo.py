@@ -5,6 +5,7 @@ licence, karpathy/llama2.c) and prints floating-point vs quantized perplexity. W
 disk, the text is sampled from the fp model itself (seeded): a quantized model that matches the fp
 model's distribution scores close to it, so the gap measures the damage quantization does.
 """
+import dataclasses
 import tempfile
 import time
 from importlib import resources
@@ -47,6 +48,7 @@ def run_demo(out, bits, group_size, method, n_tokens, overwrite=False) -> str:
     seqlen = context_length(fp_model.config) or SEQLEN  # windows as long as the model's context
     eval_rows = sample_text_ids(fp_model, n_tokens, seed=0, seqlen=seqlen)
     config = QuantConfig(method=method, bits=bits, group_size=group_size, nsamples=32, seqlen=seqlen)
+    config, kept = _skip_misfits(config, fp_model)
     calib_rows = None
     if config.needs_calibration:
         calib_rows = sample_text_ids(fp_model, config.nsamples * seqlen, seed=1, seqlen=seqlen)
@@ -64,8 +66,24 @@ def run_demo(out, bits, group_size, method, n_tokens, overwrite=False) -> str:
     return "\n".join([
         f"stories260k, {method} w{bits} g{group_size}: quantized in {seconds:.1f} s, checkpoint {size / 1024:.0f} KiB"
         + (f", written to {out}" if out else " (deleted afterwards; keep it with -o DIR)"),
+        *kept,
         f"perplexity on {fp['tokens']} self-generated tokens (seqlen {seqlen}):",
         "| model | perplexity |", "|---|---|",
         f"| fp32 | {fp['ppl']:.3f} |",
         f"| {method} w{bits} g{group_size} | {q['ppl']:.3f} |",
     ])
+
+
+def _skip_misfits(config, fp_model):
+    """(config, note lines): the bundled model's down_proj has 172 inputs, which E8's 8-column units do not
+    divide; the demo keeps such layers in floating point, as the error of `quantize` tells a user to, and says so."""
+    from quantkit.api import layer_specs, quantizable_linears, skip_override, unit_misfits
+    from quantkit.model.arch import arch_for
+
+    misfits = unit_misfits(*layer_specs(fp_model, quantizable_linears(fp_model, arch_for(fp_model)), config))
+    if not misfits:
+        return config, []
+    override = skip_override(misfits)
+    reason = next(iter(misfits.values()))
+    note = f"kept in floating point: {len(misfits)} layers matching {override['pattern']} ({reason})"
+    return dataclasses.replace(config, modules=[override]), [note]

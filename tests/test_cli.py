@@ -139,6 +139,21 @@ def test_demo_runs_offline(tmp_path):
     assert (tmp_path / "demo" / "config.json").is_file()
 
 
+def test_demo_keeps_the_layers_e8_cannot_split_in_floating_point_and_says_so(tmp_path):
+    from safetensors import safe_open
+
+    # the bundled model's down_proj has 172 inputs, not a multiple of E8's 8 columns: quantize refuses it, and the
+    # demo applies the override that error names
+    result = run("demo", "--method", "e8", "--bits", 2, "--tokens", 512, "-o", tmp_path / "demo")
+    assert result.exit_code == 0, result.output
+    assert "kept in floating point: 5 layers matching (mlp\\.down_proj)$" in result.output
+    assert "| e8 w2 g32 |" in result.output
+    with safe_open(tmp_path / "demo" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.down_proj.weight" in names  # left in floating point
+    assert "model.layers.0.mlp.up_proj.weight" not in names  # quantized
+
+
 @pytest.mark.parametrize("error", [MemoryError(), "cuda"])
 def test_out_of_memory_is_one_line_not_a_traceback(model_factory, text_file, monkeypatch, error):
     import torch
