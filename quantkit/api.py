@@ -5,6 +5,7 @@ import math
 import re
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -144,7 +145,7 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
                 return_freed_memory()
         job.save_outside(tmp)
         report = {
-            "quantkit_version": __version__, "model": str(model), "method": config.method,
+            "quantkit_version": __version__, "model": _source_name(model), "method": config.method,
             "seconds": round(time.perf_counter() - t_start, 2), "device": device,
             "layers": _layer_report(job.summaries),
         }
@@ -158,6 +159,12 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
         resume_state.finish(tmp)
         _write_configs(tmp, fp_model, tokenizer, job.summaries, names, config, method, report, save_dtype, codec)
     return report
+
+
+def _source_name(model) -> str:
+    """The source as the report records it: a local folder as an absolute path (what `eval compare` reads back
+    from any working directory), a hub id as given."""
+    return str(Path(model).resolve()) if Path(model).is_dir() else str(model)
 
 
 def _compute_dtype(device, dtype):

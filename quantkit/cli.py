@@ -257,7 +257,9 @@ def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json, stream
 
 @eval.command()
 @click.argument("quant")
-@click.option("--base", required=True, help="The floating-point model QUANT was made from (folder or hub id).")
+@click.option("--base", default=None,
+              help="The floating-point model QUANT was made from (folder or hub id). Default: the source QUANT's "
+                   "quantkit_report.json names (quantkit quantize records it).")
 @click.option("--dataset", default="wikitext2", help="wikitext2, c4, pileval (eval split) or a local text file.")
 @click.option("--seqlen", type=int, default=512,
               help="Tokens per non-overlapping window, at most the model's context (max_position_embeddings).")
@@ -281,8 +283,9 @@ def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json, stream
 def compare(quant, base, dataset, seqlen, max_tokens, device, dtype, low_memory, cache_dir, prompts, max_new_tokens,
             as_json, stream, trust_remote_code):
     """QUANT against its base model on the same windows: ppl of each, KL divergence, top-1 agreement, Δp."""
-    from quantkit.compare import compare_paths, read_prompts, report_text
+    from quantkit.compare import compare_paths, read_prompts, recorded_base, report_text
 
+    base = base or recorded_base(quant)
     result = compare_paths(quant, base, dataset, seqlen, max_tokens, device, dtype, low_memory, cache_dir,
                            read_prompts(prompts) if prompts else (), max_new_tokens, progress=not as_json,
                            stream=stream, trust_remote_code=trust_remote_code)

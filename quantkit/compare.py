@@ -219,6 +219,22 @@ def check_prompt_lengths(config, tokenizer, prompts, max_new_tokens: int) -> Non
                      "shorter prompt")
 
 
+def recorded_base(quant) -> str:
+    """The model `quantkit quantize` made QUANT from, as its report names it (a local source is recorded as an
+    absolute path), for `eval compare` without --base."""
+    from quantkit.formats.checkpoint import read_json
+    from quantkit.formats.output import REPORT_NAME
+
+    report = Path(quant) / REPORT_NAME
+    base = read_json(report).get("model") if report.is_file() else None
+    if base is None:
+        raise QuantkitError(f"{quant} does not name the model it was made from (no {REPORT_NAME} with a \"model\"; "
+                            "converted and other tools' checkpoints have none): pass --base MODEL")
+    if Path(base).is_absolute() and not Path(base).is_dir():
+        raise QuantkitError(f"{quant} was made from {base}, which is no longer there: pass --base MODEL")
+    return base
+
+
 def compare_paths(quant: str, base: str, dataset: str, seqlen: int, max_tokens=None, device="auto", dtype=None,
                   low_memory=False, cache_dir=None, prompts=(), max_new_tokens=32, progress=True, stream=False,
                   trust_remote_code=False) -> dict:

@@ -169,6 +169,26 @@ def test_cli_compare(model_factory, tmp_path, text_file):
     assert refused.exit_code == 2 and "different tokenizers" in refused.output
 
 
+def test_compare_defaults_to_the_model_the_checkpoint_was_made_from(model_factory, tmp_path, text_file, monkeypatch):
+    src = tmp_path / "src"
+    shutil.copytree(model_factory("llama"), src)
+    monkeypatch.chdir(tmp_path)
+    assert CliRunner().invoke(main, ["quantize", "src", "-o", "q", "--bits", "3", "--group-size", "32"]).exit_code == 0
+    monkeypatch.chdir(tmp_path / "q")  # the relative "src" would now miss: the report holds the absolute path
+    args = ["eval", "compare", str(tmp_path / "q"), "--dataset", str(text_file), "--seqlen", "32", "--max-tokens",
+            "128", "--device", "cpu", "--json"]
+    recorded = CliRunner().invoke(main, args)
+    assert recorded.exit_code == 0, recorded.output
+    assert json.loads(recorded.stdout) == json.loads(CliRunner().invoke(main, args + ["--base", str(src)]).stdout)
+    # the source moved, or a checkpoint that names none: one line that says to pass --base
+    src.rename(tmp_path / "moved")
+    gone = CliRunner().invoke(main, args)
+    assert gone.exit_code == 2 and "no longer there: pass --base" in gone.output and "Traceback" not in gone.output
+    (tmp_path / "q" / "quantkit_report.json").unlink()
+    unnamed = CliRunner().invoke(main, args)
+    assert unnamed.exit_code == 2 and "does not name the model" in unnamed.output and "--base" in unnamed.output
+
+
 def test_fidelity_from_the_hessian_equals_the_outputs():
     gen = torch.Generator().manual_seed(0)
     W = torch.randn(12, 40, generator=gen, dtype=torch.float64)
