@@ -225,6 +225,9 @@ def recorded_base(quant) -> str:
     from quantkit.formats.checkpoint import read_json
     from quantkit.formats.output import REPORT_NAME
 
+    if not Path(quant).is_dir():
+        raise QuantkitError(f"{quant} is not a local folder, so no quantkit report names its base model: pass --base "
+                            "MODEL (or check the path)")
     report = Path(quant) / REPORT_NAME
     base = read_json(report).get("model") if report.is_file() else None
     if base is None:

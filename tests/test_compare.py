@@ -187,6 +187,8 @@ def test_compare_defaults_to_the_model_the_checkpoint_was_made_from(model_factor
     (tmp_path / "q" / "quantkit_report.json").unlink()
     unnamed = CliRunner().invoke(main, args)
     assert unnamed.exit_code == 2 and "does not name the model" in unnamed.output and "--base" in unnamed.output
+    missing = CliRunner().invoke(main, ["eval", "compare", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and "not a local folder" in missing.output and "--base" in missing.output
 
 
 def test_fidelity_from_the_hessian_equals_the_outputs():
