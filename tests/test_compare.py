@@ -180,6 +180,11 @@ def test_compare_defaults_to_the_model_the_checkpoint_was_made_from(model_factor
     recorded = CliRunner().invoke(main, args)
     assert recorded.exit_code == 0, recorded.output
     assert json.loads(recorded.stdout) == json.loads(CliRunner().invoke(main, args + ["--base", str(src)]).stdout)
+    # a converted checkpoint names the same source
+    ct = ["convert", str(tmp_path / "q"), "-o", str(tmp_path / "ct"), "--checkpoint-format", "compressed-tensors"]
+    assert CliRunner().invoke(main, ct).exit_code == 0
+    converted = CliRunner().invoke(main, [*args[:2], str(tmp_path / "ct"), *args[3:]])
+    assert converted.exit_code == 0, converted.output
     # the source moved, or a checkpoint that names none: one line that says to pass --base
     src.rename(tmp_path / "moved")
     gone = CliRunner().invoke(main, args)
