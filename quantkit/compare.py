@@ -231,8 +231,9 @@ def recorded_base(quant) -> str:
     report = Path(quant) / REPORT_NAME
     base = read_json(report).get("model") if report.is_file() else None
     if base is None:
-        raise QuantkitError(f"{quant} does not name the model it was made from (no {REPORT_NAME} with a \"model\": other "
-                            "tools' checkpoints, and those converted from them, have none): pass --base MODEL")
+        raise QuantkitError(f"{quant} does not name the model it was made from (no {REPORT_NAME} with a "
+                            "\"model\": other tools' checkpoints, and those converted from them, have none): "
+                            "pass --base MODEL")
     if Path(base).is_absolute() and not Path(base).is_dir():
         raise QuantkitError(f"{quant} was made from {base}, which is no longer there: pass --base MODEL")
     return base
