@@ -77,8 +77,8 @@ def run_demo(out, bits, group_size, method, n_tokens, overwrite=False) -> str:
 def _skip_misfits(config, fp_model):
     """(config, note lines): the bundled model's down_proj has 172 inputs, which E8's 8-column units do not
     divide; the demo keeps such layers in floating point, as the error of `quantize` tells a user to, and says so."""
-    from quantkit.api import layer_specs, quantizable_linears, skip_override, unit_misfits
     from quantkit.model.arch import arch_for
+    from quantkit.precheck import layer_specs, quantizable_linears, skip_override, unit_misfits
 
     misfits = unit_misfits(*layer_specs(fp_model, quantizable_linears(fp_model, arch_for(fp_model)), config))
     if not misfits:
