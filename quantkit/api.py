@@ -20,7 +20,7 @@ from quantkit.model.arch import (arch_for, check_window, fused_groups, fused_sib
 from quantkit.model.loader import resolve_device
 from quantkit.model.sequential import calibrated_blocks, data_free_blocks
 from quantkit.model.stream import open_model, return_freed_memory
-from quantkit.precheck import check_compat, quantizable_linears
+from quantkit.precheck import check_compat, layer_specs, quantizable_linears
 from quantkit.report import flag_outliers
 
 REPORT_NAME = output.REPORT_NAME
@@ -81,14 +81,14 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
     arch = arch_for(fp_model)
     names = quantizable_linears(fp_model, arch)
     config.bind_fused_groups(fused_siblings(arch, names))
-    specs = {n: config.spec_for(n) for n in names}
+    specs, shapes = layer_specs(fp_model, names, config)
     for override in config.unmatched_overrides(names):
         print(f"warning: {override} matches none of the model's {len(names)} quantizable linears (such as "
               f"{names[-1]}): it changes nothing; check its spelling", file=sys.stderr)
     if all(s is None for s in specs.values()):
         raise QuantkitError(f"the recipe's module overrides skip all {len(names)} quantizable linears: nothing to "
                             "quantize; remove a skip: true or narrow its pattern")
-    compat_lines = check_compat(fp_model, arch, names, config)
+    compat_lines = check_compat(config, arch, names, specs, shapes)
     method = Method(config, arch)
     codec = codecs.codec_for_settings(config.checkpoint_format, {s.quantizer().name for s in specs.values() if s},
                                       config.rotate != "none")
@@ -150,7 +150,8 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
 def _source_name(model) -> str:
     """The source as the report records it: a local folder as an absolute path (what `eval compare` reads back
     from any working directory), a hub id as given."""
-    return str(Path(model).resolve()) if Path(model).is_dir() else str(model)
+    folder = Path(model).expanduser()  # as open_model reads it
+    return str(folder.resolve()) if folder.is_dir() else str(model)
 
 
 def _compute_dtype(device, dtype):

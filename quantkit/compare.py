@@ -222,14 +222,13 @@ def check_prompt_lengths(config, tokenizer, prompts, max_new_tokens: int) -> Non
 def recorded_base(quant) -> str:
     """The model `quantkit quantize` made QUANT from, as its report names it (a local source is recorded as an
     absolute path), for `eval compare` without --base."""
-    from quantkit.formats.checkpoint import read_json
+    from quantkit.formats.checkpoint import read_report
     from quantkit.formats.output import REPORT_NAME
 
     if not Path(quant).is_dir():
         raise QuantkitError(f"{quant} is not a local folder, so no quantkit report names its base model: pass --base "
                             "MODEL (or check the path)")
-    report = Path(quant) / REPORT_NAME
-    base = read_json(report).get("model") if report.is_file() else None
+    base = read_report(quant).get("model")
     if base is None:
         raise QuantkitError(f"{quant} does not name the model it was made from (no {REPORT_NAME} with a "
                             "\"model\": other tools' checkpoints, and those converted from them, have none): "

@@ -22,11 +22,10 @@ def quantizable_linears(model, arch) -> list[str]:
     return names
 
 
-def check_compat(model, arch, names, config) -> list[str]:
-    """Before any calibration: each layer's shape against its quantizer (an error), then the readers that would
-    refuse the checkpoint (quantkit.formats.compat):
+def check_compat(config, arch, names, specs, shapes) -> list[str]:
+    """Before any calibration (specs and shapes from layer_specs): each layer's shape against its quantizer (an
+    error), then the readers that would refuse the checkpoint (quantkit.formats.compat):
     a QuantkitError for the --compat target, a warning line on stderr for each other reader."""
-    specs, shapes = layer_specs(model, names, config)
     _check_units(specs, shapes)
     codecs.precheck(config, specs, shapes)
     found = compat.enforce(compat.check(config, specs, shapes, fused_groups(arch, names)), config.compat)
@@ -44,7 +43,7 @@ def layer_specs(model, names, config) -> tuple[dict, dict]:
 
 def unit_misfits(specs: dict, shapes: dict) -> dict:
     """{name: reason} of the layers whose inputs do not split into their quantizer's units (E8 rounds 8 columns at
-    a time); specs and shapes as check_compat builds them."""
+    a time); specs and shapes from layer_specs."""
     refused = {}
     for name, spec in specs.items():
         if spec is None:

@@ -5,7 +5,6 @@ import statistics
 from pathlib import Path
 
 from quantkit.formats import checkpoint
-from quantkit.formats.output import REPORT_NAME
 
 
 def _fmt(v, spec):
@@ -64,8 +63,7 @@ def inspect_checkpoint(path) -> dict:
     config, tensors, packed, _ = checkpoint.read_checkpoint(folder)
     qc = config["quantization_config"]
     layers = _layer_sizes(tensors, packed)
-    report_path = folder / REPORT_NAME
-    report = checkpoint.read_json(report_path) if report_path.is_file() else {}
+    report = checkpoint.read_report(folder)
     for name, info in layers.items():
         stats = report.get("layers", {}).get(name, {})
         info["method"] = stats.get("method", qc.get("meta", {}).get("method", "gptq"))

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import codecs, gptq
+from quantkit.formats.output import REPORT_NAME
 
 INDEX_NAME = "model.safetensors.index.json"
 QUANTIZE_CONFIG = "quantize_config.json"
@@ -101,6 +102,12 @@ def save_error(e, path: Path):
 
 def write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def read_report(folder) -> dict:
+    """The quantkit report a checkpoint folder holds (quantize's or convert's); {} when it has none."""
+    path = Path(folder) / REPORT_NAME
+    return read_json(path) if path.is_file() else {}
 
 
 def read_json(path: Path) -> dict:

@@ -72,8 +72,7 @@ def convert(src, out, checkpoint_format: str, overwrite: bool = False) -> dict:
                                               bias.dtype if bias is not None else None).items():
             kept[f"{name}.{suffix}"] = t
     config["quantization_config"] = new_qc
-    source_report = src / output.REPORT_NAME  # a quantkit checkpoint's: the model it was made from carries over
-    made_from = checkpoint.read_json(source_report).get("model") if source_report.is_file() else None
+    made_from = checkpoint.read_report(src).get("model")  # a quantkit checkpoint's source carries over
     report = {"quantkit_version": __version__, **({"model": made_from} if made_from else {}),
               "converted_from": str(src), "source_quant_method": qc["quant_method"],
               "source_format": qc.get("checkpoint_format", qc["quant_method"]),  # gptq_v2 shows, not only "gptq"
