@@ -33,6 +33,23 @@ def _tile_codes(qw_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS: tl.constexpr, B
 
 
 @triton.jit
+def _x_by_code(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] as 8 tensors [BLOCK_M, BLOCK_K // 8], number c holding columns 8j + c: the rows
+    that code c of the tile's 4-bit words (word j = rows 8j .. 8j + 7) multiplies.
+
+    tl.split halves the last axis, so c = 4a + 2b + e is peeled off bit by bit: e first, then b, then a."""
+    x = tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 2, 2))
+    e0, e1 = tl.split(x)
+    e0b0, e0b1 = tl.split(e0)
+    e1b0, e1b1 = tl.split(e1)
+    c0, c4 = tl.split(e0b0)
+    c2, c6 = tl.split(e0b1)
+    c1, c5 = tl.split(e1b0)
+    c3, c7 = tl.split(e1b1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
 def _in_range(offs, limit, ALWAYS: tl.constexpr):
     """offs < limit, or a constant-true mask (folded away) when the shapes are known to divide."""
     if ALWAYS:

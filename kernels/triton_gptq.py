@@ -7,7 +7,11 @@ triton_gptq_ops.py + pure-torch reference in reference.py):
   * M = 1 (memory-bound GEMV): BLOCK_M = 1, fp32 FMAs in the packed words' own register layout
     (see _gemv_tile: about three instructions per weight, W used exactly, never rounded).
     Bits 2, 4, 8 only: 3-bit words do not hold whole codes, so M = 1 takes the next shape.
-  * 2 <= M <= 16 (memory-bound decode): BLOCK_M = 16 tl.dot (mma.sync) on the decoded tile.
+  * 2 <= M <= 16 (memory-bound decode): BLOCK_M = 16 tl.dot (mma.sync) on the decoded tile. 4-bit
+    tiles of one group with BLOCK_K >= 128 take one tl.dot per code position of the packed words
+    instead (rows 8j + c for code c of word j, x split to match in registers): the decoded codes then
+    feed the MMA in the words' own layout, without the [BLOCK_K / 8, 8, N] -> [BLOCK_K, N] reshape that
+    costs one shared-memory store per weight (sm_90 SASS: docs/BENCHMARKS.md).
   * M > 16 (compute-bound GEMM): tiled tl.dot (wgmma on Hopper), grouped tile order for L2 reuse.
 Split-K whenever the output tiles alone do not fill the GPU (always at small M): the K slices of a
 tile are reduced *inside* the launch: each program stores its fp32 partial, bumps a per-tile
@@ -28,7 +32,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.triton_decode import (_decode, _group_params, _group_row, _in_range, _load_words, _round,
-                                            _tile_codes)
+                                            _tile_codes, _x_by_code)
 from quantkit.kernels.triton_gemv import _gemv_tile, _gemv_tile_half2
 
 
@@ -68,9 +72,11 @@ def _gptq_matmul_kernel(
         acc2 = tl.zeros((BLOCK_K // (32 // BITS), BLOCK_N), dtype=tl.float32)   # summed over rows at the end
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Per code position (BLOCK_K // 8 rows per tl.dot, which needs 16): see the module docstring.
+    BY_CODE: tl.constexpr = BLOCK_M == 16 and BITS == 4 and UNIFORM and BLOCK_K >= 128
     # Masking x (not W) handles K past in_features: the zero-padded codes meet x = 0.
     for k0 in range(k_begin, k_end, BLOCK_K):
-        if BLOCK_M == 1:  # one int32 load per word; its codes are shifted out in registers
+        if BLOCK_M == 1 or BY_CODE:  # one int32 load per word; its codes are shifted out in registers
             words = _load_words(qw_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, EVEN_K)
         if UNIFORM:  # the whole tile lies in one group
             s, z = _group_row(s_ptr, qz_ptr, k0 // GS, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
@@ -85,16 +91,18 @@ def _gptq_matmul_kernel(
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = _in_range(offs_k, K, EVEN_K)
-            q = _tile_codes(qw_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS, BLOCK_K, BLOCK_N, EVEN_K)
-            if not UNIFORM:
-                g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)[:, None]
-                s, z = _group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
-            w = _decode(q, z, s, IS_FP16, INTERPRETER)
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if INTERPRETER:  # its tl.dot mishandles bf16 (numpy has none); the fp32 upcast is exact
-                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            if BY_CODE:
+                xs = _x_by_code(x, BLOCK_M, BLOCK_K)
+                for c in tl.static_range(8):
+                    w = _decode((words >> (4 * c)) & 0xF, z, s, IS_FP16, INTERPRETER)
+                    acc = _dot(xs[c], w, acc, INTERPRETER)
             else:
-                acc = tl.dot(x, w, acc)
+                q = _tile_codes(qw_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS, BLOCK_K, BLOCK_N, EVEN_K)
+                if not UNIFORM:
+                    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)[:, None]
+                    s, z = _group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
+                acc = _dot(x, _decode(q, z, s, IS_FP16, INTERPRETER), acc, INTERPRETER)
     if BLOCK_M == 1:
         acc = tl.reshape(tl.sum(acc2, axis=0), (1, BLOCK_N))
 
@@ -114,6 +122,13 @@ def _gptq_matmul_kernel(
                 total += tl.load(ws_ptr + s * M * N + part, mask=out_mask, other=0.0, cache_modifier=".cg")
             _store_output(y_ptr, b_ptr, total, out_offs, offs_n, n_mask, out_mask, HAS_BIAS, INTERPRETER)
             tl.atomic_xchg(lock_ptr + tile, 0)              # ready for the next launch
+
+
+@triton.jit
+def _dot(x, w, acc, INTERPRETER: tl.constexpr):
+    if INTERPRETER:  # its tl.dot mishandles bf16 (numpy has none); the fp32 upcast is exact
+        return tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(x, w, acc)
 
 
 @triton.jit
@@ -172,7 +187,8 @@ M1_HALF2_CONFIGS = [
 DECODE_CONFIGS = [
     _config(None, bn, bk, waves, warps, stages)
     for bn, bk, warps, stages in [(64, 128, 4, 3), (32, 128, 4, 4), (128, 128, 4, 3), (64, 64, 4, 4),
-                                  (128, 64, 4, 4), (64, 256, 4, 3), (64, 32, 4, 4)]
+                                  (128, 64, 4, 4), (64, 256, 4, 3), (64, 32, 4, 4), (256, 128, 4, 3), (256, 128, 8, 3),
+                                  (128, 256, 4, 3)]
     for waves in (2, 4)
 ]
 # GEMM: the usual Hopper tile shapes (tl.dot -> wgmma); WAVES=1 so split-K only rescues few tiles.
