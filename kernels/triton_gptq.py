@@ -7,12 +7,13 @@ triton_gptq_ops.py + pure-torch reference in reference.py):
   * M = 1 (memory-bound GEMV): BLOCK_M = 1, fp32 FMAs in the packed words' own register layout
     (see _gemv_tile: about three instructions per weight, W used exactly, never rounded).
     Bits 2, 4, 8 only: 3-bit words do not hold whole codes, so M = 1 takes the next shape.
-  * 2 <= M <= 16 (memory-bound decode): BLOCK_M = 16 tl.dot (mma.sync) on the decoded tile. 4-bit
-    tiles of one group with BLOCK_K >= 128 take one tl.dot per code position of the packed words
-    instead (rows 8j + c for code c of word j, x split to match in registers): the decoded codes then
-    feed the MMA in the words' own layout, without the [BLOCK_K / 8, 8, N] -> [BLOCK_K, N] reshape that
-    costs one shared-memory store per weight (sm_90 SASS: docs/BENCHMARKS.md).
+  * 2 <= M <= 16 (memory-bound decode): BLOCK_M = 16 tl.dot (mma.sync) on the decoded tile.
   * M > 16 (compute-bound GEMM): tiled tl.dot (wgmma on Hopper), grouped tile order for L2 reuse.
+The mma.sync tiles (BLOCK_M 16 and 32) of 4-bit weights, one group per tile and BLOCK_K >= 128 take one
+tl.dot per code position of the packed words instead (rows 8j + c for code c of word j, x split to
+match in registers): the decoded codes feed the MMA in the words' own layout, without the
+[BLOCK_K / 8, 8, N] -> [BLOCK_K, N] reshape that costs one shared-memory store per weight (sm_90 SASS:
+docs/BENCHMARKS.md; the wgmma tiles gain nothing from it).
 Split-K whenever the output tiles alone do not fill the GPU (always at small M): the K slices of a
 tile are reduced *inside* the launch: each program stores its fp32 partial, bumps a per-tile
 counter, and the last one to arrive sums the partials in a fixed order, adds bias, writes the
@@ -72,8 +73,8 @@ def _gptq_matmul_kernel(
         acc2 = tl.zeros((BLOCK_K // (32 // BITS), BLOCK_N), dtype=tl.float32)   # summed over rows at the end
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Per code position (BLOCK_K // 8 rows per tl.dot, which needs 16): see the module docstring.
-    BY_CODE: tl.constexpr = BLOCK_M == 16 and BITS == 4 and UNIFORM and BLOCK_K >= 128
+    # Per code position (BLOCK_K // 8 rows per tl.dot, which needs 16; mma.sync tiles): see the module docstring.
+    BY_CODE: tl.constexpr = BLOCK_M >= 16 and BLOCK_M <= 32 and BITS == 4 and UNIFORM and BLOCK_K >= 128
     # Masking x (not W) handles K past in_features: the zero-padded codes meet x = 0.
     for k0 in range(k_begin, k_end, BLOCK_K):
         if BLOCK_M == 1 or BY_CODE:  # one int32 load per word; its codes are shifted out in registers
