@@ -33,20 +33,29 @@ def _tile_codes(qw_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS: tl.constexpr, B
 
 
 @triton.jit
-def _x_by_code(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x [BLOCK_M, BLOCK_K] as 8 tensors [BLOCK_M, BLOCK_K // 8], number c holding columns 8j + c: the rows
-    that code c of the tile's 4-bit words (word j = rows 8j .. 8j + 7) multiplies.
+def _x_by_code(x, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] as one tensor [BLOCK_M, BLOCK_K // PW] per code position c of a packed word
+    (PW = 32 // BITS codes, word j = rows PW j .. PW j + PW - 1), number c holding columns PW j + c: the
+    rows that code c of the tile's words multiplies. 4- and 8-bit.
 
-    tl.split halves the last axis, so c = 4a + 2b + e is peeled off bit by bit: e first, then b, then a."""
-    x = tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 2, 2))
-    e0, e1 = tl.split(x)
-    e0b0, e0b1 = tl.split(e0)
-    e1b0, e1b1 = tl.split(e1)
-    c0, c4 = tl.split(e0b0)
-    c2, c6 = tl.split(e0b1)
-    c1, c5 = tl.split(e1b0)
-    c3, c7 = tl.split(e1b1)
-    return c0, c1, c2, c3, c4, c5, c6, c7
+    tl.split halves the last axis, so c is peeled off bit by bit, lowest first (c = 4a + 2b + e: e, b, a)."""
+    if BITS == 8:
+        x = tl.reshape(x, (BLOCK_M, BLOCK_K // 4, 2, 2))
+        e0, e1 = tl.split(x)
+        c0, c2 = tl.split(e0)
+        c1, c3 = tl.split(e1)
+        return c0, c1, c2, c3
+    else:
+        tl.static_assert(BITS == 4, "by-code tiles take 4- and 8-bit words")
+        x = tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 2, 2))
+        e0, e1 = tl.split(x)
+        e0b0, e0b1 = tl.split(e0)
+        e1b0, e1b1 = tl.split(e1)
+        c0, c4 = tl.split(e0b0)
+        c2, c6 = tl.split(e0b1)
+        c1, c5 = tl.split(e1b0)
+        c3, c7 = tl.split(e1b1)
+        return c0, c1, c2, c3, c4, c5, c6, c7
 
 
 @triton.jit

@@ -9,11 +9,12 @@ triton_gptq_ops.py + pure-torch reference in reference.py):
     Bits 2, 4, 8 only: 3-bit words do not hold whole codes, so M = 1 takes the next shape.
   * 2 <= M <= 16 (memory-bound decode): BLOCK_M = 16 tl.dot (mma.sync) on the decoded tile.
   * M > 16 (compute-bound GEMM): tiled tl.dot (wgmma on Hopper), grouped tile order for L2 reuse.
-The mma.sync tiles (BLOCK_M 16 and 32) of 4-bit weights, one group per tile and BLOCK_K >= 128 take one
-tl.dot per code position of the packed words instead (rows 8j + c for code c of word j, x split to
-match in registers): the decoded codes feed the MMA in the words' own layout, without the
-[BLOCK_K / 8, 8, N] -> [BLOCK_K, N] reshape that costs one shared-memory store per weight (sm_90 SASS:
-docs/BENCHMARKS.md; the wgmma tiles gain nothing from it).
+The mma.sync tiles (BLOCK_M 16 and 32) of 4- and 8-bit weights with one group per tile take one tl.dot
+per code position of the packed words instead, when that leaves tl.dot its 16 rows (BLOCK_K >= 128 at
+4 bits, >= 64 at 8): rows 8j + c for code c of 4-bit word j, x split to match in registers. The decoded
+codes then feed the MMA in the words' own layout, without the [BLOCK_K / 8, 8, N] -> [BLOCK_K, N]
+reshape that costs one shared-memory store per weight (sm_90 SASS: docs/BENCHMARKS.md; the wgmma
+tiles gain nothing from it).
 Split-K whenever the output tiles alone do not fill the GPU (always at small M): the K slices of a
 tile are reduced *inside* the launch: each program stores its fp32 partial, bumps a per-tile
 counter, and the last one to arrive sums the partials in a fixed order, adds bias, writes the
@@ -73,8 +74,9 @@ def _gptq_matmul_kernel(
         acc2 = tl.zeros((BLOCK_K // (32 // BITS), BLOCK_N), dtype=tl.float32)   # summed over rows at the end
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Per code position (BLOCK_K // 8 rows per tl.dot, which needs 16; mma.sync tiles): see the module docstring.
-    BY_CODE: tl.constexpr = BLOCK_M >= 16 and BLOCK_M <= 32 and BITS == 4 and UNIFORM and BLOCK_K >= 128
+    # Per code position (BLOCK_K // (32 // BITS) rows per tl.dot, which needs 16; mma.sync tiles): module docstring.
+    BY_CODE: tl.constexpr = (BLOCK_M >= 16 and BLOCK_M <= 32 and (BITS == 4 or BITS == 8) and UNIFORM
+                             and BLOCK_K // (32 // BITS) >= 16)
     # Masking x (not W) handles K past in_features: the zero-padded codes meet x = 0.
     for k0 in range(k_begin, k_end, BLOCK_K):
         if BLOCK_M == 1 or BY_CODE:  # one int32 load per word; its codes are shifted out in registers
@@ -92,18 +94,22 @@ def _gptq_matmul_kernel(
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = _in_range(offs_k, K, EVEN_K)
-            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             if BY_CODE:
-                xs = _x_by_code(x, BLOCK_M, BLOCK_K)
-                for c in tl.static_range(8):
-                    w = _decode((words >> (4 * c)) & 0xF, z, s, IS_FP16, INTERPRETER)
+                x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                xs = _x_by_code(x, BITS, BLOCK_M, BLOCK_K)
+                for c in tl.static_range(32 // BITS):
+                    w = _decode((words >> (BITS * c)) & ((1 << BITS) - 1), z, s, IS_FP16, INTERPRETER)
                     acc = _dot(xs[c], w, acc, INTERPRETER)
             else:
                 q = _tile_codes(qw_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS, BLOCK_K, BLOCK_N, EVEN_K)
                 if not UNIFORM:
                     g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)[:, None]
                     s, z = _group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
-                acc = _dot(x, _decode(q, z, s, IS_FP16, INTERPRETER), acc, INTERPRETER)
+                w = _decode(q, z, s, IS_FP16, INTERPRETER)
+                # x after the decode, as before the by-code tiles: loaded first, it spills a 128 x 128 x 128
+                # 8-bit tile on sm_80 (scripts/sass_stats.py --check)
+                x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                acc = _dot(x, w, acc, INTERPRETER)
     if BLOCK_M == 1:
         acc = tl.reshape(tl.sum(acc2, axis=0), (1, BLOCK_N))
 

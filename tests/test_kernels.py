@@ -167,21 +167,24 @@ def test_pinned_paths(device, path, bits, dtype):
     assert_close_to_reference(run(x, layer, bits, k, 1, config), x, layer, bits, k, 1, half2=half2)
 
 
-# The mma.sync tiles (BLOCK_M 16: 2 <= M <= 16; 32: GEMM) that take one tl.dot per code position (4-bit, one
-# group per tile, BLOCK_K >= 128): K past the last full tile, one group or g128, split-K on and off, ragged M
-# and N. Swapping two of the x slices in triton_decode._x_by_code fails every case.
+# The mma.sync tiles (BLOCK_M 16: 2 <= M <= 16; 32: GEMM) that take one tl.dot per code position (4- and
+# 8-bit, one group per tile, BLOCK_K / codes per word >= 16): K past the last full tile, one group or g128,
+# split-K on and off, ragged M and N. Swapping two of the x slices in triton_decode._x_by_code fails every
+# case of that width.
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("m,k,gs,sym,zo,bias,dtype,waves", [
-    (16, 300, 128, False, 1, True, torch.float16, 4), (5, 256, -1, True, 0, False, torch.bfloat16, 0),
-    (2, 300, 128, True, 1, True, torch.bfloat16, 0), (9, 384, 128, False, 0, False, torch.float16, 8),
-    (40, 300, 128, True, 0, True, torch.float16, 0), (17, 256, -1, False, 1, False, torch.bfloat16, 4)])
-def test_tiles_by_code_position(device, m, k, gs, sym, zo, bias, dtype, waves):
-    layer = make_layer(k, 72, 4, gs, sym, zo, bias=bias, device=device, seed=m)
+@pytest.mark.parametrize("m,k,bits,block_k,gs,sym,zo,bias,dtype,waves", [
+    (16, 300, 4, 128, 128, False, 1, True, torch.float16, 4), (5, 256, 4, 128, -1, True, 0, False, torch.bfloat16, 0),
+    (2, 300, 4, 128, 128, True, 1, True, torch.bfloat16, 0), (9, 384, 4, 128, 128, False, 0, False, torch.float16, 8),
+    (40, 300, 4, 128, 128, True, 0, True, torch.float16, 0), (17, 256, 4, 128, -1, False, 1, False, torch.bfloat16, 4),
+    (16, 300, 8, 64, 128, False, 1, True, torch.bfloat16, 4), (3, 200, 8, 128, -1, True, 0, False, torch.float16, 0),
+    (33, 300, 8, 64, 128, False, 0, True, torch.float16, 2)])
+def test_tiles_by_code_position(device, m, k, bits, block_k, gs, sym, zo, bias, dtype, waves):
+    layer = make_layer(k, 72, bits, gs, sym, zo, bias=bias, device=device, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, dtype)
-    config = dict(BLOCK_N=32, BLOCK_K=128, WAVES=waves, GROUP_M=1)
+    config = dict(BLOCK_N=32, BLOCK_K=block_k, WAVES=waves, GROUP_M=1)
     if m > triton_gptq_ops.DECODE_MAX_M:
         config["BLOCK_M"] = 32
-    assert_close_to_reference(run(x, layer, 4, k, zo, config), x, layer, 4, k, zo)
+    assert_close_to_reference(run(x, layer, bits, k, zo, config), x, layer, bits, k, zo)
 
 
 @pytest.mark.parametrize("device", DEVICES)
