@@ -245,11 +245,12 @@ def compare_paths(quant: str, base: str, dataset: str, seqlen: int, max_tokens=N
     greedy continuations of each prompt by both models."""
     from transformers import AutoConfig
 
-    from quantkit.data import eval_ids
+    from quantkit.data import check_dataset, eval_ids
     from quantkit.eval import load_any
     from quantkit.model.loader import load_tokenizer
 
     check_seqlen(seqlen)
+    check_dataset(dataset)   # before the tokenizers, configs and weights: a typo is named at once
     tokenizers = {role: load_tokenizer(path, trust_remote_code) for role, path in (("base", base), ("quant", quant))}
     check_same_tokenizer(tokenizers["base"], tokenizers["quant"])
     configs = {role: AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)

@@ -219,11 +219,18 @@ def _iter_texts(dataset: str, purpose: str) -> Iterator[str]:
     """Documents of `dataset` for `purpose`, lazily where the source allows it."""
     if purpose not in PURPOSES:
         raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
+    path = check_dataset(dataset)
+    return _iter_hub_texts(dataset, purpose) if path is None else _iter_local_texts(path)
+
+
+def check_dataset(dataset: str) -> Path | None:
+    """The local file `dataset` names (None for a hub dataset name), or a QuantkitError for an unknown name or a path
+    that is not a file. Reads nothing: commands call it before any weights load, so a typo is named at once."""
     if dataset in KNOWN_DATASETS:
-        return _iter_hub_texts(dataset, purpose)
+        return None
     path = Path(dataset).expanduser()
     if path.is_file():
-        return _iter_local_texts(path)
+        return path
     if path.exists():
         raise QuantkitError(f"dataset path {path} is not a file: pass a {'/'.join(LOCAL_EXTENSIONS)} file")
     if _looks_like_path(dataset):
@@ -346,4 +353,5 @@ def _one_line(message: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-__all__ = ["KNOWN_DATASETS", "HUB_SOURCES", "HubSource", "load_texts", "calibration_ids", "eval_ids"]
+__all__ = ["KNOWN_DATASETS", "HUB_SOURCES", "HubSource", "check_dataset", "load_texts", "calibration_ids",
+           "eval_ids"]

@@ -162,9 +162,10 @@ def _stream_fp_model(path, device, dtype, trust_remote_code):
 
 def evaluate_path(path, dataset, seqlen, max_tokens=None, device="auto", dtype=None, progress=True,
                   stream=False, trust_remote_code=False) -> dict:
-    from quantkit.data import eval_ids
+    from quantkit.data import check_dataset, eval_ids
 
     check_seqlen(seqlen)
+    check_dataset(dataset)   # a wrong --dataset is named at once, not after a large model has loaded
     model, tokenizer = load_any(path, device, dtype, stream, trust_remote_code)
     ids = eval_ids(tokenizer, dataset, max_tokens)
     return perplexity(model, ids, seqlen, progress=progress)

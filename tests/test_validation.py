@@ -223,6 +223,20 @@ def test_a_window_below_two_tokens_is_refused_before_anything_loads(tmp_path):
         assert_user_error(run(*command, "--seqlen", 1), "--seqlen must be at least 2")
 
 
+def test_a_wrong_eval_dataset_is_named_before_the_weights_load(source, checkpoint_dir, monkeypatch):
+    import quantkit.eval
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the dataset was checked")
+
+    monkeypatch.setattr(quantkit.eval, "load_any", no_loading)
+    for command in (("eval", "perplexity", source), ("eval", "perplexity", checkpoint_dir),
+                    ("eval", "compare", checkpoint_dir, "--base", source)):
+        assert_user_error(run(*command, "--dataset", source / "missing.txt"), "does not exist")
+        assert_user_error(run(*command, "--dataset", source), "is not a file")
+        assert_user_error(run(*command, "--dataset", "wikitext3"), "unknown dataset")
+
+
 def test_context_length_reads_the_config_and_its_rope_scaling():
     from transformers import GPT2Config, LlamaConfig, PretrainedConfig
 
