@@ -67,9 +67,14 @@ def test_skipped_linears_are_declared(sources, tmp_path):
     assert isinstance(load_quantized(tmp_path / "ct").get_submodule(skip), torch.nn.Linear)
 
 
-def test_refusals(sources, tmp_path):
+def test_refusals(sources, model_factory, tmp_path):
     with pytest.raises(QuantkitError, match="awq cannot store .*4-bit codes only"):
         convert(sources["bits3"], tmp_path / "a", "awq")
+    # g64 does not divide down_proj's 96 inputs: the fix is a new quantization, not a group size the folder lacks
+    g64 = tmp_path / "g64"
+    quantize(str(model_factory("llama")), g64, QuantConfig(bits=4, group_size=64), device="cpu")
+    with pytest.raises(QuantkitError, match=r"\(96 here, group size 64\): quantize again with a --group-size"):
+        convert(g64, tmp_path / "a", "awq")
     # a zero of 0 (all-positive group of an asymmetric grid written by another tool) has no v1 encoding
     folder = tmp_path / "zero0"
     convert(sources["asym_v2"], folder, "gptq_v2")

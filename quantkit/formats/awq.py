@@ -50,7 +50,8 @@ def refusal(res: QuantResult) -> str | None:
         return f"AWQ GEMM stores 4-bit codes only, not {res.quantizer.bits}-bit: use --bits 4 or another format"
     if res.group_size == -1 or k % res.group_size:
         return (f"AWQ GEMM needs a group size that divides every layer's inputs ({k} here, group size "
-                f"{res.group_size}): pick one that does, e.g. 32, or use --checkpoint-format compressed-tensors")
+                f"{res.group_size}): quantize again with a --group-size that divides them all, or use "
+                "--checkpoint-format compressed-tensors")
     if n % 8:
         return f"AWQ GEMM packs 8 outputs per word, and a layer has {n}: use --checkpoint-format gptq"
     return None
