@@ -174,19 +174,25 @@ def _config(bm, bn, bk, waves, warps, stages, group_m=8, half2=False):
 # WAVES (programs ~ WAVES x SMs through split-K) sets. Uniform groups need BLOCK_K | group size, so
 # g128 runs the BLOCK_K <= 128 tiles; the 256 x 128 and 128 x 128 tiles with 4 warps (5.4 and 5.6
 # instructions per weight in sm_90 SASS against 6.2 for 64 x 128) are not yet timed on a GPU.
+# Every M = 1 config names its BLOCK_M: 1 for these FMA tiles, 16 for the by-code tl.dot tiles below.
 M1_CONFIGS = [
-    _config(None, bn, bk, waves, warps, 2)
+    _config(1, bn, bk, waves, warps, 2)
     for bn, bk, warps in [(64, 128, 4), (32, 128, 4), (128, 128, 8), (64, 256, 8), (32, 256, 4), (64, 512, 8),
                           (64, 32, 4), (256, 128, 4), (128, 128, 4)]
     for waves in (4, 8, 16)
 ]
+# M = 1 on the 2 <= M <= 16 by-code tl.dot tiles (4- and 8-bit, one group per tile; _prune drops them
+# elsewhere): the MMA's 15 idle rows are free in a memory-bound loop, and their sm_90 SASS needs 4.3-4.7
+# instructions per weight against 5.4-6.2 for the FMA tiles. Plain Triton (no inline PTX), the code
+# that M = 2-16 already runs, so the autotuner may pick them; not yet timed on a GPU.
+M1_CONFIGS += [_config(16, bn, 128, waves, 4, 3) for bn in (128, 256) for waves in (4, 8, 16)]
 # M = 1 in packed fp16 math (triton_gemv._gemv_tile_half2; INT4, uniform groups, fp16 x; other inputs
 # run the FMA path): 4.0-4.8 instructions per weight in sm_90 SASS. Checked under the interpreter and
 # compiled for sm_90 (scripts/sass_stats.py --kind m1h2), but its inline PTX has not run on a GPU yet,
 # so it is not in the autotune list until it has: tests/test_kernels.py pins it on CUDA and
 # scripts/bench_kernels.py --m1-half2 offers it to the autotuner.
 M1_HALF2_CONFIGS = [
-    _config(None, bn, bk, waves, warps, 2, half2=True)
+    _config(1, bn, bk, waves, warps, 2, half2=True)
     for bn, bk, warps in [(64, 128, 4), (256, 128, 4), (256, 128, 8), (512, 128, 8), (256, 64, 4)]
     for waves in (4, 8, 16)
 ]
@@ -222,11 +228,14 @@ def fits_groups(config, args):
 
 def _prune(configs, named_args, **kwargs):
     """Configs that fit the call: whole groups per tile (fits_groups); 3-bit takes the tiles that do
-    not spill; HALF2 tiles are timed only where they change the code (4-bit, uniform groups, fp16)."""
+    not spill; HALF2 tiles are timed only where they change the code (4-bit, uniform groups, fp16), and
+    M = 1's 16-row tiles only where they multiply by code position (4- and 8-bit, uniform groups)."""
     a = {**named_args, **kwargs}
     half2_applies = a["BITS"] == 4 and a["UNIFORM"] and a["IS_FP16"]
+    by_code_applies = a["BITS"] in (4, 8) and a["UNIFORM"]
     keep = [c for c in configs if fits_groups(c, a) and fits_bits(c, a["BITS"])
-            and (half2_applies or not c.kwargs.get("HALF2"))]
+            and (half2_applies or not c.kwargs.get("HALF2"))
+            and (by_code_applies or not (a["M_BUCKET"] == 1 and c.kwargs.get("BLOCK_M") == 16))]
     return keep or configs[:1]
 
 

@@ -139,11 +139,13 @@ def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, in_features, bias=None,
     gemv = m == 1 and bits != 3   # the M = 1 FMA shape reads whole codes from single words
     meta = dict(BITS=bits, ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None,
                 IS_FP16=x.dtype == torch.float16)
-    if decode:
-        meta["BLOCK_M"] = 1 if gemv else 16    # tl.dot needs 16 rows; M = 1 uses plain FMAs
     if x.device.type != "cuda":
         config = config or _interpreter_config(decode)
         meta["INTERPRETER"] = True
+    if decode and config is not None:   # pinned: 1 row (FMA tile) at M = 1, else 16, unless the config says
+        config = {"BLOCK_M": 1 if gemv else 16, **config}
+    elif decode and not gemv:           # tl.dot needs 16 rows; M = 1's tuned configs name their own BLOCK_M
+        meta["BLOCK_M"] = 16
     num_sms = _num_sms(x.device)
     if config is not None:
         kernel = untuned_kernel

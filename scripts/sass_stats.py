@@ -93,7 +93,7 @@ def _matmul_launch(config, block_m, bits):
     sig.update({n: "i32" for n in ints})
     kw = config.kwargs
     const = dict(BITS=bits, ZERO_OFFSET=1, UNIFORM=True, HAS_BIAS=False, IS_FP16=True,
-                 BLOCK_M=block_m or kw["BLOCK_M"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
+                 BLOCK_M=kw.get("BLOCK_M", block_m), BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
                  GROUP_M=kw["GROUP_M"], EVEN_K=True, EVEN_N=True, INTERPRETER=False, HALF2=kw.get("HALF2", False))
     aligned = [n for n in sig if n.endswith("_ptr")] + ["N", "K", "KW", "NW", "GS", "stride_xm", "stride_ym"]
     return triton_gptq._gptq_matmul_kernel, sig, const, aligned
@@ -143,24 +143,25 @@ def loop_stats(kind, config, arch=90, bits=4, dump=None):
     loop = main_loop(sass) or whole_kernel(sass)   # the dequantize kernel has no loop: one tile per program
     ops = opcode_counts(loop)
     per_thread = const["BLOCK_N"] * const["BLOCK_K"] / (32 * config.num_warps)   # weights per thread per trip
-    return dict(name=name, instructions=len(loop), weights_per_thread=per_thread,
+    return dict(name=name, block_m=const.get("BLOCK_M"), instructions=len(loop), weights_per_thread=per_thread,
                 per_weight=len(loop) / per_thread, ldg=ops["LDG"], shared=sum(ops[o] for o in SHARED),
                 spills=sum(ops[o] for o in SPILLS), i2f=ops["I2F"], mma=ops["HMMA"] + ops["HGMMA"])
 
 
 def problems(kind, stats):
-    """What --check rejects: spills anywhere; in the M = 1 loop I2F, or shared-memory traffic that
+    """What --check rejects: spills anywhere; in the M = 1 FMA loop I2F, or shared-memory traffic that
     scales with the tile (a layout conversion of the decoded slabs: more than one shared-memory
     instruction per 4 weights a thread decodes; converting the tile's scale/zero row costs ~10-24);
     a tl.dot launch whose loop has no MMA instruction."""
     found = []
     if stats["spills"]:
         found.append(f"{stats['spills']} spill instructions")
-    if kind.startswith("m1") and stats["shared"] > stats["weights_per_thread"] / 4:
+    fma_loop = kind.startswith("m1") and stats["block_m"] == 1
+    if fma_loop and stats["shared"] > stats["weights_per_thread"] / 4:
         found.append(f"{stats['shared']} shared-memory instructions (a layout conversion of the tile)")
-    if kind.startswith("m1") and stats["i2f"]:
+    if fma_loop and stats["i2f"]:
         found.append(f"{stats['i2f']} I2F conversions")
-    if kind in ("decode", "gemm") and not stats["mma"]:
+    if (kind in ("decode", "gemm") or stats["block_m"] == 16) and not stats["mma"]:
         found.append("no tensor-core MMA")
     return [f"{stats['name']}: {p}" for p in found]
 
@@ -192,7 +193,7 @@ def main():
         block_m = LAUNCHES[kind][2]
         for c in unique_configs(kind, args.bits):
             s = loop_stats(kind, c, args.arch, args.bits, args.dump)
-            bm = block_m or c.kwargs.get("BLOCK_M", "-")
+            bm = s["block_m"] or "-"
             print(f"| {kind} | {bm} x {c.kwargs['BLOCK_N']} x {c.kwargs['BLOCK_K']} | {c.num_warps} | "
                   f"{c.num_stages} | {s['instructions']} | {s['weights_per_thread']:.0f} | {s['per_weight']:.2f} | "
                   f"{s['ldg']} | {s['shared']} | {s['spills']} | {s['i2f']} | {s['mma']} |", flush=True)

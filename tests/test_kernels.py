@@ -146,6 +146,7 @@ PATHS = {
     "decode-m1-nosplit": (1, dict(BLOCK_N=64, BLOCK_K=64, WAVES=0, GROUP_M=1)),
     "decode-m1-half2-split": (1, dict(BLOCK_N=32, BLOCK_K=32, WAVES=4, GROUP_M=1, HALF2=True)),
     "decode-m1-half2-nosplit": (1, dict(BLOCK_N=64, BLOCK_K=32, WAVES=0, GROUP_M=1, HALF2=True)),
+    "decode-m1-16rows": (1, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, WAVES=4, GROUP_M=1)),  # g32: gather decode
     "decode-dot-split": (5, dict(BLOCK_N=16, BLOCK_K=32, WAVES=8, GROUP_M=1)),
     "decode-dot-bk64": (16, dict(BLOCK_N=32, BLOCK_K=64, WAVES=2, GROUP_M=1)),
     "gemm-nosplit": (33, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, WAVES=0, GROUP_M=2)),
@@ -167,7 +168,7 @@ def test_pinned_paths(device, path, bits, dtype):
     assert_close_to_reference(run(x, layer, bits, k, 1, config), x, layer, bits, k, 1, half2=half2)
 
 
-# The mma.sync tiles (BLOCK_M 16: 2 <= M <= 16; 32: GEMM) that take one tl.dot per code position (4- and
+# The mma.sync tiles (BLOCK_M 16: 1 <= M <= 16; 32: GEMM) that take one tl.dot per code position (4- and
 # 8-bit, one group per tile, BLOCK_K / codes per word >= 16): K past the last full tile, one group or g128,
 # split-K on and off, ragged M and N. Swapping two of the x slices in triton_decode._x_by_code fails every
 # case of that width.
@@ -177,13 +178,16 @@ def test_pinned_paths(device, path, bits, dtype):
     (2, 300, 4, 128, 128, True, 1, True, torch.bfloat16, 0), (9, 384, 4, 128, 128, False, 0, False, torch.float16, 8),
     (40, 300, 4, 128, 128, True, 0, True, torch.float16, 0), (17, 256, 4, 128, -1, False, 1, False, torch.bfloat16, 4),
     (16, 300, 8, 64, 128, False, 1, True, torch.bfloat16, 4), (3, 200, 8, 128, -1, True, 0, False, torch.float16, 0),
-    (33, 300, 8, 64, 128, False, 0, True, torch.float16, 2)])
+    (33, 300, 8, 64, 128, False, 0, True, torch.float16, 2),
+    (1, 300, 4, 128, 128, True, 1, True, torch.float16, 4), (1, 256, 8, 64, -1, False, 0, False, torch.bfloat16, 0)])
 def test_tiles_by_code_position(device, m, k, bits, block_k, gs, sym, zo, bias, dtype, waves):
     layer = make_layer(k, 72, bits, gs, sym, zo, bias=bias, device=device, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, dtype)
     config = dict(BLOCK_N=32, BLOCK_K=block_k, WAVES=waves, GROUP_M=1)
     if m > triton_gptq_ops.DECODE_MAX_M:
         config["BLOCK_M"] = 32
+    if m == 1:   # the M = 1 launch on a 16-row tile (M1_CONFIGS offers these to the autotuner)
+        config["BLOCK_M"] = 16
     assert_close_to_reference(run(x, layer, bits, k, zo, config), x, layer, bits, k, zo)
 
 
@@ -433,7 +437,7 @@ def test_workspace_covers_every_tuned_config(m, n, k):
 
     kind = 1 if m == 1 else 16 if m <= triton_gptq_ops.DECODE_MAX_M else 0
     _, configs = triton_gptq_ops._TUNED[kind]
-    block_m = {1: 1, 16: 16, 0: None}[kind]
+    block_m = {1: None, 16: 16, 0: None}[kind]   # M = 1 configs name their BLOCK_M (1 or 16), as GEMM's do
     partials, counters = triton_gptq_ops._workspace_size(m, n, k, configs, block_m, 132)
     for c in map(dict, configs):
         bm = block_m or c["BLOCK_M"]
@@ -453,7 +457,7 @@ def test_use_m1_configs_swaps_candidates_and_resizes_the_workspace():
         triton_gptq_ops.use_m1_configs(wider)
         _, configs = triton_gptq_ops._TUNED[1]
         assert triton_gptq.m1_kernel.configs == wider and len(configs) == len(wider)
-        partials, _ = triton_gptq_ops._workspace_size(1, 4096, 4096, configs, 1, 132)
+        partials, _ = triton_gptq_ops._workspace_size(1, 4096, 4096, configs, None, 132)
         for c in triton_gptq.M1_HALF2_CONFIGS:
             assert triton_gptq.split_k(1, 4096, 4096, 1, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], 132,
                                        c.kwargs["WAVES"]) * 4096 <= partials
