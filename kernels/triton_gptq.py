@@ -6,7 +6,8 @@ One kernel, three launch shapes (Marlin / Triton-tutorial style: kernel + thin w
 triton_gptq_ops.py + pure-torch reference in reference.py):
   * M = 1 (memory-bound GEMV): BLOCK_M = 1, fp32 FMAs in the packed words' own register layout
     (see _gemv_tile: about three instructions per weight, W used exactly, never rounded).
-    Bits 2, 4, 8 only: 3-bit words do not hold whole codes, so M = 1 takes the next shape.
+    Bits 2, 4, 8 only: 3-bit words do not hold whole codes, so M = 1 takes the next shape. The
+    autotuner may also run M = 1 on that shape's by-code tiles (M1_CONFIGS).
   * 2 <= M <= 16 (memory-bound decode): BLOCK_M = 16 tl.dot (mma.sync) on the decoded tile.
   * M > 16 (compute-bound GEMM): tiled tl.dot (wgmma on Hopper), grouped tile order for L2 reuse.
 The mma.sync tiles (BLOCK_M 16 and 32) of 4- and 8-bit weights with one group per tile take one tl.dot
