@@ -206,13 +206,14 @@ DECODE_CONFIGS = [
     for waves in (2, 4)
 ]
 # GEMM: the usual Hopper tile shapes (tl.dot -> wgmma); WAVES=1 so split-K only rescues few tiles.
-# (128, 256, 64) with 8 warps spills registers (SASS), so it is not offered.
+# (128, 256, 64) with 8 warps spills registers (SASS), so it is not offered; nor do 32 x 256 x 128 with 4 warps
+# and 32 x 128 x 256 (the 32-row tiles multiply by code position: module docstring).
 GEMM_CONFIGS = [
     _config(bm, bn, bk, 1, warps, stages)
     for bm, bn, bk, warps, stages in [
         (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3),
         (64, 256, 64, 8, 4), (128, 64, 64, 4, 4), (64, 64, 128, 4, 4), (32, 128, 128, 4, 4),
-        (128, 128, 32, 4, 4), (64, 128, 32, 4, 4)]
+        (128, 128, 32, 4, 4), (64, 128, 32, 4, 4), (32, 256, 128, 8, 4)]
 ]
 
 
