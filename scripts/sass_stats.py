@@ -190,7 +190,6 @@ def main():
     for kind in args.kind:
         if kind.startswith("m1") and args.bits == 3:   # no such launch: 3-bit M = 1 runs the decode shape
             continue
-        block_m = LAUNCHES[kind][2]
         for c in unique_configs(kind, args.bits):
             s = loop_stats(kind, c, args.arch, args.bits, args.dump)
             bm = s["block_m"] or "-"
