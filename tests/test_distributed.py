@@ -182,8 +182,11 @@ def killed_then_resumed(model_factory, tmp_path, script: str, *script_args):
     killer = tmp_path / "killer.py"
     killer.write_text(script)
     args = quantize_args(src, out, text)
-    killed = subprocess.run([*TORCHRUN, "--nproc-per-node=2", str(killer), *script_args, *args], capture_output=True,
-                            text=True, env=run_env(tmp_path), timeout=600)
+    # The launcher looks at its workers every 2 s (not every 0.1 s): a rank that dies is then met by its peer's
+    # collective, which these tests are about, before the launcher stops that peer with SIGTERM (a race the
+    # launcher won once in CI, when the peer was between two collectives).
+    killed = subprocess.run([*TORCHRUN, "--monitor-interval=2", "--nproc-per-node=2", str(killer), *script_args,
+                             *args], capture_output=True, text=True, env=run_env(tmp_path), timeout=600)
     assert killed.returncode != 0
     left = list(tmp_path.glob(".two.tmp-*"))
     assert len(left) == 1 and len(list(left[0].glob("part-block-*.safetensors"))) == 1 and not out.exists()
@@ -233,12 +236,16 @@ main(sys.argv[1:])
 def test_a_process_killed_mid_run_leaves_the_writer_one_line_and_its_blocks(model_factory, tmp_path):
     """Rank 1 SIGKILLed (the out-of-memory killer's way) while the layers of block 1 are exchanged: rank 0's
     collective fails in gloo; it says so in one line (no traceback) and keeps block 0 for --resume, as after
-    Ctrl-C."""
+    Ctrl-C. (Should the launcher's SIGTERM reach rank 0 first, rank 0 says it was interrupted instead, with the
+    same blocks kept and the same advice: either line is right.)"""
     killed, _ = killed_then_resumed(model_factory, tmp_path, PEER_KILLER)
     traced = [line for line in killed.stderr.splitlines() if 'File "' in line and "quantkit" in line]
     assert not traced, killed.stderr[-3000:]  # (torchrun's own launcher prints a traceback of its frames)
-    assert "error: another process of the run stopped while sending the quantized layers" in killed.stderr
-    assert "stopped: the 1 of 2 blocks finished are kept" in killed.stderr
+    collective_failed = ("error: another process of the run stopped while sending the quantized layers" in killed.stderr
+                         and "stopped: the 1 of 2 blocks finished are kept" in killed.stderr)
+    launcher_stopped = "interrupted: the 1 of 2 blocks finished are kept" in killed.stderr
+    assert collective_failed or launcher_stopped, killed.stderr[-3000:]
+    assert "as one process (without --processes or torchrun) with --resume" in killed.stderr
 
 
 def test_a_failed_collective_is_one_line_and_out_of_memory_stays_itself():
