@@ -59,6 +59,10 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     others return None. trust_remote_code: run the model's own code (config.json auto_map); off by default.
     """
     config = config or QuantConfig()
+    if config.needs_calibration and calibration_ids is None:
+        from quantkit.data import check_dataset
+
+        check_dataset(config.dataset)  # a typo in --dataset is named before the model loads
     group, device = distributed.from_environment(resolve_device(device))  # under torchrun: this process's share
     with contextlib.closing(group):  # a process group started here ends here, on every rank
         if group.active:

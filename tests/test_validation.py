@@ -223,11 +223,20 @@ def test_a_window_below_two_tokens_is_refused_before_anything_loads(tmp_path):
         assert_user_error(run(*command, "--seqlen", 1), "--seqlen must be at least 2")
 
 
+def no_loading(*args, **kwargs):
+    raise AssertionError("the model was loaded before the dataset was checked")
+
+
+def test_a_wrong_calibration_dataset_is_named_before_the_model_loads(tmp_path, source, monkeypatch):
+    import quantkit.api
+
+    monkeypatch.setattr(quantkit.api, "open_model", no_loading)
+    quantize_refused(tmp_path, source, "--method", "gptq", "--dataset", source / "missing.txt", words=["does not exist"])
+    quantize_refused(tmp_path, source, "--method", "awq", "--dataset", "wikitext3", words=["unknown dataset"])
+
+
 def test_a_wrong_eval_dataset_is_named_before_the_weights_load(source, checkpoint_dir, monkeypatch):
     import quantkit.eval
-
-    def no_loading(*args, **kwargs):
-        raise AssertionError("the weights were loaded before the dataset was checked")
 
     monkeypatch.setattr(quantkit.eval, "load_any", no_loading)
     for command in (("eval", "perplexity", source), ("eval", "perplexity", checkpoint_dir),
