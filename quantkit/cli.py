@@ -187,6 +187,7 @@ def _launch(processes: int, model: str, out: str, config: QuantConfig, device: s
             resume: bool) -> int:
     """quantize --processes N: this same command as N ranks (quantkit.distributed), checked before any starts."""
     from quantkit import distributed
+    from quantkit.data import check_dataset
     from quantkit.formats.output import check_output
     from quantkit.model.loader import resolve_device
 
@@ -195,6 +196,7 @@ def _launch(processes: int, model: str, out: str, config: QuantConfig, device: s
                             "--nproc-per-node sets the number)")
     distributed.check_supported(config, resume)
     distributed.check_shareable(config.nsamples, processes)
+    check_dataset(config.dataset)  # each rank checks again; here it is one line, not N
     check_output(out, overwrite, sources=[model])  # rank 0 checks again; this saves starting N model loads
     argv = distributed.without_option(main.argv, "--processes")
     return distributed.launch_local(processes, argv, resolve_device(device))

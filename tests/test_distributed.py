@@ -119,7 +119,9 @@ def test_processes_option_refuses_before_starting_any(tmp_path, monkeypatch):
     cases = {"--method awq cannot be spread": ["-o", str(tmp_path / "a"), "--method", "awq"],
              "--resume is not supported": ["-o", str(tmp_path / "a"), "--resume"],
              "--nsamples 1 cannot be shared by 2": ["-o", str(tmp_path / "a"), "--nsamples", "1"],
-             "already exists": ["-o", str(tmp_path / "taken")]}
+             "already exists": ["-o", str(tmp_path / "taken")],
+             "does not exist: check the path passed to --dataset": ["-o", str(tmp_path / "a"), "--dataset",
+                                                                    str(tmp_path / "missing.txt")]}
     for message, extra in cases.items():
         result = CliRunner().invoke(main, base + extra)
         assert result.exit_code == 2 and message in result.output, result.output
