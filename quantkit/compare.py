@@ -27,7 +27,8 @@ import torch
 from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
-from quantkit.eval import check_eval_options, check_seqlen, model_logits, model_device, split_windows
+from quantkit.eval import (check_eval_options, check_seqlen, is_quantized_folder, model_device, model_logits,
+                           split_windows)
 from quantkit.model.arch import check_window
 
 
@@ -228,6 +229,9 @@ def recorded_base(quant) -> str:
     if not Path(quant).is_dir():
         raise QuantkitError(f"{quant} is not a local folder, so no quantkit report names its base model: pass --base "
                             "MODEL (or check the path)")
+    if not is_quantized_folder(quant):
+        raise QuantkitError(f"{quant} is not a quantized checkpoint (no quantization_config), so it was not made from "
+                            "another model: pass the quantized folder as QUANT, or --base MODEL to compare two models")
     base = read_report(quant).get("model")
     if base is None:
         raise QuantkitError(f"{quant} does not name the model it was made from (no {REPORT_NAME} with a "

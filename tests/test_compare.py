@@ -194,6 +194,8 @@ def test_compare_defaults_to_the_model_the_checkpoint_was_made_from(model_factor
     assert unnamed.exit_code == 2 and "does not name the model" in unnamed.output and "--base" in unnamed.output
     missing = CliRunner().invoke(main, ["eval", "compare", str(tmp_path / "nope")])
     assert missing.exit_code == 2 and "not a local folder" in missing.output and "--base" in missing.output
+    floating = CliRunner().invoke(main, ["eval", "compare", str(tmp_path / "moved")])  # the fp source as QUANT
+    assert floating.exit_code == 2 and "is not a quantized checkpoint" in floating.output, floating.output
 
 
 def test_fidelity_from_the_hessian_equals_the_outputs():
