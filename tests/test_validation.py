@@ -231,7 +231,8 @@ def test_a_wrong_calibration_dataset_is_named_before_the_model_loads(tmp_path, s
     import quantkit.api
 
     monkeypatch.setattr(quantkit.api, "open_model", no_loading)
-    quantize_refused(tmp_path, source, "--method", "gptq", "--dataset", source / "missing.txt", words=["does not exist"])
+    quantize_refused(tmp_path, source, "--method", "gptq", "--dataset", source / "missing.txt",
+                     words=["does not exist"])
     quantize_refused(tmp_path, source, "--method", "awq", "--dataset", "wikitext3", words=["unknown dataset"])
 
 

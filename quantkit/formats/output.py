@@ -21,9 +21,9 @@ cannot prove to be a dead run's is reported and left alone.
 
 Resumable runs (quantize; quantkit.formats.resume): a staging folder holding RESUME_NAME is an
 interrupted run's finished work. A run stopped from outside (Ctrl-C, SIGTERM, out of memory, a full
-disk, another process of a multi-process run dying) keeps it when it holds at least one finished block, and says how to continue (`--resume`) or
-discard it; a run that fails on its own (bad input, NaN, a bug) deletes it as before, since the same
-settings would fail the same way. SIGKILL and power loss keep it by nature. A dead run's resumable
+disk, another process of a multi-process run dying) keeps it when it holds at least one finished block,
+and says how to continue (`--resume`) or discard it; a run that fails on its own (bad input, NaN, a
+bug) deletes it as before, since the same settings would fail the same way. SIGKILL and power loss keep it by nature. A dead run's resumable
 folder is never deleted by a later run: without --resume the later run stops with an error naming
 it; with --resume it is adopted (renamed to the new run's `.OUT.tmp-PID`). OUT itself is untouched
 either way until the final rename.
