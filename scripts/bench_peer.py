@@ -1,16 +1,18 @@
 #!/usr/bin/env python
 """quantkit against llm-compressor on the same calibration samples and the same evaluation, one table.
 
-The calibration windows are drawn once (quantkit.data.calibration_ids) and handed to both tools. quantkit
-quantizes into a checkpoint that load_quantized reads back; llm-compressor runs in its own Python
-(--peer-python, a virtual environment with `pip install llmcompressor`: it pins other transformers
-versions than quantkit's) through scripts/peer_llmcompressor.py, which writes its dequantized weights as a
-plain checkpoint. Both models are then evaluated here by quantkit.eval.perplexity in fp32 on the same
-tokens (and on --heldout text when given). Seconds are each tool's wall time in this run for the same job, a
-model folder in, a packed checkpoint out (quantkit: quantize(), reading the source and writing the checkpoint;
-llm-compressor: loading the model, oneshot() and save_pretrained(save_compressed=True); its oneshot() alone in a
-column of its own), measured one after the other on the same machine — read them as a ratio; with --repeat N
-each tool runs N times per scheme, the two alternating, and the fastest run counts.
+The calibration windows are drawn once (quantkit.data.calibration_ids) and handed to both tools, each of which
+quantizes in a Python process of its own: quantkit through scripts/quantkit_job.py into a checkpoint that
+load_quantized reads back; llm-compressor in its own Python (--peer-python, a virtual environment with
+`pip install llmcompressor`: it pins other transformers versions than quantkit's) through
+scripts/peer_llmcompressor.py, which writes its dequantized weights as a plain checkpoint. Both models are then
+evaluated here by quantkit.eval.perplexity in fp32 on the same tokens (and on --heldout text when given). Seconds
+are each tool's wall time for the same job, timed inside its process after the imports: a model folder in, a
+packed checkpoint out (quantkit: quantize(), reading the source and writing the checkpoint; llm-compressor: loading
+the model, oneshot() and save_pretrained(save_compressed=True); its oneshot() alone in a column of its own),
+measured one after the other on the same machine — read them as a ratio. With --repeat N each tool runs N times
+per scheme, the two alternating: the table gives the fastest run of each and their ratio, and the ratio of each
+pair of runs that ran side by side, with the median of those (the machine's drift moves both runs of a pair alike).
 
 Runs are method:bits:group[:asym][:one-pass], method gptq or rtn (llm-compressor's RTN is its
 QuantizationModifier). one-pass: quantkit collects every linear's statistics of a block in one forward, as
@@ -26,21 +28,20 @@ import argparse
 import json
 import subprocess
 import sys
+import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from quantkit.api import quantize
-from quantkit.config import QuantConfig
 from quantkit.data import calibration_ids, eval_ids
 from quantkit.eval import perplexity
 from quantkit.loading import load_quantized
 from quantkit.model.loader import load_fp_model
 
 PEER_SCRIPT = Path(__file__).with_name("peer_llmcompressor.py")
+JOB_SCRIPT = Path(__file__).with_name("quantkit_job.py")
 
 
 def parse_run(text: str) -> tuple[dict, dict]:
@@ -57,26 +58,33 @@ def evaluate(model, texts: dict, seqlen: int) -> dict:
     return {name: perplexity(model, ids, seqlen, progress=False)["ppl"] for name, ids in texts.items()}
 
 
-def run_quantkit(model_path, run, calib, texts, seqlen, extra, evaluated=True) -> dict:
-    """{"times": [seconds]} and, if evaluated, the model's perplexity per text."""
-    config = QuantConfig(**run, nsamples=calib.shape[0], seqlen=calib.shape[1], **extra)
+def run_quantkit(model_path, run, calib_file, texts, seqlen, extra, evaluated=True) -> dict:
+    """{"times": [seconds]} and, if evaluated, the model's perplexity per text. The quantization runs in a fresh
+    Python (scripts/quantkit_job.py), as llm-compressor's does: neither tool's later runs start warm."""
     with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        quantize(model_path, Path(tmp) / "q", config, device="cpu",
-                 calibration_ids=calib if config.needs_calibration else None)
-        seconds = time.perf_counter() - t0
+        out, timing = Path(tmp) / "q", Path(tmp) / "timing.json"
+        cmd = [sys.executable, str(JOB_SCRIPT), str(model_path), str(calib_file), str(out), "--timing", str(timing),
+               *_scheme_args(run)] + (["--one-pass"] if extra.get("true_sequential") is False else [])
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"quantkit run failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
+        times = {"times": [json.loads(timing.read_text())["seconds"]]}
         if not evaluated:
-            return {"times": [seconds]}
-        model = load_quantized(Path(tmp) / "q", device_map="cpu", dtype="float32")
-        return {"times": [seconds], **evaluate(model, texts, seqlen)}
+            return times
+        model = load_quantized(out, device_map="cpu", dtype="float32")
+        return {**times, **evaluate(model, texts, seqlen)}
+
+
+def _scheme_args(run) -> list[str]:
+    """The command-line options both tools' job scripts take for a scheme."""
+    return ["--method", run["method"], "--bits", str(run["bits"]), "--group-size", str(run["group_size"]),
+            "--sym" if run["sym"] else "--no-sym"]
 
 
 def run_peer(peer_python, model_path, run, calib_file, texts, seqlen, evaluated=True) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peer"
-        cmd = [peer_python, str(PEER_SCRIPT), str(model_path), str(calib_file), str(out), "--method", run["method"],
-               "--bits", str(run["bits"]), "--group-size", str(run["group_size"]),
-               "--sym" if run["sym"] else "--no-sym"]
+        cmd = [peer_python, str(PEER_SCRIPT), str(model_path), str(calib_file), str(out), *_scheme_args(run)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"llm-compressor run failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
@@ -98,15 +106,24 @@ def with_run(so_far, run) -> dict:
     return {**merged, "seconds": min(merged["times"])}
 
 
+def pair_ratios(mine, peer) -> list[float]:
+    """quantkit's seconds over llm-compressor's, run by run: the i-th runs of the two ran one after the other (for a
+    scheme that shares another's llm-compressor runs, the i-th run of that scheme's)."""
+    return [q / p for q, p in zip(mine.get("times", []), peer.get("times", [])) if p]
+
+
 def markdown(rows, text_names) -> str:
     head = ["run"] + [f"quantkit {t} ppl" for t in text_names] + ["quantkit s"]
-    head += [f"llm-compressor {t} ppl" for t in text_names] + ["llm-compressor s", "time ratio", "its oneshot() s"]
+    head += [f"llm-compressor {t} ppl" for t in text_names] + ["llm-compressor s", "time ratio", "pair ratios (median)",
+                                                                "its oneshot() s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         q, p = r["quantkit"], r["peer"]
         cells = [r["run"]] + [f"{q[t]:.2f}" for t in text_names] + [f"{q['seconds']:.0f}"]
         cells += [f"{p[t]:.2f}" for t in text_names] + [f"{p['seconds']:.0f}" if p["seconds"] else "—"]
         cells.append(f"{q['seconds'] / p['seconds']:.2f}x" if p["seconds"] else "—")
+        pairs = pair_ratios(q, p)
+        cells.append(f"{', '.join(f'{x:.2f}' for x in pairs)} ({statistics.median(pairs):.2f}x)" if pairs else "—")
         cells.append(f"{min(p['oneshot']):.0f}" if p.get("oneshot") else "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -154,7 +171,7 @@ def main(argv=None):
                 if len(peer.get(key, {}).get("times", [])) <= rep:
                     peer[key] = with_run(peer.get(key), run_peer(args.peer_python, args.model, scheme, calib_file,
                                                                  texts, args.seqlen, evaluated=key not in peer))
-                mine = with_run(mine, run_quantkit(args.model, scheme, calib, texts, args.seqlen, extra,
+                mine = with_run(mine, run_quantkit(args.model, scheme, calib_file, texts, args.seqlen, extra,
                                                    evaluated=mine is None))
             row = {"run": spec, "quantkit": mine, "peer": peer[key]}
             rows.append(row)

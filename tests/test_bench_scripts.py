@@ -82,7 +82,8 @@ Path(out, "timing.json").write_text(json.dumps({{"seconds": seconds, "oneshot_se
 
 def test_bench_peer_alternates_repeated_runs_and_keeps_the_fastest(tmp_path, capsys, monkeypatch):
     """--repeat 2: each tool runs twice per scheme (llm-compressor's runs shared by the schemes that only differ in
-    quantkit's options), each model is evaluated once, and the fastest run is what the table shows."""
+    quantkit's options), each in a process of its own, each model is evaluated once, and the table shows the fastest
+    run of each and the ratio of each pair with their median."""
     bench_peer = pytest.importorskip("bench_peer")
     from quantkit.demo import bundled_model_path
 
@@ -104,7 +105,10 @@ def test_bench_peer_alternates_repeated_runs_and_keeps_the_fastest(tmp_path, cap
         assert peer["oneshot"] == [4.0, 2.0]
     table = capsys.readouterr().out
     row = next(line for line in table.splitlines() if line.startswith("| gptq:4:32 |"))
-    assert "its oneshot() s" in table and row.split(" | ")[-3:][0] == "3" and row.endswith("x | 2 |")
+    assert "its oneshot() s" in table and row.split(" | ")[-4:][0] == "3" and row.endswith("x) | 2 |")
+    mine = rows["gptq:4:32"]["quantkit"]["times"]
+    pairs = [f"{mine[0] / 5.0:.2f}", f"{mine[1] / 3.0:.2f}"]
+    assert row.split(" | ")[-2] == f"{pairs[0]}, {pairs[1]} ({(mine[0] / 5.0 + mine[1] / 3.0) / 2:.2f}x)"
 
 
 
