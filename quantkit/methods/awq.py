@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from quantkit import matmul
 from quantkit.methods import grid as qgrid
 from quantkit.methods import quantizer as qz
 from quantkit.methods.grid import Grid
@@ -90,8 +91,10 @@ def search_scales(weights: Sequence[torch.Tensor], x: torch.Tensor, quantizer, g
         if w.shape[1] != x.shape[1]:
             raise ValueError(f"weight {tuple(w.shape)} does not read inputs of width {x.shape[1]}")
     # ||x (Wq - W)ᵀ||² summed over the tokens is tr(D G Dᵀ) with D = Wq - W and G = xᵀx: one [in, in]
-    # product instead of [tokens, out] outputs per alpha (7x fewer flops for an MLP's gate/up)
-    gram = xs.t() @ xs
+    # product instead of [tokens, out] outputs per alpha (7x fewer flops for an MLP's gate/up). G is symmetric:
+    # D G = D Gᵀ, a linear, and with it both products run through oneDNN on the CPU (quantkit.matmul)
+    xt = xs.t().contiguous()
+    gram = matmul.linear(xt, xt)
     n_out = sum(w.shape[0] for w in ws) * xs.shape[0]
     errors = []
     for i in range(n_grid):
@@ -99,7 +102,7 @@ def search_scales(weights: Sequence[torch.Tensor], x: torch.Tensor, quantizer, g
         err = 0.0
         for w in ws:
             d = fake_quant(w * s, quantizer, group_size) / s - w   # (x / s) Q(W s)ᵀ == x (Q(W s) / s)ᵀ
-            err += ((d @ gram) * d).sum().item()
+            err += (matmul.linear(d, gram) * d).sum().item()
         errors.append(err / n_out)
     finite = [i for i, e in enumerate(errors) if math.isfinite(e)]
     best = min(finite, key=lambda i: (errors[i], i)) if finite else 0   # ties keep the smaller alpha

@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from quantkit import matmul
 from quantkit.errors import QuantkitError
 from quantkit.finite import all_finite
 from quantkit.methods import quantizer as qz
@@ -91,9 +92,11 @@ class GPTQ:
         n = self.nsamples + m
         # H <- H * old/new + 2/new * x^T x, one row band of tiles at a time from the diagonal on: H is symmetric,
         # so the products below the diagonal tiles are skipped (the Hessians were a quarter of GPTQ calibration's
-        # time on CPU; this saves a third of them, measured on SmolLM2's 576 and 1536 inputs)
+        # time on CPU; this saves a third of them, measured on SmolLM2's 576 and 1536 inputs). xt's rows are the
+        # inputs' features: every band's operands are contiguous row slices, as oneDNN needs (quantkit.matmul)
+        xt = x.t().contiguous()
         for a, b in _tiles(self.columns):
-            self._H[a:b, a:].addmm_(x[:, a:b].t(), x[:, a:], beta=self.nsamples / n, alpha=2.0 / n)
+            matmul.addmm_nt_(self._H[a:b, a:], xt[a:b], xt[a:], beta=self.nsamples / n, alpha=2.0 / n)
         self._lower_stale = True
         self.nsamples = n
         self._factor.forget()
@@ -380,10 +383,10 @@ def fidelity(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> dict:
     and (W - Ŵ) H is their difference (on a wide layer these products cost more than GPTQ itself)."""
     W = W.detach().to(device=H.device, dtype=H.dtype)
     W_hat = W_hat.detach().to(device=H.device, dtype=H.dtype)
-    WH = W @ H
+    WH = matmul.linear(W, H)  # W Hᵀ = W H: H is symmetric
     signal = float((WH * W).sum())
     cross = float((WH * W_hat).sum())
-    What_H = W_hat @ H
+    What_H = matmul.linear(W_hat, H)
     quantized = float((What_H * W_hat).sum())
     WH -= What_H  # (W - Ŵ) H, in place
     del What_H

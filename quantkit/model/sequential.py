@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
 from quantkit.finite import all_finite
+from quantkit.matmul import onednn_linears
 from quantkit.model.arch import Arch, get_submodule, get_weight, set_weight  # noqa: F401 (re-exported)
 from quantkit.model.replay import ReplayedOutputs, free_bytes, to_device
 
@@ -242,10 +243,11 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
         prefix = f"{arch.blocks}.{i}"
         block = replay(i) if i < start else source.load(prefix)
         block.to(device)
-        runner = BlockRunner(block, inputs, kwargs, device, store_device, arch.feeds_only)
-        results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, arch.reusable,
-                                                       on_result, group)
-        inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)
+        with onednn_linears(block):  # on a CPU with AVX-512: the block's float32 products at twice BLAS's speed
+            runner = BlockRunner(block, inputs, kwargs, device, store_device, arch.feeds_only)
+            results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, arch.reusable,
+                                                           on_result, group)
+            inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)
         block.to("cpu")
         if i >= start:
             yield i, block, results
