@@ -93,8 +93,9 @@ class GPTQ:
         # H <- H * old/new + 2/new * x^T x, one row band of tiles at a time from the diagonal on: H is symmetric,
         # so the products below the diagonal tiles are skipped (the Hessians were a quarter of GPTQ calibration's
         # time on CPU; this saves a third of them, measured on SmolLM2's 576 and 1536 inputs). xt's rows are the
-        # inputs' features: every band's operands are contiguous row slices, as oneDNN needs (quantkit.matmul)
-        xt = x.t().contiguous()
+        # inputs' features; for oneDNN (quantkit.matmul) copied once, so that every band's operands are contiguous
+        # row slices (a GPU's BLAS reads the transposed view as it is)
+        xt = x.t().contiguous() if matmul.uses_onednn(x) else x.t()
         for a, b in _tiles(self.columns):
             matmul.addmm_nt_(self._H[a:b, a:], xt[a:b], xt[a:], beta=self.nsamples / n, alpha=2.0 / n)
         self._lower_stale = True
