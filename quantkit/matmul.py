@@ -12,6 +12,7 @@ Both libraries compute in float32 with fused multiply-adds; they differ in the o
 of a product differ (relative 1e-6), and with them GPTQ's codes here and there. Within one run every product
 takes the same path, so replayed and recomputed outputs stay bit-identical.
 """
+import os
 from contextlib import contextmanager
 from functools import cache
 
@@ -19,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ENABLED = True  # tests switch it off to compare against torch's own products
+# QUANTKIT_ONEDNN=0 keeps torch's own products everywhere (the codes of the MKL path, bit for bit); tests switch it
+# off to compare the two
+ENABLED = os.environ.get("QUANTKIT_ONEDNN", "1") != "0"
 
 
 @cache

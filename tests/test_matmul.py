@@ -134,3 +134,15 @@ def test_calibration_multiplies_through_onednn_and_quantizes_as_torch_would(oned
     for name in ours:
         assert ours[name].stats["error"] == pytest.approx(theirs[name].stats["error"], rel=1e-3, abs=1e-7)
         assert (ours[name].codes != theirs[name].codes).float().mean() < 0.01
+
+
+def test_quantkit_onednn_0_keeps_torchs_products(monkeypatch):
+    import importlib
+
+    monkeypatch.setenv("QUANTKIT_ONEDNN", "0")
+    try:
+        assert importlib.reload(matmul).ENABLED is False
+        assert not matmul.uses_onednn(torch.randn(2, 2))
+    finally:
+        monkeypatch.delenv("QUANTKIT_ONEDNN")
+        assert importlib.reload(matmul).ENABLED is True
