@@ -5,8 +5,8 @@ inside the wheel, picks its kernels by the instruction set and uses AVX-512. On 
 torch 2.13) a calibration-sized product ([512, 576] x [576, 1536]) runs at 470-480 GFLOP/s through oneDNN against
 200-220 through MKL, and the Hessian bands of GPTQ 1.6-1.9x faster (docs/QUALITY.md, "oneDNN for the calibration
 products"). So calibration's float32 products on a CPU with AVX-512 go through oneDNN: the block linears
-(`onednn_linears`), GPTQ's Hessian (`addmm_nt_`), the fidelity report and AWQ's search (`linear`). Elsewhere (a GPU, other
-dtypes, autograd, a CPU without AVX-512 or a torch built without oneDNN) the same calls are torch's own.
+(`onednn_linears`), GPTQ's Hessian (`addmm_nt_`), the fidelity report and AWQ's search (`linear`). Elsewhere (a GPU,
+other dtypes, autograd, a CPU without AVX-512 or a torch built without oneDNN) the same calls are torch's own.
 
 Both libraries compute in float32 with fused multiply-adds; they differ in the order of the sums, so the last bits
 of a product differ (relative 1e-6), and with them GPTQ's codes here and there. Within one run every product

@@ -26,9 +26,9 @@ share one llm-compressor run.
 """
 import argparse
 import json
+import statistics
 import subprocess
 import sys
-import statistics
 import tempfile
 from pathlib import Path
 
