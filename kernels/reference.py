@@ -1,6 +1,7 @@
 """Pure-torch reference for the GPTQ-layout dequant-GEMM (also the CPU forward path)."""
 import torch
 
+from quantkit import matmul
 from quantkit.formats import gptq
 
 
@@ -17,10 +18,18 @@ def linear_dequantized(x, w_t, bias=None):
     PyTorch's CPU float16 GEMM is an order of magnitude slower than float32 and accumulates in
     float32 anyway, so the upcast changes only the summation order (last-bit differences)."""
     if x.device.type == "cpu" and x.dtype == torch.float16:
-        y = (x.float() @ w_t.float()).to(x.dtype)
+        y = _product(x.float(), w_t.float()).to(x.dtype)
     else:
-        y = x @ w_t.to(x.dtype)
+        y = _product(x, w_t.to(x.dtype))
     return y + bias.to(y.dtype) if bias is not None else y
+
+
+def _product(x, w_t):
+    # oneDNN reads the weight as [out, in] rows: a W^T laid out that way (QuantLinear's CPU cache) takes it where
+    # quantkit.matmul would; any other layout keeps torch's product rather than copying the weight on every call
+    if w_t.t().is_contiguous() and matmul.uses_onednn(x, w_t):
+        return matmul.linear(x, w_t.t())
+    return x @ w_t
 
 
 def gptq_linear_torch(x, qweight, qzeros, scales, g_idx, bits, in_features, bias=None, zero_offset=1):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
+from quantkit.matmul import onednn_linears
 from quantkit.model.arch import check_window
 
 # Positions per cross-entropy call: bounds the float32 copy of the logits to
@@ -99,7 +100,8 @@ def model_device(model) -> torch.device:
 
 def model_logits(model, batch: torch.Tensor) -> torch.Tensor:
     check_window(getattr(model, "config", None), batch.shape[-1], f"--seqlen {batch.shape[-1]}")
-    output = model(batch, use_cache=False)  # no KV cache: each window is one forward pass
+    with onednn_linears(model):  # float32 CPU products through oneDNN (quantkit.matmul)
+        output = model(batch, use_cache=False)  # no KV cache: each window is one forward pass
     return output.logits if hasattr(output, "logits") else output[0]
 
 

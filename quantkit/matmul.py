@@ -5,7 +5,8 @@ inside the wheel, picks its kernels by the instruction set and uses AVX-512. On 
 torch 2.13) a calibration-sized product ([512, 576] x [576, 1536]) runs at 470-480 GFLOP/s through oneDNN against
 200-220 through MKL, and the Hessian bands of GPTQ 1.6-1.9x faster (docs/QUALITY.md, "oneDNN for the calibration
 products"). So calibration's float32 products on a CPU with AVX-512 go through oneDNN: the block linears
-(`onednn_linears`), GPTQ's Hessian (`addmm_nt_`), the fidelity report and AWQ's search (`linear`). Elsewhere (a GPU,
+(`onednn_linears`), GPTQ's Hessian (`addmm_nt_`), the fidelity report and AWQ's search (`linear`); so do evaluation's
+(the model's linears in `quantkit.eval.model_logits`, the decoded weights of quantized layers). Elsewhere (a GPU,
 other dtypes, autograd, a CPU without AVX-512 or a torch built without oneDNN) the same calls are torch's own.
 
 Both libraries compute in float32 with fused multiply-adds; they differ in the order of the sums, so the last bits
@@ -70,7 +71,7 @@ def onednn_linears(module: nn.Module):
     """While active, the plain nn.Linear layers inside `module` compute through `linear`. Their class is swapped,
     not their forward: the calibration loop patches and restores instance forwards of its own (replay, skipped
     outputs), and hooks, weights and isinstance checks are untouched."""
-    swapped = [m for m in module.modules() if type(m) is nn.Linear]
+    swapped = [m for m in module.modules() if type(m) is nn.Linear] if ENABLED and _onednn_available() else []
     for m in swapped:
         m.__class__ = _OneDNNLinear
     try:

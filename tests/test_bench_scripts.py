@@ -112,6 +112,23 @@ def test_bench_peer_alternates_repeated_runs_and_keeps_the_fastest(tmp_path, cap
 
 
 
+def test_bench_cpu_eval_times_both_product_paths(tmp_path, capsys, monkeypatch):
+    """scripts/bench_cpu_eval.py: one row per model, both product paths timed, the same perplexity from each."""
+    bench_cpu_eval = pytest.importorskip("bench_cpu_eval")
+    from quantkit import matmul
+    from quantkit.demo import bundled_model_path
+
+    if not matmul._onednn_available():
+        pytest.skip("oneDNN is used on CPUs with AVX-512 only")
+    monkeypatch.setattr(matmul, "ENABLED", True)  # undone after the script has switched it
+    bench_cpu_eval.main([str(bundled_model_path()), "--eval", str(_text(tmp_path)), "--max-tokens", "256",
+                         "--seqlen", "64", "--repeat", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {bundled_model_path()}")]
+    assert len(rows) == 1
+    cells = rows[0].split(" | ")
+    assert cells[1] == "4" and cells[4].endswith("x") and cells[5] == cells[6].rstrip(" |")
+
+
 def test_layer_error_tables_one_layer(tmp_path, capsys):
     """scripts/layer_error.py: the layer's Hessian from the fp model, six GPTQ variants, the worst row's share; the
     range fit puts each group's dominant extreme exactly on its end code."""

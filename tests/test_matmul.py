@@ -1,5 +1,5 @@
-"""quantkit.matmul: calibration's float32 CPU products through oneDNN give torch's results (to float32 rounding), and
-the calibration loop really uses them where oneDNN is available."""
+"""quantkit.matmul: calibration's and evaluation's float32 CPU products through oneDNN give torch's results (to
+float32 rounding), and the calibration loop and the evaluation really use them where oneDNN is available."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,3 +146,29 @@ def test_quantkit_onednn_0_keeps_torchs_products(monkeypatch):
     finally:
         monkeypatch.delenv("QUANTKIT_ONEDNN")
         assert importlib.reload(matmul).ENABLED is True
+
+
+@needs_onednn
+@pytest.mark.parametrize("method, bits", [("rtn", 4), ("turboquant", 2)])
+def test_evaluation_multiplies_through_onednn_as_torch_would(method, bits, model_factory, tmp_path, onednn_calls,
+                                                           monkeypatch):
+    """perplexity() of a floating-point model (its linears) and of a quantized one (QuantLinear's and DecodedLinear's
+    decoded weights on the CPU): every linear takes oneDNN once per window, and the perplexity is torch's to float32
+    rounding. A quantized layer that kept torch's product, or paid a copy of its weight, fails the call count."""
+    from quantkit.api import quantize
+    from quantkit.eval import perplexity
+    from quantkit.loading import load_quantized
+    from quantkit.model.loader import load_fp_model
+
+    src = model_factory("llama-tied-bias")
+    quantize(str(src), tmp_path / "q", QuantConfig(method=method, bits=bits, group_size=32), device="cpu")
+    stream = torch.randint(0, 512, (1, 3 * 16), generator=torch.Generator().manual_seed(4))
+    for model in (load_fp_model(str(src), "float32")[0], load_quantized(tmp_path / "q", device_map="cpu")):
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear) or hasattr(m, "cache_dequantized")]
+        ppl = {}
+        for on in (True, False):
+            monkeypatch.setattr(matmul, "ENABLED", on)
+            onednn_calls.clear()
+            ppl[on] = perplexity(model, stream, 16, progress=False)["ppl"]
+            assert len(onednn_calls) == (3 * len(linears) if on else 0)
+        assert ppl[True] == pytest.approx(ppl[False], rel=1e-5)

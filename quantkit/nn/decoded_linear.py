@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from quantkit.formats import bitpack
+from quantkit.matmul import linear
 from quantkit.methods.quantizer import per_column
 from quantkit.nn.quant_linear import add_rotation, rotate_input
 
@@ -76,7 +77,7 @@ class DecodedLinear(nn.Module):
             return codebook_linear(x, self.codes, self.scale, self.g_idx, self.codebook, self.quantizer.code_bits,
                                    self.in_features, self.bias, lattice_offset=self.kernel.get("lattice_offset"),
                                    e8p_ratio=self.kernel.get("e8p_ratio"))
-        return nn.functional.linear(x, self.weight().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
+        return linear(x, self.weight().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
 
     def _apply(self, fn, *args, **kwargs):
         self.__dict__.pop("_weight_cache", None)

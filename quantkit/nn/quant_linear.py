@@ -85,7 +85,9 @@ class QuantLinear(nn.Module):
         cache = self.__dict__.get("_weight_cache")
         if cache is None or cache[0] != key:
             w = dequantize_weight(*bufs, self.bits, self.in_features, self._zero_offset(), dtype=dtype)
-            cache = self.__dict__["_weight_cache"] = (key, w.float() if dtype == torch.float16 else w)
+            w = w.float() if dtype == torch.float16 else w
+            # kept as W^T over [out, in] rows, the layout oneDNN multiplies by (kernels/reference.linear_dequantized)
+            cache = self.__dict__["_weight_cache"] = (key, w.t().contiguous().t())
         return cache[1]
 
     def clear_cache(self):
