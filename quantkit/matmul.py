@@ -11,8 +11,9 @@ weight). Elsewhere (a GPU, other dtypes, autograd, a CPU without AVX-512 or a to
 calls are torch's own.
 
 Both libraries compute in float32 with fused multiply-adds; they differ in the order of the sums, so the last bits
-of a product differ (relative 1e-6), and with them GPTQ's codes here and there. Within one run every product
-takes the same path, so replayed and recomputed outputs stay bit-identical.
+of a product differ (relative 1e-6), and with them GPTQ's codes: one flipped rounding moves the error feedback after
+it (on SmolLM2 more than half of the packed words differ; the ppl over seeds: docs/QUALITY.md, "The oneDNN gap").
+Within one run every product takes the same path, so replayed and recomputed outputs stay bit-identical.
 """
 import os
 from contextlib import contextmanager
