@@ -1,9 +1,9 @@
 """Codebook dequant-GEMM (TurboQuant and E8 layers): y = x Ŵᵀ + bias with Ŵ[n, k] = scales[g, n] * value(code),
 value = codebook[code[k, n]] (turboquant) or the coordinate of an E8 lattice point (e8: 8 codes along K per point;
-e8p: the 8 codes of a point are one 8b-bit word, decoded through int32 tables, quantkit.methods.e8p).
+e8p: the 8 codes of a point are one 8b-bit word, decoded through int32 tables, quantkit.schemes.e8p).
 
-Layout (quantkit.formats.quantkit_format, generic layers): codes int32 [packed_len(K, bits), N], the
-b-bit codes of each output column packed along K as one LSB-first bit stream (quantkit.formats.bitpack:
+Layout (quantkit.checkpoint.quantkit_format, generic layers): codes int32 [packed_len(K, bits), N], the
+b-bit codes of each output column packed along K as one LSB-first bit stream (quantkit.core.bitpack:
 5-bit codes straddle words, as 3-bit ones do in the GPTQ layout); scales fp16 [G, N]; g_idx int32 [K];
 codebook float32 [2^bits]. The decode step is the GPTQ kernels' code extraction (triton_decode.
 _packed_codes) followed by a table lookup where the integer grid does scale * (q - zero).
@@ -14,7 +14,7 @@ to x's dtype, one GEMM), "triton" on CPU under TRITON_INTERPRET=1 for the tests.
 """
 import torch
 
-from quantkit.formats import bitpack
+from quantkit.core import bitpack
 from quantkit.kernels.dispatch import _choose_backend
 from quantkit.kernels.reference import linear_dequantized
 
@@ -35,7 +35,7 @@ def decode_codebook(codes, scales, g_idx, codebook, bits, in_features, lattice_o
 
 def _lattice_values(q, bits, offset):
     """Box-truncated E8 points of codes q [K, N] (8 consecutive codes along K per point), float32."""
-    from quantkit.methods.e8 import box_point, unpack_codes
+    from quantkit.schemes.e8 import box_point, unpack_codes
 
     k, coset = unpack_codes(q.t().reshape(q.shape[1], -1, 8))
     return box_point(k, coset, bits, offset).float().reshape(q.shape[1], -1).t()
@@ -43,7 +43,7 @@ def _lattice_values(q, bits, offset):
 
 def _e8p_values(q, bits, tables, ratio):
     """E8P points of codes q [K, N] (8 consecutive codes along K per point, one 8·bits-bit word), float32."""
-    from quantkit.methods.e8p import decode, join_word, table_len
+    from quantkit.schemes.e8p import decode, join_word, table_len
 
     if tables.numel() != table_len(bits):
         raise ValueError(f"a {bits}-bit E8P layer needs {table_len(bits)} table entries, got {tables.numel()}")

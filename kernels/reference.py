@@ -1,8 +1,8 @@
 """Pure-torch reference for the GPTQ-layout dequant-GEMM (also the CPU forward path)."""
 import torch
 
-from quantkit import matmul
-from quantkit.formats import gptq
+from quantkit.checkpoint import gptq
+from quantkit.core import matmul
 
 
 def dequantize_weight(qweight, qzeros, scales, g_idx, bits, in_features, zero_offset=1, dtype=None):
@@ -26,7 +26,7 @@ def linear_dequantized(x, w_t, bias=None):
 
 def _product(x, w_t):
     # oneDNN reads the weight as [out, in] rows: a W^T laid out that way (QuantLinear's CPU cache) takes it where
-    # quantkit.matmul would; any other layout keeps torch's product rather than copying the weight on every call
+    # quantkit.core.matmul would; any other layout keeps torch's product rather than copying the weight on every call
     if w_t.t().is_contiguous() and matmul.uses_onednn(x, w_t):
         return matmul.linear(x, w_t.t())
     return x @ w_t

@@ -6,7 +6,7 @@ H_b is the Sylvester Hadamard matrix (H_1 = [1], H_2k = [[H, H], [H, -H]]) scale
 orthonormal and its own inverse. b is the largest power of two dividing the width, so
 any width works (576 = 9 x 64 -> blocks of 64). Both implementations use the fast Walsh-Hadamard
 transform (log2(b) butterfly stages, O(n log b)), never a dense matrix:
-  torch  -> fwht / rotate / unrotate: the reference, any device and shape.
+  torch  -> fwht / rotate / unrotate (quantkit.schemes.hadamard): the reference, any device and shape.
   triton -> rotate_triton: one program per (row tile, block), the butterflies in registers.
 rotate_activations is what a quantized layer calls; its backend choice mirrors dispatch.py.
 """
@@ -16,6 +16,7 @@ import os
 import torch
 
 from quantkit.kernels.device import on_device
+from quantkit.schemes.hadamard import check_block, rotate, signs_like
 
 try:  # the module must import where triton does not (CPU-only installs)
     import triton
@@ -27,55 +28,6 @@ BACKENDS = ("auto", "triton", "torch")
 # BLOCK_M * B elements per program: the tile lives in registers. With the warps below, sm_90 builds
 # (ptxas -v) of 4096- to 16384-element fp32 tiles use <= 143 registers a thread and never spill.
 MAX_TILE = 8192
-
-
-def hadamard_block(n: int) -> int:
-    """The Hadamard block size for width n: the largest power of two dividing n (1 for odd n)."""
-    if n < 1:
-        raise ValueError(f"width must be >= 1, got {n}")
-    return n & -n  # two's complement: isolates the lowest set bit
-
-
-def random_signs(n: int, seed: int) -> torch.Tensor:
-    """int8 [n] of +-1, a function of `seed` only (a CPU generator, so every device agrees)."""
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 2, (n,), generator=g) * 2 - 1).to(torch.int8)
-
-
-def _check_block(n, block):
-    if block < 1 or block & (block - 1) or n % block:
-        raise ValueError(f"block must be a power of two dividing the last dim {n}, got {block}")
-
-
-def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Normalized Walsh-Hadamard transform of each consecutive `block` entries of x's last dim."""
-    n = x.shape[-1]
-    _check_block(n, block)
-    y = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32).reshape(-1, n)
-    h = 1
-    while h < block:  # stage h pairs entries i, i + h within groups of 2h: groups never cross a block
-        y = y.reshape(-1, n // (2 * h), 2, h)
-        a, b = y[:, :, 0], y[:, :, 1]
-        y = torch.stack((a + b, a - b), dim=2)
-        h *= 2
-    return (y.reshape(x.shape) * (1.0 / math.sqrt(block))).to(x.dtype)
-
-
-def _signs_like(signs, x):
-    if signs.shape != (x.shape[-1],):
-        raise ValueError(f"signs must be [{x.shape[-1]}], got {tuple(signs.shape)}")
-    return signs.to(x.device)
-
-
-def rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
-    """Pi x along the last dim (torch reference): fwht(x * signs, block)."""
-    # signs are +-1, so the product is exact in x's dtype: no rounding before the fp32 transform
-    return fwht(x * _signs_like(signs, x).to(x.dtype), block)
-
-
-def unrotate(y: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
-    """Pi^T y along the last dim: fwht(y, block) * signs (H_b is symmetric and its own inverse)."""
-    return fwht(y, block) * _signs_like(signs, y).to(y.dtype)
 
 
 if triton is not None:
@@ -111,8 +63,8 @@ def rotate_triton(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Ten
     if x.dim() == 0:
         raise ValueError("x must have at least one dim")
     n = x.shape[-1]
-    _check_block(n, block)
-    s = _signs_like(signs, x).to(torch.float32).contiguous()  # fp32: multiplied into the fp32 tile
+    check_block(n, block)
+    s = signs_like(signs, x).to(torch.float32).contiguous()  # fp32: multiplied into the fp32 tile
     x2 = x.reshape(-1, n).contiguous()
     m = x2.shape[0]
     y = torch.empty_like(x2)

@@ -11,17 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.formats import bitpack
+from quantkit.core import bitpack
 from quantkit.kernels.device import on_device
 from quantkit.kernels.triton_decode import _packed_codes
-
 
 TABLE, LATTICE, E8P = 0, 1, 2  # the DECODE variants of _decode
 
 
 @triton.jit
 def _e8p_point(c, tab_ptr, j):
-    """E8P points of 16-bit codes c [P, BLOCK_N] (quantkit.methods.e8p) as [P, 8, BLOCK_N] float32; j = the
+    """E8P points of 16-bit codes c [P, BLOCK_N] (quantkit.schemes.e8p) as [P, 8, BLOCK_N] float32; j = the
     coordinate index as [1, 8, 1]. tab[c & 255] holds 2|a_j| at bits [4j, 4j + 4); bits 8–14 are the signs of
     coordinates 0–6; coordinate 7 is negative when (their count + Σa) is odd; bit 15 picks −¼ over +¼."""
     word = tl.load(tab_ptr + (c & 255))
@@ -40,9 +39,9 @@ def _decode(q, cb_ptr, mask, OFFSET, RATIO, BITS: tl.constexpr, DECODE: tl.const
             BLOCK_N: tl.constexpr):
     """Unit-scale values of the codes q [BLOCK_K, BLOCK_N]: the swappable decode step.
 
-    TABLE (turboquant): codebook[q]. LATTICE (e8, box-truncated E8, quantkit.methods.e8): every 8 consecutive
+    TABLE (turboquant): codebook[q]. LATTICE (e8, box-truncated E8, quantkit.schemes.e8): every 8 consecutive
     codes along K are one point; code 7 carries the coset bit in place of its lowest bit, which the parity
-    (Σk even) restores; the value is k − 2^(BITS−1) + OFFSET + coset / 2. E8P (quantkit.methods.e8p): the 8 codes
+    (Σk even) restores; the value is k − 2^(BITS−1) + OFFSET + coset / 2. E8P (quantkit.schemes.e8p): the 8 codes
     of a point are one 8·BITS-bit word, code j at bits [BITS·j, BITS·j + BITS); bits 0–15 are an E8P code, and at
     3 bits bits 16–23 index the 256 residual points (cb_ptr + 256, 2v + 8 nibbles), at 4 bits bits 16–31 are a
     second E8P code; the residual adds its point / RATIO."""
@@ -100,7 +99,7 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, K
 def codebook_matmul(x, codes, scales, g_idx, codebook, bits, bias=None, lattice_offset=None, e8p_ratio=None):
     """x [M, K] (fp16/bf16/fp32, contiguous) @ Ŵᵀ -> [M, N] in x's dtype; ValueError on a malformed layer.
     lattice_offset: decode E8 box points with this offset instead of looking codes up in `codebook`.
-    e8p_ratio: decode E8P points (codebook: the int32 tables of quantkit.methods.e8p; the residual / e8p_ratio)."""
+    e8p_ratio: decode E8P points (codebook: the int32 tables of quantkit.schemes.e8p; the residual / e8p_ratio)."""
     m, k = x.shape
     n = scales.shape[1]
     kw = bitpack.packed_len(k, bits)
@@ -112,7 +111,7 @@ def codebook_matmul(x, codes, scales, g_idx, codebook, bits, bias=None, lattice_
     if decode == LATTICE:
         codebook = scales.new_zeros(1, dtype=torch.float32)  # unused by the lattice decode
     elif decode == E8P:
-        from quantkit.methods.e8p import table_len
+        from quantkit.schemes.e8p import table_len
 
         if codebook.numel() != table_len(bits) or bits not in (2, 3, 4):
             raise ValueError(f"a {bits}-bit E8P layer needs {table_len(bits)} int32 table entries, got "

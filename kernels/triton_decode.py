@@ -1,6 +1,6 @@
 """Device helpers shared by the GPTQ Triton kernels: packed codes -> integers -> weights.
 
-Layout (see quantkit.formats.gptq): qweight int32 [KW = packed_len(K, bits), N], codes along K, LSB
+Layout (see quantkit.checkpoint.gptq): qweight int32 [KW = packed_len(K, bits), N], codes along K, LSB
 first; qzeros int32 [G, packed_len(N, bits)] packed along N (stores zero - zero_offset); scales fp16
 [G, N]; g_idx int32 [K]. W[n, k] = scales[g, n] * (q[k, n] - z[g, n]), g = g_idx[k]. Bits 2, 4, 8
 hold 32/bits whole codes per word; 3-bit packs 32 codes into 3 words, two of them straddling a word

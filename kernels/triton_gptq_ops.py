@@ -10,11 +10,10 @@ import functools
 import torch
 import triton
 
-from quantkit.formats import bitpack
+from quantkit.core import bitpack
 from quantkit.kernels.device import on_device
 from quantkit.kernels.triton_gptq import (DECODE_CONFIGS, GEMM_CONFIGS, M1_CONFIGS, decode_kernel, gemm_kernel,
                                           m1_kernel, split_k, untuned_kernel)
-
 
 DECODE_MAX_M = 16     # M up to this is memory-bound: decode launch shape
 _MIN_BLOCK_K = 32     # smallest BLOCK_K in the configs; uniform mode needs it to divide the group size

@@ -8,22 +8,26 @@ from pathlib import Path
 
 import torch
 
-from quantkit import __version__, distributed
-from quantkit.config import QuantConfig, write_recipe
-from quantkit.errors import QuantkitError
-from quantkit.formats import checkpoint, codecs, output, shards
-from quantkit.formats import quantkit_format, resume as resume_state
-from quantkit.loading import load_quantized  # noqa: F401  (public API)
-from quantkit.methods.registry import Method
-from quantkit.model.arch import (arch_for, check_window, fused_groups, fused_siblings, get_submodule,
-                                 require_scale_groups)
-from quantkit.model.loader import resolve_device
-from quantkit.model.sequential import calibrated_blocks, data_free_blocks
-from quantkit.model.stream import open_model, return_freed_memory
-from quantkit.precheck import check_compat, layer_specs, quantizable_linears
-from quantkit.report import flag_outliers
+from quantkit.algorithms.method import Method
+from quantkit.calibration import distributed
+from quantkit.calibration.sequential import calibrated_blocks, data_free_blocks
+from quantkit.checkpoint import codecs
+from quantkit.checkpoint import files as checkpoint
+from quantkit.checkpoint import quantkit_format, shards
+from quantkit.core.errors import QuantkitError
+from quantkit.core.version import __version__
+from quantkit.models.arch import (arch_for, check_window, fused_groups, fused_siblings, get_submodule,
+                                  require_scale_groups)
+from quantkit.models.hub import resolve_device
+from quantkit.models.stream import open_model, return_freed_memory
+from quantkit.run import output
+from quantkit.run import resume as resume_state
+from quantkit.run.config import QuantConfig, write_recipe
+from quantkit.run.load import load_quantized  # noqa: F401  (public API)
+from quantkit.run.precheck import check_compat, layer_specs, quantizable_linears
+from quantkit.run.report import flag_outliers
 
-REPORT_NAME = output.REPORT_NAME
+REPORT_NAME = checkpoint.REPORT_NAME
 RECIPE_NAME = checkpoint.RECIPE_NAME
 
 
@@ -48,19 +52,19 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
              trust_remote_code: bool = False) -> dict:
     """Quantize `model` (hub id or folder) into the checkpoint folder `out`; returns the report.
 
-    The fp model is never held whole (quantkit.model.stream): one decoder block at a time is read from the
+    The fp model is never held whole (quantkit.models.stream): one decoder block at a time is read from the
     source's safetensors shards, quantized, packed into the staging folder and released.
     calibration_ids: optional LongTensor [nsamples, seqlen] used instead of loading config.dataset.
-    resume: continue the interrupted run of `out` (quantkit.formats.resume) after its last finished block; the
+    resume: continue the interrupted run of `out` (quantkit.run.resume) after its last finished block; the
     checkpoint is the one an uninterrupted run writes. Without it, an interrupted run of `out` is an error.
     resumable: keep the finished blocks when the run is stopped from outside (Ctrl-C, SIGTERM, out of memory,
     a full disk) so that resume can continue it; False deletes them like any failure (`quantkit demo`).
-    Under torchrun (quantkit.distributed) every process calls this; rank 0 writes and returns the report, the
+    Under torchrun (quantkit.calibration.distributed) every process calls this; rank 0 writes and returns the report, the
     others return None. trust_remote_code: run the model's own code (config.json auto_map); off by default.
     """
     config = config or QuantConfig()
     if config.needs_calibration and calibration_ids is None:
-        from quantkit.data import check_dataset
+        from quantkit.calibration.data import check_dataset
 
         check_dataset(config.dataset)  # a typo in --dataset is named before the model loads
     group, device = distributed.from_environment(resolve_device(device))  # under torchrun: this process's share
@@ -172,7 +176,7 @@ def _calibration(config: QuantConfig, tokenizer, calibration_ids, model_config):
         check_window(model_config, length, f"calibration windows of {length} tokens")
         return calibration_ids
     check_window(model_config, config.seqlen, f"--seqlen {config.seqlen}")  # before the data is read
-    from quantkit.data import calibration_ids as load_calibration
+    from quantkit.calibration.data import calibration_ids as load_calibration
 
     return load_calibration(tokenizer, config.dataset, config.nsamples, config.seqlen, config.seed)
 
@@ -206,7 +210,7 @@ class _Job:
     """What a streamed run has written so far: each block's part (packed layers, its other tensors, and in its
     metadata what the config and report need of each layer), the light per-layer summaries (codes and
     parameters dropped). restore() reads them back from an interrupted run's parts, replay() rebuilds a
-    finished block for --resume (quantkit.formats.resume)."""
+    finished block for --resume (quantkit.run.resume)."""
 
     def __init__(self, source, arch, config, codec, save_dtype, method):
         self.source, self.arch, self.config, self.codec, self.save_dtype = source, arch, config, codec, save_dtype
@@ -268,8 +272,8 @@ class _Job:
     def replay(self, i: int):
         """Block i as the interrupted run left it after quantizing it: decoded weights in its linears, every
         other tensor at its exact in-loop value; for forwarding only."""
-        from quantkit.model.arch import is_conv1d
-        from quantkit.model.stream import _assign
+        from quantkit.models.arch import is_conv1d
+        from quantkit.models.stream import _assign
 
         key, prefix = resume_state.block_key(i), f"{self.arch.blocks}.{i}"
         layers = shards.part_info(self.folder, key)["layers"]
@@ -304,8 +308,8 @@ class _Job:
 
 def _restored_summary(layer: dict, g_idx):
     """The summary of a layer an interrupted run finished, from its part's metadata."""
-    from quantkit.methods.result import QuantResult
-    from quantkit.methods.rotation import Rotation
+    from quantkit.core.result import QuantResult
+    from quantkit.schemes.rotation import Rotation
 
     s = layer["settings"]
     rotation = None

@@ -4,9 +4,9 @@ import sys
 
 import click
 
-from quantkit.config import METHODS, QuantConfig, read_recipe
-from quantkit.errors import QuantkitError
-from quantkit.formats.gptq import WRITE_FORMATS
+from quantkit.checkpoint.gptq import WRITE_FORMATS
+from quantkit.core.errors import QuantkitError
+from quantkit.run.config import METHODS, QuantConfig, read_recipe
 
 
 class _Group(click.Group):
@@ -162,9 +162,9 @@ def build_config(ctx, params: dict, recipe_path) -> QuantConfig:
 @click.option("--trust-remote-code", is_flag=True, help=TRUST_HELP)
 def quantize(ctx, model, out, recipe, device, dtype, overwrite, resume, processes, trust_remote_code, **params):
     """Quantize MODEL (hub id or local folder) into the checkpoint folder OUT."""
-    from quantkit import distributed
     from quantkit.api import quantize as run
-    from quantkit.report import layer_table
+    from quantkit.calibration import distributed
+    from quantkit.run.report import layer_table
 
     config = build_config(ctx, params, recipe)
     if processes > 1 and not config.needs_calibration:
@@ -185,11 +185,11 @@ def quantize(ctx, model, out, recipe, device, dtype, overwrite, resume, processe
 
 def _launch(processes: int, model: str, out: str, config: QuantConfig, device: str, overwrite: bool,
             resume: bool) -> int:
-    """quantize --processes N: this same command as N ranks (quantkit.distributed), checked before any starts."""
-    from quantkit import distributed
-    from quantkit.data import check_dataset
-    from quantkit.formats.output import check_output
-    from quantkit.model.loader import resolve_device
+    """quantize --processes N: this same command as N ranks (quantkit.calibration.distributed), checked before any starts."""
+    from quantkit.calibration import distributed
+    from quantkit.calibration.data import check_dataset
+    from quantkit.models.hub import resolve_device
+    from quantkit.run.output import check_output
 
     if distributed.under_torchrun():
         raise QuantkitError("--processes starts its own processes: under torchrun leave it out (torchrun's "
@@ -221,7 +221,7 @@ def convert(src, out, checkpoint_format, overwrite):
     """Repack the quantized folder SRC (gptq v1/v2, awq, compressed-tensors, quantkit integer layers) into OUT
     in another layout, exactly: codes, scales and zeros are decoded and re-encoded, never re-rounded. What the
     target cannot store (e.g. 3-bit as awq, a zero of 0 as gptq v1) is refused with the reason."""
-    from quantkit.formats.convert import convert as run
+    from quantkit.run.convert import convert as run
 
     report = run(src, out, checkpoint_format, overwrite)
     click.echo(f"wrote {out} ({report['layers']} quantized linears, {report['source_format']} -> "
@@ -299,7 +299,7 @@ def compare(quant, base, dataset, seqlen, max_tokens, device, dtype, low_memory,
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def inspect(path, as_json):
     """Per-layer method, bits, group size, bits per weight and total size of a quantized folder."""
-    from quantkit.report import inspect_checkpoint, inspect_table
+    from quantkit.run.report import inspect_checkpoint, inspect_table
 
     info = inspect_checkpoint(path)
     click.echo(json.dumps(info, indent=2) if as_json else inspect_table(info))

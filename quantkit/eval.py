@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from quantkit.errors import QuantkitError
-from quantkit.matmul import onednn_linears
-from quantkit.model.arch import check_window
+from quantkit.core.errors import QuantkitError
+from quantkit.core.matmul import onednn_linears
+from quantkit.models.arch import check_window
 
 # Positions per cross-entropy call: bounds the float32 copy of the logits to
 # _LOSS_CHUNK x vocab floats (e.g. 1024 x 152k x 4 B ≈ 0.6 GB for Qwen) however long the window.
@@ -100,7 +100,7 @@ def model_device(model) -> torch.device:
 
 def model_logits(model, batch: torch.Tensor) -> torch.Tensor:
     check_window(getattr(model, "config", None), batch.shape[-1], f"--seqlen {batch.shape[-1]}")
-    with onednn_linears(model):  # float32 CPU products through oneDNN (quantkit.matmul)
+    with onednn_linears(model):  # float32 CPU products through oneDNN (quantkit.core.matmul)
         output = model(batch, use_cache=False)  # no KV cache: each window is one forward pass
     return output.logits if hasattr(output, "logits") else output[0]
 
@@ -121,17 +121,17 @@ def _batch_nll_sum(logits: torch.Tensor, batch: torch.Tensor) -> float:
 
 
 def is_quantized_folder(path) -> bool:
-    from quantkit.formats.checkpoint import has_quantization_config
+    from quantkit.checkpoint.files import has_quantization_config
 
     return has_quantization_config(path)
 
 
 def load_any(path, device="auto", dtype=None, stream=False, trust_remote_code=False):
     """(model, tokenizer) for a quantized folder or a floating-point model (folder or hub id).
-    stream: keep the decoder blocks on disk and read each as it runs (quantkit.model.offload).
+    stream: keep the decoder blocks on disk and read each as it runs (quantkit.models.offload).
     trust_remote_code: run a floating-point model's own code (config.json auto_map); off by default."""
-    from quantkit.loading import load_quantized
-    from quantkit.model.loader import load_fp_model, load_tokenizer, resolve_device
+    from quantkit.models.hub import load_fp_model, load_tokenizer, resolve_device
+    from quantkit.run.load import load_quantized
 
     device = resolve_device(device)
     if is_quantized_folder(path):
@@ -146,11 +146,11 @@ def load_any(path, device="auto", dtype=None, stream=False, trust_remote_code=Fa
 
 def _stream_fp_model(path, device, dtype, trust_remote_code):
     """A floating-point model with its blocks read from the safetensors shards as they run; a source that cannot
-    be streamed (hub id, .bin weights) is loaded whole, with a note (quantkit.model.stream.open_model)."""
-    from quantkit.model import offload
-    from quantkit.model.arch import arch_for
-    from quantkit.model.sequential import move_loaded
-    from quantkit.model.stream import InMemoryModel, open_model
+    be streamed (hub id, .bin weights) is loaded whole, with a note (quantkit.models.stream.open_model)."""
+    from quantkit.calibration.sequential import move_loaded
+    from quantkit.models import offload
+    from quantkit.models.arch import arch_for
+    from quantkit.models.stream import InMemoryModel, open_model
 
     source, tokenizer, _ = open_model(path, dtype, trust_remote_code)
     model = source.model
@@ -164,7 +164,7 @@ def _stream_fp_model(path, device, dtype, trust_remote_code):
 
 def evaluate_path(path, dataset, seqlen, max_tokens=None, device="auto", dtype=None, progress=True,
                   stream=False, trust_remote_code=False) -> dict:
-    from quantkit.data import check_dataset, eval_ids
+    from quantkit.calibration.data import check_dataset, eval_ids
 
     check_seqlen(seqlen)
     check_dataset(dataset)   # a wrong --dataset is named at once, not after a large model has loaded

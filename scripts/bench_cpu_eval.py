@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """CPU evaluation speed: `quantkit eval perplexity` of each model with torch's own float32 products against
-quantkit.matmul's oneDNN ones, the two alternating in one process on the same windows (read the ratio).
+quantkit.core.matmul's oneDNN ones, the two alternating in one process on the same windows (read the ratio).
 
 Each path is a floating-point model folder or a quantized checkpoint, loaded as the CLI loads it
 (quantkit.eval.load_any, float32 on the CPU). The perplexities of both product paths are printed too: they agree to
@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from quantkit import matmul
-from quantkit.data import eval_ids
+from quantkit.core import matmul
+from quantkit.calibration.data import eval_ids
 from quantkit.eval import load_any, perplexity
 
 

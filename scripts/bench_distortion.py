@@ -7,20 +7,20 @@ scale per block, so all of them spend b + 16/d bits per weight (turboquant_prod:
   rtn             symmetric uniform grid (2^b levels), scale from the block's absmax (GPTQ's sym grid)
   rtn_mse         the same grid, scale searched per block for the least squared error (a clipping search)
   turboquant_norm TurboQuant_mse as the paper has it: Lloyd–Max codebook of the sphere density, scale = the
-                  block's norm (quantkit.methods.turboquant, scale="norm")
+                  block's norm (quantkit.schemes.turboquant, scale="norm")
   turboquant_ratio the same with the norm-ratio correction: the scale makes ||x̂|| = ||x|| per block
   turboquant      quantkit's default: the same codebook, scale searched per block for the least squared error
   turboquant_prod TurboQuant_prod: (b-1)-bit turboquant_norm + 1-bit QJL of the residual (sign(S r), S
                   i.i.d. N(0, 1) d x d, and ||r||), decoded as x̂_mse + sqrt(pi/2)/d ||r|| Sᵀ sign(S r)
   e8_box          box-truncated E8 lattice, 8 weights per point at exactly b bits per weight, scale searched
-                  per block (quantkit.methods.e8; b = 1..4)
+                  per block (quantkit.schemes.e8; b = 1..4)
   e8_relaxed      the seed's relaxed-parity variant of the same box (half-integer coset without the parity
                   rule): 1.5x the points, so b + 0.073 bits per weight; compare it with e8_box at that rate
   e8p             QuIP#'s E8P ball (2^16 points of E8 + ¼, 16 bits per 8 weights) at b = 2; at b = 3 and 4 E8P
                   plus a residual stage (the 256-point E8 codebook / E8P again, on the residual times a fixed
-                  ratio), scale searched per block (quantkit.methods.e8p)
+                  ratio), scale searched per block (quantkit.schemes.e8p)
   e8              what --method e8 rounds with: the E8 codebook that measured best at each b (e8p at 2..4,
-                  e8_box at 1; quantkit.methods.quantizer.best_e8), the same numbers as that row
+                  e8_box at 1; quantkit.schemes.base.best_e8), the same numbers as that row
 Theory: Lloyd–Max MSE of the unit Gaussian (the d -> inf codebook with the exact norm), the lower bound
 4^-b and TurboQuant's upper bound sqrt(3) pi / 2 * 4^-b ≈ 2.72 * 4^-b.
 Rotated rows use quantkit's randomized Hadamard rotation (block = largest power of two dividing the width).
@@ -36,15 +36,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from quantkit.errors import QuantkitError
-from quantkit.methods.codebook import codebook_mse, lloyd_max
-from quantkit.methods.e8 import NATURAL_SPREAD, E8Box, nearest_relaxed
-from quantkit.methods.e8p import RATIO, SUPPORTED_BITS as E8P_BITS, E8P
-from quantkit.methods.quantizer import quantizer_for
-from quantkit.methods.rotation import Rotation
-from quantkit.methods.rtn import rtn
-from quantkit.methods.scales import SEARCH, fp16_scale
-from quantkit.methods.turboquant import TurboQuant
+from quantkit.core.errors import QuantkitError
+from quantkit.schemes.lloyd_max import codebook_mse, lloyd_max
+from quantkit.schemes.e8 import NATURAL_SPREAD, E8Box, nearest_relaxed
+from quantkit.schemes.e8p import RATIO, SUPPORTED_BITS as E8P_BITS, E8P
+from quantkit.schemes.base import quantizer_for
+from quantkit.schemes.rotation import Rotation
+from quantkit.algorithms.rtn import rtn
+from quantkit.schemes.scales import SEARCH, fp16_scale
+from quantkit.schemes.turboquant import TurboQuant
 
 BITS = (1, 2, 3, 4, 5)
 SOURCES = ("gaussian", "smollm2", "smollm2_rotated")

@@ -40,7 +40,7 @@ PRESETS = {  # name: (layers, hidden, intermediate, heads, kv_heads, vocab)
 def prepare(workdir: Path, preset: str, device: str) -> tuple[Path, Path]:
     """(fp16 folder, quantized folder), built on first use."""
     from quantkit.api import quantize
-    from quantkit.config import QuantConfig
+    from quantkit.run.config import QuantConfig
 
     fp, q = workdir / f"{preset}-fp16", workdir / f"{preset}-int4-g128"
     if not (fp / "config.json").exists():
@@ -60,7 +60,7 @@ def load(kind: str, folder: Path, device: str, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-    from quantkit.loading import load_quantized
+    from quantkit.run.load import load_quantized
 
     return load_quantized(folder, device_map=device, dtype=dtype).eval()
 

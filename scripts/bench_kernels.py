@@ -49,7 +49,7 @@ def detect_peak_gbs(name):
 
 def make_layer(n, k, bits, group_size, device):
     """Random INT4 GPTQ tensors (sym: every zero 2^(b-1), stored as v1 zero - 1)."""
-    from quantkit.formats import bitpack
+    from quantkit.core import bitpack
 
     groups = -(-k // group_size)
     qweight = torch.randint(-2**31, 2**31 - 1, (bitpack.packed_len(k, bits), n), dtype=torch.int32, device=device)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """quantkit against llm-compressor on the same calibration samples and the same evaluation, one table.
 
-The calibration windows are drawn once (quantkit.data.calibration_ids) and handed to both tools, each of which
+The calibration windows are drawn once (quantkit.calibration.data.calibration_ids) and handed to both tools, each of which
 quantizes in a Python process of its own: quantkit through scripts/quantkit_job.py into a checkpoint that
 load_quantized reads back; llm-compressor in its own Python (--peer-python, a virtual environment with
 `pip install llmcompressor`: it pins other transformers versions than quantkit's) through
@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from quantkit.data import calibration_ids, eval_ids
+from quantkit.calibration.data import calibration_ids, eval_ids
 from quantkit.eval import perplexity
-from quantkit.loading import load_quantized
-from quantkit.model.loader import load_fp_model
+from quantkit.run.load import load_quantized
+from quantkit.models.hub import load_fp_model
 
 PEER_SCRIPT = Path(__file__).with_name("peer_llmcompressor.py")
 JOB_SCRIPT = Path(__file__).with_name("quantkit_job.py")

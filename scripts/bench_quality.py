@@ -24,12 +24,12 @@ import torch
 
 from quantkit.api import quantize
 from quantkit.compare import compare_models
-from quantkit.config import QuantConfig
-from quantkit.data import calibration_ids, eval_ids
+from quantkit.run.config import QuantConfig
+from quantkit.calibration.data import calibration_ids, eval_ids
 from quantkit.eval import perplexity
-from quantkit.loading import load_quantized
-from quantkit.model.loader import load_fp_model
-from quantkit.report import inspect_checkpoint
+from quantkit.run.load import load_quantized
+from quantkit.models.hub import load_fp_model
+from quantkit.run.report import inspect_checkpoint
 
 
 def parse_run(text):
@@ -72,7 +72,7 @@ def main(argv=None):
     p.add_argument("--png", help="plot perplexity against bits per weight here")
     args = p.parse_args(argv)
 
-    from quantkit.model.loader import resolve_device
+    from quantkit.models.hub import resolve_device
 
     device = resolve_device(args.device)
     fp_model, tokenizer = load_fp_model(args.model, args.eval_dtype or ("float32" if device == "cpu" else "auto"))

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-IMPORTS = "import torch, transformers, quantkit.api, quantkit.loading"
+IMPORTS = "import torch, transformers, quantkit.api, quantkit.run.load"
 
 
 def build_model(folder: Path, args) -> int:
@@ -71,7 +71,7 @@ def child_quantize(src, out, args):
     import torch
 
     from quantkit.api import quantize
-    from quantkit.config import QuantConfig
+    from quantkit.run.config import QuantConfig
 
     calib = torch.randint(0, 512, (args.nsamples, args.seqlen), generator=torch.Generator().manual_seed(1))
     config = QuantConfig(method=args.method, bits=args.bits, group_size=args.group_size, nsamples=args.nsamples,
@@ -82,7 +82,7 @@ def child_quantize(src, out, args):
 def child_load(out, args, stream=False):
     import torch
 
-    from quantkit.loading import load_quantized
+    from quantkit.run.load import load_quantized
     from quantkit.nn.quant_linear import QuantLinear
 
     # QuantLinear's CPU path caches each layer's decoded fp32 weight by default (fast repeated evaluation):

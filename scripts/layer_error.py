@@ -19,10 +19,10 @@ import argparse
 import torch
 from scale_rounding import MODES, single_scale_grid
 
-from quantkit.data import calibration_ids
-from quantkit.methods.gptq import GPTQ
-from quantkit.methods.grid import Grid
-from quantkit.model.loader import load_fp_model
+from quantkit.calibration.data import calibration_ids
+from quantkit.algorithms.gptq import GPTQ
+from quantkit.schemes.grid import Grid
+from quantkit.models.hub import load_fp_model
 
 
 # The max-abs scale only (rounded down to fp16: quantkit's fit before the choice), and the range fit only

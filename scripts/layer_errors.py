@@ -10,14 +10,14 @@ what docs/QUALITY.md uses to explain why rotation helps GPTQ and hurts RTN.
 """
 import argparse
 
-from quantkit.data import calibration_ids
-from quantkit.methods.gptq import GPTQ, output_error
-from quantkit.methods.grid import Grid
-from quantkit.methods.rotation import Rotation
-from quantkit.methods.rtn import rtn
-from quantkit.model.arch import arch_for, get_submodule, get_weight
-from quantkit.model.loader import load_fp_model
-from quantkit.model.sequential import BlockRunner, capture_block_inputs
+from quantkit.calibration.data import calibration_ids
+from quantkit.algorithms.gptq import GPTQ, output_error
+from quantkit.schemes.grid import Grid
+from quantkit.schemes.rotation import Rotation
+from quantkit.algorithms.rtn import rtn
+from quantkit.models.arch import arch_for, get_submodule, get_weight
+from quantkit.models.hub import load_fp_model
+from quantkit.calibration.sequential import BlockRunner, capture_block_inputs
 
 
 def errors(W, x, bits, group_size, name):

@@ -18,8 +18,8 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.utils import calculate_qparams
 from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
 
-from quantkit.methods.gptq import GPTQ, output_error
-from quantkit.methods.grid import Grid
+from quantkit.algorithms.gptq import GPTQ, output_error
+from quantkit.schemes.grid import Grid
 
 
 def main():

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from quantkit.api import quantize
-from quantkit.config import QuantConfig
+from quantkit.run.config import QuantConfig
 
 
 def main(argv=None):

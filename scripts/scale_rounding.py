@@ -1,7 +1,7 @@
 """bench_quality with the symmetric grid's scale fitted another way (docs/QUALITY.md, "The scales' rounding direction"
 and "The 2x is one weight").
 
-quantkit's symmetric grid takes, per row and group, the better of two scales (quantkit.methods.grid.Grid.fit): the
+quantkit's symmetric grid takes, per row and group, the better of two scales (quantkit.schemes.grid.Grid.fit): the
 max-abs scale rounded down to fp16 (a group's negative extreme, exactly on the -(2^(bits-1) - 1/2) tie, then takes
 the full code) and the range fit (the dominant extreme exactly on its end code), by the squared rounding error,
 weighted by H's diagonal under GPTQ. This runs scripts/bench_quality.py unchanged except for that fit, to measure
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-import quantkit.methods.grid as grid
+import quantkit.schemes.grid as grid
 
 PLAIN_FIT = grid.Grid.fit
 

@@ -9,7 +9,7 @@ inner_k_tiles · 16, N of 8, and the groups contiguous (no act-order g_idx).
 """
 import torch
 
-from quantkit.formats import bitpack
+from quantkit.core import bitpack
 
 INNER_K_TILES = 8  # gpt-fast's default
 

@@ -5,13 +5,13 @@ import pytest
 import torch
 from transformers import (AutoModelForCausalLM, GemmaConfig, LlamaConfig, OPTConfig, Qwen2Config)
 
-from quantkit.config import QuantConfig
-from quantkit.errors import QuantkitError
-from quantkit.methods import awq, awq_block
-from quantkit.methods.grid import Grid
-from quantkit.methods.rtn import rtn
-from quantkit.model.arch import ARCHS, Arch, arch_for, get_submodule, require_scale_groups
-from quantkit.model.sequential import BlockRunner, capture_block_inputs, get_weight
+from quantkit.run.config import QuantConfig
+from quantkit.core.errors import QuantkitError
+from quantkit.algorithms import awq, awq_block
+from quantkit.schemes.grid import Grid
+from quantkit.algorithms.rtn import rtn
+from quantkit.models.arch import ARCHS, Arch, arch_for, get_submodule, require_scale_groups
+from quantkit.calibration.sequential import BlockRunner, capture_block_inputs, get_weight
 
 VOCAB = 512
 

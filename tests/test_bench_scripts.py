@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from quantkit.formats import bitpack
+from quantkit.core import bitpack
 from quantkit.kernels.reference import dequantize_weight
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
@@ -115,7 +115,7 @@ def test_bench_peer_alternates_repeated_runs_and_keeps_the_fastest(tmp_path, cap
 def test_bench_cpu_eval_times_both_product_paths(tmp_path, capsys, monkeypatch):
     """scripts/bench_cpu_eval.py: one row per model, both product paths timed, the same perplexity from each."""
     bench_cpu_eval = pytest.importorskip("bench_cpu_eval")
-    from quantkit import matmul
+    from quantkit.core import matmul
     from quantkit.demo import bundled_model_path
 
     if not matmul._onednn_available():
@@ -152,7 +152,7 @@ def test_scale_rounding_modes_fit_one_scale_each():
     """scripts/scale_rounding.py: max-abs reproduces grid.fit's first candidate, range the range fit; asymmetric
     grids keep quantkit's fit in every mode."""
     scale_rounding = pytest.importorskip("scale_rounding")
-    from quantkit.methods import grid as qgrid
+    from quantkit.schemes import grid as qgrid
 
     w = torch.randn(64, 32)
     w[:, 3] = w.abs().amax(dim=1) * 1.3

@@ -19,13 +19,13 @@ if not torch.cuda.is_available() and not PREIMPORTED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-from quantkit.formats import bitpack  # noqa: E402
+from quantkit.core import bitpack  # noqa: E402
 from quantkit.kernels.codebook import codebook_linear, decode_codebook  # noqa: E402
 from quantkit.kernels import rotation  # noqa: E402
-from quantkit.methods.e8 import E8Box  # noqa: E402
-from quantkit.methods.e8p import E8P  # noqa: E402
-from quantkit.methods.rtn import rtn  # noqa: E402
-from quantkit.methods.turboquant import TurboQuant  # noqa: E402
+from quantkit.schemes.e8 import E8Box  # noqa: E402
+from quantkit.schemes.e8p import E8P  # noqa: E402
+from quantkit.algorithms.rtn import rtn  # noqa: E402
+from quantkit.schemes.turboquant import TurboQuant  # noqa: E402
 from quantkit.nn.decoded_linear import DecodedLinear  # noqa: E402
 from triton_cases import device_params, rerun_with_interpreter  # noqa: E402
 

@@ -12,10 +12,10 @@ from click.testing import CliRunner
 from quantkit.cli import main
 from quantkit.compare import (check_same_tokenizer, compare_low_memory, compare_models, first_divergence,
                               position_stats, summarize)
-from quantkit.errors import QuantkitError
-from quantkit.methods.gptq import fidelity
-from quantkit.model.loader import load_fp_model
-from quantkit.report import flag_outliers
+from quantkit.core.errors import QuantkitError
+from quantkit.algorithms.gptq import fidelity
+from quantkit.models.hub import load_fp_model
+from quantkit.run.report import flag_outliers
 
 VOCAB = 7
 

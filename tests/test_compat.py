@@ -9,9 +9,9 @@ from click.testing import CliRunner
 
 from quantkit.api import load_quantized, quantize
 from quantkit.cli import main
-from quantkit.config import QuantConfig
-from quantkit.errors import QuantkitError
-from quantkit.formats import compat, gptq
+from quantkit.run.config import QuantConfig
+from quantkit.core.errors import QuantkitError
+from quantkit.checkpoint import compat, gptq
 
 LLAMA_QKV = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj")
 FUSED = {"model.layers.0.self_attn.qkv_proj": LLAMA_QKV}
@@ -90,8 +90,8 @@ def test_unknown_compat_target_is_refused():
 
 
 def test_dynamic_keys_match_hf_and_vllm_fused_names():
-    from quantkit.methods.grid import Grid
-    from quantkit.methods.rtn import rtn
+    from quantkit.schemes.grid import Grid
+    from quantkit.algorithms.rtn import rtn
 
     mk = lambda bits: rtn(torch.randn(8, 32), Grid(bits), 32)  # noqa: E731
     gate_up = ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj")

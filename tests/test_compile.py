@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from quantkit.formats import bitpack
+from quantkit.core import bitpack
 from quantkit.kernels.reference import gptq_linear_torch
 from quantkit.nn.quant_linear import QuantLinear
 
@@ -54,7 +54,7 @@ def test_quantized_block_compiles_without_graph_breaks():
 
 def test_loaded_quantized_model_compiles_in_one_graph(tmp_path):
     import quantkit
-    from quantkit.config import QuantConfig
+    from quantkit.run.config import QuantConfig
     from tiny_models import make_model_folder
 
     quantkit.quantize(str(make_model_folder("llama-gqa", tmp_path)), str(tmp_path / "q"),

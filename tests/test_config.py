@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.config import QuantConfig, read_recipe
-from quantkit.errors import QuantkitError
+from quantkit.run.config import QuantConfig, read_recipe
+from quantkit.core.errors import QuantkitError
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 

@@ -9,10 +9,10 @@ from safetensors.torch import load_file, save_file
 
 from quantkit.api import load_quantized, quantize
 from quantkit.cli import main
-from quantkit.config import QuantConfig
-from quantkit.errors import QuantkitError
-from quantkit.formats import checkpoint
-from quantkit.formats.convert import convert
+from quantkit.run.config import QuantConfig
+from quantkit.core.errors import QuantkitError
+from quantkit.checkpoint import files as checkpoint
+from quantkit.run.convert import convert
 
 IDS = torch.tensor([[1, 5, 9, 200, 31, 7, 64, 3]])
 SKIP = [{"pattern": r"layers\.0\.mlp\.down_proj", "skip": True}]

@@ -1,4 +1,4 @@
-"""quantkit.data: local files, hub names (mocked), calibration windows, eval stream, error messages."""
+"""quantkit.calibration.data: local files, hub names (mocked), calibration windows, eval stream, error messages."""
 
 import json
 from pathlib import Path
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import quantkit
-from quantkit import data
-from quantkit.errors import QuantkitError
+from quantkit.calibration import data
+from quantkit.core.errors import QuantkitError
 
 TOKENIZER_DIR = Path(quantkit.__file__).parent / "assets" / "stories260k"
 

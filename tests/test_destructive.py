@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 import quantkit.demo
 from quantkit.cli import main
-from quantkit.formats import checkpoint, output, shards
+from quantkit.checkpoint import files as checkpoint, shards
+from quantkit.run import output
 
 
 def snapshot(root):
@@ -284,7 +285,7 @@ def test_write_errors_are_one_line_and_leave_nothing(world, monkeypatch, code, t
 
 
 def test_sigkilled_writer_is_cleaned_up_by_the_next_run(world):
-    code = ("import sys, time\nfrom quantkit.formats.output import staged_folder\n"
+    code = ("import sys, time\nfrom quantkit.run.output import staged_folder\n"
             "with staged_folder(sys.argv[1], overwrite=False) as tmp:\n"
             "    (tmp / 'model.safetensors').write_bytes(b'half')\n    print('ready', flush=True)\n    time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(world / "out")], stdout=subprocess.PIPE, text=True)

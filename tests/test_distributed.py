@@ -1,4 +1,4 @@
-"""Calibration over torchrun processes (issue 17, quantkit.distributed): 2 gloo ranks write the checkpoint 1 rank
+"""Calibration over torchrun processes (issue 17, quantkit.calibration.distributed): 2 gloo ranks write the checkpoint 1 rank
 writes; what cannot be spread is refused before any work."""
 import json
 import subprocess
@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from quantkit.config import QuantConfig
-from quantkit.distributed import Group
-from quantkit.errors import QuantkitError
+from quantkit.run.config import QuantConfig
+from quantkit.calibration.distributed import Group
+from quantkit.core.errors import QuantkitError
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
@@ -95,7 +95,7 @@ def test_samples_split_contiguously_and_too_few_are_refused():
 
 
 def test_what_cannot_be_spread_is_refused():
-    from quantkit.distributed import check_supported
+    from quantkit.calibration.distributed import check_supported
 
     with pytest.raises(QuantkitError, match="single process"):
         check_supported(QuantConfig(method="awq+gptq"), resume=False)
@@ -109,7 +109,7 @@ def test_processes_option_refuses_before_starting_any(tmp_path, monkeypatch):
     (the launcher is replaced by a failure) and nothing is written."""
     from click.testing import CliRunner
 
-    from quantkit import distributed
+    from quantkit.calibration import distributed
     from quantkit.cli import main
 
     monkeypatch.setattr(distributed, "launch_local", lambda *a: pytest.fail("a process was started"))
@@ -132,7 +132,7 @@ def test_processes_option_refuses_before_starting_any(tmp_path, monkeypatch):
 
 
 def test_processes_need_one_gpu_each_and_the_whole_cuda_device():
-    from quantkit.distributed import launch_local
+    from quantkit.calibration.distributed import launch_local
 
     with pytest.raises(QuantkitError, match="give --device cuda"):
         launch_local(2, ["quantize"], "cuda:1")
@@ -141,7 +141,7 @@ def test_processes_need_one_gpu_each_and_the_whole_cuda_device():
 
 
 def test_the_processes_get_the_command_without_processes():
-    from quantkit.distributed import without_option
+    from quantkit.calibration.distributed import without_option
 
     argv = ["quantize", "m", "--processes", "2", "-o", "out", "--processes=3", "--seqlen", "8"]
     assert without_option(argv, "--processes") == ["quantize", "m", "-o", "out", "--seqlen", "8"]
@@ -161,9 +161,9 @@ def test_a_data_free_method_with_processes_runs_as_one(model_factory, tmp_path):
 def test_results_sent_between_processes_land_on_the_receivers_device():
     """Pickled as they are, the tensors of a result quantized on cuda:0 would come back on cuda:0 in the process
     of cuda:1; what Group.broadcast sends is rebuilt on the receiver's device (meta stands in for another GPU)."""
-    from quantkit.distributed import from_bytes, to_bytes
-    from quantkit.methods.grid import Grid
-    from quantkit.methods.result import QuantResult
+    from quantkit.calibration.distributed import from_bytes, to_bytes
+    from quantkit.schemes.grid import Grid
+    from quantkit.core.result import QuantResult
 
     res = QuantResult(torch.zeros(4, 8, dtype=torch.int32), {"scale": torch.ones(4, 1)}, torch.zeros(8, dtype=torch.int32),
                       Grid(4, True), 8, stats={"error": 0.5})
@@ -213,7 +213,7 @@ def test_a_killed_multi_process_run_resumes_as_one_process(model_factory, tmp_pa
 
 
 def test_an_interrupted_multi_process_run_says_to_resume_as_one(monkeypatch):
-    from quantkit.formats.output import _resume_hint
+    from quantkit.run.output import _resume_hint
 
     assert _resume_hint() == "run the same command with --resume"
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -222,7 +222,7 @@ def test_an_interrupted_multi_process_run_says_to_resume_as_one(monkeypatch):
 
 PEER_KILLER = """
 import os, signal, sys
-from quantkit import distributed
+from quantkit.calibration import distributed
 from quantkit.cli import main
 broadcast, calls = distributed.Group.broadcast, []
 def broadcast_then_die(self, obj, src):
@@ -251,8 +251,8 @@ def test_a_process_killed_mid_run_leaves_the_writer_one_line_and_its_blocks(mode
 
 
 def test_a_failed_collective_is_one_line_and_out_of_memory_stays_itself():
-    from quantkit.distributed import _collective
-    from quantkit.errors import StoppedFromOutside
+    from quantkit.calibration.distributed import _collective
+    from quantkit.core.errors import StoppedFromOutside
 
     gloo = RuntimeError("[/x/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:40122: Connection reset by peer. "
                         "This is typically caused by a remote worker hanging")

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from quantkit.api import quantize
-from quantkit.config import QuantConfig
-from quantkit.loading import load_quantized
-from quantkit.methods.e8 import (RELAXED_EXTRA_BITS, E8Box, box_point, nearest_box, nearest_d8, nearest_e8,
+from quantkit.run.config import QuantConfig
+from quantkit.run.load import load_quantized
+from quantkit.schemes.e8 import (RELAXED_EXTRA_BITS, E8Box, box_point, nearest_box, nearest_d8, nearest_e8,
                                  nearest_relaxed, pack_codes, unpack_codes)
-from quantkit.methods.gptq import GPTQ, output_error
-from quantkit.methods.rtn import rtn
+from quantkit.algorithms.gptq import GPTQ, output_error
+from quantkit.algorithms.rtn import rtn
 from quantkit.nn.decoded_linear import DecodedLinear
 from test_quantizers import calibration, capture_results, in_loop_logits
 

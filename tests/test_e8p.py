@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from quantkit.api import quantize
-from quantkit.config import QuantConfig
-from quantkit.formats import bitpack
-from quantkit.loading import load_quantized
-from quantkit.methods import e8p
-from quantkit.methods.e8 import E8Box
-from quantkit.methods.e8p import E8P
-from quantkit.methods.quantizer import make_quantizer, quantizer_for
-from quantkit.methods.rtn import rtn
+from quantkit.run.config import QuantConfig
+from quantkit.core import bitpack
+from quantkit.run.load import load_quantized
+from quantkit.schemes import e8p
+from quantkit.schemes.e8 import E8Box
+from quantkit.schemes.e8p import E8P
+from quantkit.schemes.base import make_quantizer, quantizer_for
+from quantkit.algorithms.rtn import rtn
 from quantkit.nn.decoded_linear import DecodedLinear
 from test_e8 import in_e8
 from test_quantizers import calibration, capture_results, in_loop_logits

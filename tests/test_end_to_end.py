@@ -6,13 +6,13 @@ import torch
 from safetensors import safe_open
 
 from quantkit.api import quantize
-from quantkit.config import QuantConfig
-from quantkit.formats import checkpoint, gptq, shards
-from quantkit.loading import load_quantized
-from quantkit.methods.grid import Grid
-from quantkit.methods.rtn import rtn
-from quantkit.model.loader import load_fp_model
-from quantkit.model.sequential import get_weight, set_weight
+from quantkit.run.config import QuantConfig
+from quantkit.checkpoint import files as checkpoint, gptq, shards
+from quantkit.run.load import load_quantized
+from quantkit.schemes.grid import Grid
+from quantkit.algorithms.rtn import rtn
+from quantkit.models.hub import load_fp_model
+from quantkit.calibration.sequential import get_weight, set_weight
 from quantkit.nn.quant_linear import QuantLinear
 
 IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import quantkit
-from quantkit.errors import QuantkitError
+from quantkit.core.errors import QuantkitError
 from quantkit.eval import perplexity
 
 VOCAB = 512
@@ -114,10 +114,10 @@ def test_restores_training_mode(tiny_llama):
 
 
 def test_pretrained_stories_model_on_a_story(tmp_path):
-    """End to end through quantkit.data: the real tiny model finds a children's story predictable."""
+    """End to end through quantkit.calibration.data: the real tiny model finds a children's story predictable."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantkit.data import eval_ids
+    from quantkit.calibration.data import eval_ids
 
     story = tmp_path / "story.txt"
     story.write_text(

@@ -2,9 +2,10 @@
 import pytest
 import torch
 
-from quantkit.formats import bitpack, gptq
-from quantkit.methods.grid import Grid
-from quantkit.methods.rtn import rtn
+from quantkit.core import bitpack
+from quantkit.checkpoint import gptq
+from quantkit.schemes.grid import Grid
+from quantkit.algorithms.rtn import rtn
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

@@ -10,11 +10,11 @@ from click.testing import CliRunner
 
 from quantkit.api import load_quantized, quantize
 from quantkit.cli import main
-from quantkit.config import QuantConfig
-from quantkit.errors import QuantkitError
-from quantkit.formats import awq, checkpoint, compressed_tensors as ct, gptq
-from quantkit.methods.grid import Grid
-from quantkit.methods.result import QuantResult
+from quantkit.run.config import QuantConfig
+from quantkit.core.errors import QuantkitError
+from quantkit.checkpoint import awq, files as checkpoint, compressed_tensors as ct, gptq
+from quantkit.schemes.grid import Grid
+from quantkit.core.result import QuantResult
 
 IDS = torch.tensor([[1, 5, 9, 200, 31, 7, 64, 3]])
 U32 = 0xFFFFFFFF

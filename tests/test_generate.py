@@ -3,12 +3,12 @@ import pytest
 import torch
 
 from quantkit.api import quantize
-from quantkit.config import QuantConfig
-from quantkit.loading import load_quantized
-from quantkit.model.loader import load_fp_model
-from quantkit.model.sequential import get_weight, set_weight
-from quantkit.methods.grid import Grid
-from quantkit.methods.rtn import rtn
+from quantkit.run.config import QuantConfig
+from quantkit.run.load import load_quantized
+from quantkit.models.hub import load_fp_model
+from quantkit.calibration.sequential import get_weight, set_weight
+from quantkit.schemes.grid import Grid
+from quantkit.algorithms.rtn import rtn
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -70,8 +70,8 @@ def test_a_model_on_the_second_gpu_generates_while_the_first_is_current(checkpoi
 
 
 def test_blocks_are_assigned_in_order_in_equal_shares_within_budgets():
-    from quantkit.errors import QuantkitError
-    from quantkit.model.placement import assign_blocks
+    from quantkit.core.errors import QuantkitError
+    from quantkit.models.placement import assign_blocks
 
     assert assign_blocks(0, [10] * 8, [100, 100]) == [0] * 4 + [1] * 4
     assert assign_blocks(20, [10] * 8, [100, 100]) == [0] * 3 + [1] * 5  # the embeddings count on GPU 0
@@ -86,7 +86,7 @@ def test_blocks_are_assigned_in_order_in_equal_shares_within_budgets():
 def test_a_model_spread_over_devices_generates_the_same_tokens(checkpoint):
     """The placement path (outside modules, block map, accelerate's hooks, the KV cache left alone) on two CPU
     'devices': the hooks run as they would between GPUs, and the tokens do not change."""
-    from quantkit.model.placement import outside_modules, spread
+    from quantkit.models.placement import outside_modules, spread
 
     _, out = checkpoint
     prompt = torch.tensor([[1, 17, 42, 99, 7]])

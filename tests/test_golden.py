@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from quantkit.api import quantize
-from quantkit.config import QuantConfig
+from quantkit.run.config import QuantConfig
 from quantkit.demo import bundled_model_path
 
 RECORDED_WITH = "2.13.0"

@@ -5,11 +5,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from quantkit.errors import QuantkitError
-from quantkit.methods import grid as qgrid
-from quantkit.methods.gptq import GPTQ, output_error
-from quantkit.methods.grid import Grid
-from quantkit.methods.rtn import rtn
+from quantkit.core.errors import QuantkitError
+from quantkit.schemes import grid as qgrid
+from quantkit.algorithms.gptq import GPTQ, output_error
+from quantkit.schemes.grid import Grid
+from quantkit.algorithms.rtn import rtn
 
 
 # ---------------------------------------------------------------- synthetic layer + inputs
@@ -122,7 +122,7 @@ def test_output_error_from_h_equals_error_on_inputs():
 def test_inverse_cholesky_in_place_equals_textbook_and_leaves_h(permuted):
     """The in-place factor (one working matrix, on its column-major view) is the upper Cholesky factor of
     (H + λI)⁻¹ computed the textbook way, and H is left as it was apart from the diagonal the caller restores."""
-    from quantkit.methods.gptq import _inverse_cholesky
+    from quantkit.algorithms.gptq import _inverse_cholesky
 
     W, sample = make_layer(3, out=8, inn=48, dtype=torch.float64)
     g = calibrated(W, sample)
@@ -142,7 +142,7 @@ def test_inverse_cholesky_in_place_equals_textbook_and_leaves_h(permuted):
 
 
 def test_fidelity_from_two_products_equals_direct_traces():
-    from quantkit.methods.gptq import fidelity
+    from quantkit.algorithms.gptq import fidelity
 
     W, sample = make_layer(4, out=16, inn=32, dtype=torch.float64)
     X = sample(300)
@@ -450,7 +450,7 @@ def test_cuda_matches_cpu():
 def test_layers_sharing_a_hessian_factor_it_once_with_the_same_codes(monkeypatch):
     """q/k/v read one input: its Hessian's inverse factor is computed by the first and reused by the others; the
     codes are those each layer gets from its own copy of the statistics, and nothing is held after the last."""
-    import quantkit.methods.gptq as gptq_module
+    import quantkit.algorithms.gptq as gptq_module
 
     _, sample = make_layer(3, inn=64)
     X = sample(512)

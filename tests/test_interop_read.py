@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from quantkit.api import load_quantized, quantize
 from quantkit.cli import main
-from quantkit.config import QuantConfig
-from quantkit.errors import QuantkitError
+from quantkit.run.config import QuantConfig
+from quantkit.core.errors import QuantkitError
 
 IDS = torch.tensor([[1, 5, 9, 200, 31, 7, 64, 3]])
 

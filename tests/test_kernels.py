@@ -38,7 +38,8 @@ if not torch.cuda.is_available() and not PREIMPORTED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-from quantkit.formats import bitpack, gptq  # noqa: E402
+from quantkit.core import bitpack  # noqa: E402
+from quantkit.checkpoint import gptq
 from quantkit.kernels import gptq_linear  # noqa: E402
 from quantkit.kernels.reference import dequantize_weight, gptq_linear_torch  # noqa: E402
 from quantkit.nn.quant_linear import QuantLinear  # noqa: E402

@@ -1,16 +1,16 @@
-"""quantkit.matmul: calibration's and evaluation's float32 CPU products through oneDNN give torch's results (to
+"""quantkit.core.matmul: calibration's and evaluation's float32 CPU products through oneDNN give torch's results (to
 float32 rounding), and the calibration loop and the evaluation really use them where oneDNN is available."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantkit import matmul
-from quantkit.config import QuantConfig
-from quantkit.methods.gptq import GPTQ
-from quantkit.methods.registry import Method
-from quantkit.model.arch import arch_for
-from quantkit.model.sequential import run_sequential
+from quantkit.core import matmul
+from quantkit.run.config import QuantConfig
+from quantkit.algorithms.gptq import GPTQ
+from quantkit.algorithms.method import Method
+from quantkit.models.arch import arch_for
+from quantkit.calibration.sequential import run_sequential
 from test_awq import ids, tiny_model
 
 needs_onednn = pytest.mark.skipif(not matmul._onednn_available(), reason="oneDNN is used on CPUs with AVX-512 only")
@@ -157,8 +157,8 @@ def test_evaluation_multiplies_through_onednn_as_torch_would(method, bits, model
     rounding. A quantized layer that kept torch's product, or paid a copy of its weight, fails the call count."""
     from quantkit.api import quantize
     from quantkit.eval import perplexity
-    from quantkit.loading import load_quantized
-    from quantkit.model.loader import load_fp_model
+    from quantkit.run.load import load_quantized
+    from quantkit.models.hub import load_fp_model
 
     src = model_factory("llama-tied-bias")
     quantize(str(src), tmp_path / "q", QuantConfig(method=method, bits=bits, group_size=32), device="cpu")

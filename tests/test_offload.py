@@ -1,4 +1,4 @@
-"""Streamed models (issue 17, quantkit.model.offload): blocks read from the files as they run, the same logits as the
+"""Streamed models (issue 17, quantkit.models.offload): blocks read from the files as they run, the same logits as the
 model held whole, nothing left loaded after a forward (also one that fails), clear errors for incomplete files."""
 import json
 
@@ -9,10 +9,10 @@ from safetensors.torch import load_file, save_file
 
 from quantkit.api import quantize
 from quantkit.cli import main
-from quantkit.config import QuantConfig
-from quantkit.errors import QuantkitError
+from quantkit.run.config import QuantConfig
+from quantkit.core.errors import QuantkitError
 from quantkit.eval import load_any
-from quantkit.loading import load_quantized
+from quantkit.run.load import load_quantized
 
 IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 41, 3, 8, 60, 12]])
 

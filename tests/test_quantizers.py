@@ -8,16 +8,16 @@ from click.testing import CliRunner
 
 from quantkit.api import quantize
 from quantkit.cli import main
-from quantkit.config import QuantConfig
-from quantkit.errors import QuantkitError
-from quantkit.methods.registry import Method
-from quantkit.loading import load_quantized
-from quantkit.methods.gptq import GPTQ, output_error
-from quantkit.methods.quantizer import QUANTIZERS, register_quantizer
-from quantkit.methods.rotation import Rotation
-from quantkit.methods.rtn import rtn
-from quantkit.model.arch import set_weight
-from quantkit.model.loader import load_fp_model
+from quantkit.run.config import QuantConfig
+from quantkit.core.errors import QuantkitError
+from quantkit.algorithms.method import Method
+from quantkit.run.load import load_quantized
+from quantkit.algorithms.gptq import GPTQ, output_error
+from quantkit.schemes.base import QUANTIZERS, register_quantizer
+from quantkit.schemes.rotation import Rotation
+from quantkit.algorithms.rtn import rtn
+from quantkit.models.arch import set_weight
+from quantkit.models.hub import load_fp_model
 from quantkit.nn.decoded_linear import DecodedLinear
 from quantkit.nn.quant_linear import QuantLinear
 
@@ -165,7 +165,7 @@ def test_rotated_gptq_error_is_basis_independent():
     g = GPTQ(W)
     g.add_batch(X)
     H = g.H.clone()
-    from quantkit.methods.grid import Grid
+    from quantkit.schemes.grid import Grid
 
     rot = Rotation.hadamard(64, seed=0)
     g.rotate(rot)

@@ -12,16 +12,17 @@ from click.testing import CliRunner
 
 from quantkit import api
 from quantkit.cli import main
-from quantkit.config import QuantConfig
-from quantkit.errors import StoppedFromOutside
-from quantkit.formats import output, shards
+from quantkit.run.config import QuantConfig
+from quantkit.core.errors import StoppedFromOutside
+from quantkit.run import output
+from quantkit.checkpoint import shards
 from tiny_models import make_model_folder
 
 CALIB = ["--dataset", "CALIB", "--nsamples", 2, "--seqlen", 16]
 # a test-only child: the CLI, killed with SIGKILL right after it saved the part named by argv[1]
 KILLER = """
 import os, signal, sys
-from quantkit.formats import shards
+from quantkit.checkpoint import shards
 from quantkit.cli import main
 save, key = shards.save_part, sys.argv[1]
 def save_then_die(folder, k, tensors, info=None):
@@ -69,9 +70,9 @@ def assert_same_checkpoint(a, b):
     names = sorted(p.name for p in a.iterdir())
     assert names == sorted(p.name for p in b.iterdir())
     for name in names:
-        if name != output.REPORT_NAME:
+        if name != api.REPORT_NAME:
             assert (a / name).read_bytes() == (b / name).read_bytes(), name
-    ra, rb = (json.loads((f / output.REPORT_NAME).read_text()) for f in (a, b))
+    ra, rb = (json.loads((f / api.REPORT_NAME).read_text()) for f in (a, b))
     strip = lambda layers: {n: {k: v for k, v in r.items() if k != "seconds"} for n, r in layers.items()}  # noqa: E731
     assert strip(ra["layers"]) == strip(rb["layers"]) and ra["files"] == rb["files"]
     assert ra.get("awq") == rb.get("awq") and ra["flagged"] == rb["flagged"]
@@ -96,7 +97,7 @@ def test_sigkilled_run_resumes_to_a_byte_identical_checkpoint(world, method, key
     assert f"blocks 0-{done - 1} of 4 are done" in result.output
     assert not list(root.glob(".out-*"))  # the adopted staging folder became OUT
     assert_same_checkpoint(ref, out)
-    assert json.loads((out / output.REPORT_NAME).read_text())["resumed_at_block"] == done
+    assert json.loads((out / api.REPORT_NAME).read_text())["resumed_at_block"] == done
 
 
 @pytest.mark.parametrize("stop,code,words", [

@@ -25,8 +25,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 from quantkit.kernels import rotation  # noqa: E402
 from triton_cases import device_params, rerun_with_interpreter  # noqa: E402
-from quantkit.kernels.rotation import (  # noqa: E402
-    fwht, hadamard_block, random_signs, rotate, rotate_activations, rotate_triton, unrotate)
+from quantkit.schemes.hadamard import fwht, hadamard_block, random_signs, rotate, unrotate
+from quantkit.kernels.rotation import rotate_activations, rotate_triton
 
 
 DEVICES = device_params("not importable" if rotation.triton is None else None, INTERPRET, PREIMPORTED)

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from quantkit.errors import QuantkitError
-from quantkit.methods import grid as qgrid
-from quantkit.methods.grid import Grid
-from quantkit.methods.rtn import rtn
+from quantkit.core.errors import QuantkitError
+from quantkit.schemes import grid as qgrid
+from quantkit.schemes.grid import Grid
+from quantkit.algorithms.rtn import rtn
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

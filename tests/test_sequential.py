@@ -6,12 +6,12 @@ import dataclasses
 import pytest
 import torch
 
-from quantkit.config import QuantConfig
-from quantkit.methods.gptq import GPTQ
-from quantkit.methods.registry import Method
-from quantkit.model.arch import arch_for, block_linears, get_submodule
-from quantkit.model.replay import ReplayedOutputs
-from quantkit.model.sequential import _observe_stage, input_hooks, run_sequential
+from quantkit.run.config import QuantConfig
+from quantkit.algorithms.gptq import GPTQ
+from quantkit.algorithms.method import Method
+from quantkit.models.arch import arch_for, block_linears, get_submodule
+from quantkit.calibration.replay import ReplayedOutputs
+from quantkit.calibration.sequential import _observe_stage, input_hooks, run_sequential
 from test_awq import _block_runner, ids, tiny_model
 
 QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
@@ -244,7 +244,7 @@ def test_a_tail_input_is_kept_as_fed_only_where_the_pass_stops_at_it_and_it_owns
 
 
 def test_a_tail_not_fitting_in_memory_is_not_recorded(monkeypatch):
-    import quantkit.model.replay as replay
+    import quantkit.calibration.replay as replay
 
     monkeypatch.setattr(replay, "free_bytes", lambda device: 0)
     block, runner, reference = _recorded_tail()

@@ -8,9 +8,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from quantkit.cli import main
-from quantkit.errors import QuantkitError
-from quantkit.formats.checkpoint import INDEX_NAME
-from quantkit.loading import load_quantized
+from quantkit.core.errors import QuantkitError
+from quantkit.core.folders import INDEX_NAME
+from quantkit.run.load import load_quantized
 from test_destructive import snapshot
 
 

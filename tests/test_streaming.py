@@ -3,12 +3,13 @@ import torch
 from safetensors.torch import save_file
 
 from quantkit.api import quantize, quantizable_linears
-from quantkit.config import QuantConfig
-from quantkit.formats import checkpoint, codecs, shards
-from quantkit.methods.registry import Method
-from quantkit.model import stream
-from quantkit.model.arch import arch_for
-from quantkit.model.loader import load_fp_model
+from quantkit.run.config import QuantConfig
+from quantkit.checkpoint import files as checkpoint, codecs, shards
+from quantkit.algorithms.method import Method
+from quantkit.core.folders import drop_shared
+from quantkit.models import stream
+from quantkit.models.arch import arch_for
+from quantkit.models.hub import load_fp_model
 
 
 def test_header_matches_safetensors_for_every_dtype(tmp_path):
@@ -30,7 +31,7 @@ def in_memory_checkpoint(src, folder, config):
     arch = arch_for(model)
     method = Method(config, arch)
     results = {n: method.quantize(n, None, model.get_submodule(n)) for n in quantizable_linears(model, arch)}
-    state = {k: v.to(torch.float32) for k, v in checkpoint.drop_shared(model.state_dict()).items()}
+    state = {k: v.to(torch.float32) for k, v in drop_shared(model.state_dict()).items()}
     codec = codecs.codec_for(results, config.checkpoint_format)
     folder.mkdir()
     checkpoint.write_tensors(folder, codecs.model_tensors(state, results, codec, config),

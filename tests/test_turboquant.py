@@ -14,14 +14,14 @@ from click.testing import CliRunner
 
 from quantkit.api import quantize
 from quantkit.cli import main
-from quantkit.config import QuantConfig
-from quantkit.errors import QuantkitError
-from quantkit.formats import bitpack
-from quantkit.loading import load_quantized
-from quantkit.methods.codebook import codebook_mse, lloyd_max, sphere_density
-from quantkit.methods.gptq import GPTQ, output_error
-from quantkit.methods.rtn import rtn
-from quantkit.methods.turboquant import TurboQuant
+from quantkit.run.config import QuantConfig
+from quantkit.core.errors import QuantkitError
+from quantkit.core import bitpack
+from quantkit.run.load import load_quantized
+from quantkit.schemes.lloyd_max import codebook_mse, lloyd_max, sphere_density
+from quantkit.algorithms.gptq import GPTQ, output_error
+from quantkit.algorithms.rtn import rtn
+from quantkit.schemes.turboquant import TurboQuant
 from quantkit.nn.decoded_linear import DecodedLinear
 from test_quantizers import calibration, capture_results, in_loop_logits
 

@@ -9,9 +9,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from quantkit.cli import main
-from quantkit.config import QuantConfig
-from quantkit.errors import QuantkitError
-from quantkit.loading import load_quantized
+from quantkit.run.config import QuantConfig
+from quantkit.core.errors import QuantkitError
+from quantkit.run.load import load_quantized
 
 
 def run(*args):
@@ -97,7 +97,7 @@ def test_overflowing_activations_name_the_layer(tmp_path, source, text_file):
 
 def test_calibration_activations_larger_than_free_memory_are_refused_up_front(tmp_path, source, text_file,
                                                                                monkeypatch):
-    import quantkit.model.sequential as sequential
+    import quantkit.calibration.sequential as sequential
 
     # 2 x 4 x 32 tokens x hidden 64 x 4 bytes = 64 KB of stored activations; pretend 50 KB are free
     monkeypatch.setattr(sequential, "free_bytes", lambda device: 50_000)
@@ -250,7 +250,7 @@ def test_a_wrong_eval_dataset_is_named_before_the_weights_load(source, checkpoin
 def test_context_length_reads_the_config_and_its_rope_scaling():
     from transformers import GPT2Config, LlamaConfig, PretrainedConfig
 
-    from quantkit.model.arch import context_length
+    from quantkit.models.arch import context_length
 
     llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "rope_theta": 500000.0}

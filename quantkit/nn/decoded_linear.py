@@ -1,6 +1,6 @@
 """DecodedLinear: the runtime of a quantkit-format layer whose quantizer is not the integer grid.
 
-Buffers mirror the checkpoint (quantkit.formats.quantkit_format): `codes` (the quantizer's codes packed
+Buffers mirror the checkpoint (quantkit.checkpoint.quantkit_format): `codes` (the quantizer's codes packed
 along the input dim at its code_bits), one [n_groups, out] tensor per parameter (fp16 when the
 quantizer stores it in 16 bits, else float32), g_idx, bias, and rot_signs when rotated.
 
@@ -13,9 +13,9 @@ fp32 copy per layer, like QuantLinear's CPU path; `cache_dequantized = False` de
 import torch
 from torch import nn
 
-from quantkit.formats import bitpack
-from quantkit.matmul import linear
-from quantkit.methods.quantizer import per_column
+from quantkit.core import bitpack
+from quantkit.core.groups import per_column
+from quantkit.core.matmul import linear
 from quantkit.nn.quant_linear import add_rotation, rotate_input
 
 

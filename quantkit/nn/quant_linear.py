@@ -1,6 +1,6 @@
 """QuantLinear: an nn.Linear replacement that holds GPTQ-layout packed tensors.
 
-Buffers mirror the checkpoint (see quantkit.formats.gptq): qweight, qzeros, scales, g_idx, bias, and
+Buffers mirror the checkpoint (see quantkit.checkpoint.gptq): qweight, qzeros, scales, g_idx, bias, and
 rot_signs for a rotated layer of the quantkit format (its forward computes Ŵ (Π x)).
 forward() calls the custom op torch.ops.quantkit.gptq_linear (kernels.dispatch), which picks the
 Triton kernels on CUDA and a pure-torch path elsewhere; on CPU the decoded weight is cached instead
@@ -9,14 +9,14 @@ Triton kernels on CUDA and a pure-torch path elsewhere; on CPU the decoded weigh
 import torch
 from torch import nn
 
-from quantkit.formats import bitpack
-from quantkit.formats.gptq import V1_ZERO_OFFSET
-from quantkit.methods.quantizer import n_groups
+from quantkit.checkpoint.gptq import V1_ZERO_OFFSET
+from quantkit.core import bitpack
+from quantkit.core.groups import n_groups
 from quantkit.kernels.dispatch import gptq_linear_op
 
 
 def add_rotation(module: nn.Module, in_features: int, block, device) -> None:
-    """A rotated layer (quantkit.methods.rotation) holds the signs of Π; its forward rotates x first."""
+    """A rotated layer (quantkit.schemes.rotation) holds the signs of Π; its forward rotates x first."""
     module.rotation_block = block
     if block is not None:
         module.register_buffer("rot_signs", torch.empty(in_features, dtype=torch.int8, device=device))

@@ -1,0 +1,81 @@
+"""Method: the one adapter between the model loops and the per-layer math of every method.
+
+The calibration loop (quantkit.calibration.sequential) asks it for: prepare_block (AWQ rescales here),
+names (which linears of a stage it quantizes), observer (accumulates the Hessian X Xᵀ used by GPTQ
+and by the error report of every method) and quantize (-> QuantResult). RTN needs no data: the API
+calls quantize with no observer for each linear. Rotation (config.rotate) is applied here, to the
+weight and the Hessian, before whichever rounding the method does; the quantizer comes from the
+layer's spec. None of the math below names a grid.
+"""
+import time
+
+from tqdm.auto import tqdm
+
+from quantkit.algorithms.gptq import GPTQ, fidelity
+from quantkit.algorithms.rtn import rtn
+from quantkit.models.arch import Arch, get_weight
+from quantkit.run.config import QuantConfig
+from quantkit.schemes.rotation import Rotation
+
+
+class Method:
+    """Every method is one class with two switches (AWQ scaling first; GPTQ or RTN rounding), the quantizer
+    and rotation coming from the config: turboquant and e8 are RTN, turboquant+gptq and e8+gptq GPTQ, with
+    their codebook behind a Hadamard rotation."""
+
+    def __init__(self, config: QuantConfig, arch: Arch):
+        self.config, self.arch = config, arch
+        self.use_awq = config.method in ("awq", "awq+gptq")
+        self.use_gptq = config.method == "gptq" or config.method.endswith("+gptq")
+        self.awq_report: dict = {}
+
+    @property
+    def act_order(self) -> bool:
+        """Whether the columns were really quantized out of order (what desc_act should say)."""
+        return self.use_gptq and self.config.act_order
+
+    def prepare_block(self, runner, block, prefix):
+        if self.use_awq:
+            from quantkit.algorithms.awq_block import awq_prepare_block
+
+            report = awq_prepare_block(runner, block, prefix, self.arch, self.config)
+            self.awq_report.update({f"{prefix}.{k}": v for k, v in report.items()})
+
+    def names(self, prefix, stage):
+        return [n for n in stage if self.config.spec_for(f"{prefix}.{n}") is not None]
+
+    def observer(self, full_name, weight):
+        return GPTQ(weight)
+
+    def quantize(self, full_name, observer, module):
+        """QuantResult of one linear; observer None means no calibration data (RTN).
+
+        stats: the method's own (GPTQ: damp, retries, dead, message) plus method, seconds (this call,
+        rotation included) and, with data, the fidelity of its outputs on the calibration inputs (error,
+        cosine, sqnr_db; see gptq.fidelity)."""
+        t0 = time.perf_counter()
+        spec = self.config.spec_for(full_name)
+        quantizer = spec.quantizer()
+        bias = getattr(module, "bias", None)
+        weight = observer.weight if observer is not None else get_weight(module)
+        rotation = None
+        if self.config.rotate == "hadamard":
+            rotation = Rotation.for_layer(full_name, weight.shape[1], self.config.seed)
+            if observer is not None:
+                observer.rotate(rotation)
+                weight = observer.weight
+            else:
+                weight = rotation.rotate_weight(weight.float())
+        if self.use_gptq:
+            res = observer.quantize(quantizer, spec.group_size, block_size=self.config.block_size,
+                                    damp=self.config.damp, act_order=self.config.act_order, bias=bias)
+        else:
+            res = rtn(weight, quantizer, spec.group_size, bias=bias)
+        res.rotation = rotation
+        if res.stats.get("message"):  # e.g. damping raised after a failed Cholesky
+            tqdm.write(f"{full_name}: {res.stats['message']}")
+        res.stats.update(method=self.config.method, seconds=time.perf_counter() - t0)
+        if observer is not None:  # the same in either basis: Π is orthogonal
+            res.stats.update(fidelity(observer.weight, res.decoded(), observer.H))
+            observer.free()
+        return res

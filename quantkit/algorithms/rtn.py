@@ -1,0 +1,40 @@
+"""RTN: round-to-nearest per group, with any quantizer. The baseline every other method is measured against."""
+from typing import Optional
+
+import torch
+
+from quantkit.core.errors import QuantkitError
+from quantkit.core.groups import check_shape, group_index, group_width, n_groups
+from quantkit.core.result import QuantResult
+from quantkit.schemes.grid import check_group_size
+
+
+def check_args(quantizer, group_size: int, weight: torch.Tensor) -> None:
+    """Shared argument checks of the methods (rtn, gptq)."""
+    if weight.dim() != 2:
+        raise QuantkitError(f"expected a 2-D weight [out, in], got shape {tuple(weight.shape)}")
+    check_group_size(group_size, "group_size")
+    check_shape(quantizer, weight.shape[1], group_size)
+
+
+def rtn(weight: torch.Tensor, quantizer, group_size: int = 128,
+        bias: Optional[torch.Tensor] = None) -> QuantResult:
+    """Quantize `weight` [out, in] group by group along the input dim: fit, then round every unit.
+
+    Groups are columns [g*G, (g+1)*G); the last one is shorter when in % G != 0; group_size -1 is
+    one group per row. Every tensor of the result lives on the weight's device.
+    """
+    check_args(quantizer, group_size, weight)
+    w = weight.detach().float()
+    rows, cols = w.shape
+    size = group_width(cols, group_size)
+    codes = torch.empty(rows, cols, dtype=torch.int32, device=w.device)
+    params = {}
+    for g, c0 in enumerate(range(0, cols, size)):
+        c1 = min(c0 + size, cols)
+        fitted = quantizer.fit(w[:, c0:c1])
+        codes[:, c0:c1] = quantizer.round(w[:, c0:c1], fitted)[0].to(torch.int32)
+        for key, value in fitted.items():
+            params.setdefault(key, torch.empty(rows, n_groups(cols, group_size), device=w.device))[:, g] = value
+    return QuantResult(codes=codes, params=params, g_idx=group_index(cols, group_size).to(w.device),
+                       quantizer=quantizer, group_size=group_size, bias=bias)

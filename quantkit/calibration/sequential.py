@@ -1,0 +1,363 @@
+"""The sequential block loop shared by every calibrated method (GPTQ, AWQ, AWQ+GPTQ).
+
+1. capture the inputs of decoder block 0 (hidden states plus the keyword arguments the blocks take:
+   attention mask, position ids/embeddings; cache off) by running the model until block 0 is called;
+2. for each block: move it to the compute device, let the method prepare it (AWQ scales), then per
+   true-sequential stage: hook the stage's linears, forward the calibration samples, quantize them
+   and write the quantized weights back; finally forward again with the quantized weights: those
+   outputs are the next block's inputs (so later blocks calibrate on what they will really see).
+Only the current block sits on the compute device; calibration activations live on `store_device`.
+The model may be a streamed skeleton (quantkit.models.stream): each block is loaded from the source shards
+when its turn comes and released after it is written, so only one block is ever held.
+"""
+import contextlib
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from quantkit.calibration.replay import ReplayedOutputs, free_bytes, to_device
+from quantkit.core.errors import QuantkitError
+from quantkit.core.finite import all_finite
+from quantkit.core.matmul import onednn_linears
+from quantkit.models.arch import Arch, first_tensor, get_submodule, get_weight, set_weight  # noqa: F401 (re-exported)
+
+
+class _StopForward(Exception):
+    pass
+
+
+def _move_except_blocks(model: nn.Module, blocks_path: str, device) -> None:
+    """Move every parameter and buffer outside the decoder blocks (embeddings, rotary, final norm); tensors
+    still on the meta device (a streamed model's, loaded on first use) stay there."""
+    for name, module in model.named_modules():
+        if name == blocks_path or name.startswith(blocks_path + "."):
+            continue
+        move_loaded(module, device, recurse=False)
+
+
+def move_loaded(module: nn.Module, device, recurse=True) -> None:
+    """module.to(device) for a partly meta module (streamed): moves the real tensors in place (tied ones once,
+    ties kept), leaves the meta placeholders."""
+    mods = module.modules() if recurse else [module]
+    for m in mods:
+        for key, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is not None and not t.is_meta and t.device != torch.device(device):
+                t.data = t.data.to(device)
+
+
+def check_activation_memory(model_config, input_ids: torch.Tensor, dtype: torch.dtype, store_device) -> None:
+    """Refuse at once a calibration whose stored activations alone exceed the free memory of `store_device`: a
+    block's inputs and outputs for every sample (2 x tokens x hidden) are held there together, and past the host's
+    available memory the kernel's OOM killer ends the run without a word (its finished blocks kept for --resume)."""
+    hidden, free = getattr(model_config, "hidden_size", None), free_bytes(store_device)
+    if not isinstance(hidden, int) or free == 0:
+        return  # unknown: nothing to say in advance
+    width = torch.finfo(dtype).bits // 8
+    need = 2 * input_ids.numel() * hidden * width
+    if need > free:
+        raise QuantkitError(f"the calibration activations need {need / 2**30:.2f} GiB ({input_ids.shape[0]} x "
+                            f"{input_ids.shape[-1]} tokens x hidden size {hidden} x {width} bytes, a block's inputs "
+                            f"and outputs) but {free / 2**30:.2f} GiB are free: use fewer --nsamples or a shorter "
+                            "--seqlen")
+
+
+def capture_block_inputs(model, arch: Arch, input_ids: torch.Tensor, device, store_device="cpu"):
+    """Inputs of block 0 for each calibration sample: (list of hidden states [1, L, H], kwargs)."""
+    blocks = get_submodule(model, arch.blocks)
+    inputs, kwargs_box = [], {}
+
+    def grab(module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        inputs.append(check_activations(hidden.detach(), "the inputs of block 0").to(store_device))
+        kwargs_box.update({k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")})
+        raise _StopForward
+
+    _move_except_blocks(model, arch.blocks, device)
+    move_loaded(blocks[0], device)  # its weights are not needed (the hook stops before), so a streamed one may be meta
+    handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            for row in input_ids:
+                try:
+                    model(row.unsqueeze(0).to(device), use_cache=False)
+                except _StopForward:
+                    pass
+    finally:
+        handle.remove()
+        move_loaded(blocks[0], "cpu")
+        _move_except_blocks(model, arch.blocks, "cpu")
+    kwargs_box["use_cache"] = False
+    return inputs, kwargs_box
+
+
+@contextmanager
+def input_hooks(block: nn.Module, names, sink: Callable[[str, torch.Tensor], None]):
+    """While active, every call of block.<name> first passes its input to sink(name, x)."""
+    handles = []
+    for name in names:
+        module = block.get_submodule(name)
+        handles.append(module.register_forward_pre_hook(lambda m, args, n=name: sink(n, args[0].detach())))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def _outputs_not_computed(block: nn.Module, names):
+    """While active, the named linears return zeros of their output shape instead of computing it."""
+    modules = [block.get_submodule(n) for n in names]
+    for m in modules:
+        m.forward = lambda x, *args, n_out=get_weight(m).shape[0], **kwargs: x.new_zeros(*x.shape[:-1], n_out)
+    try:
+        yield
+    finally:
+        for m in modules:
+            del m.forward  # the class's forward again
+
+
+class BlockRunner:
+    """Forwards the calibration samples through one block on the compute device."""
+
+    def __init__(self, block, inputs, kwargs, device, store_device="cpu", feeds_only=()):
+        self.block, self.inputs, self.device = block, inputs, device
+        self.kwargs = {k: to_device(v, device) for k, v in kwargs.items()}
+        self.replayed = ReplayedOutputs(block, device, store_device, len(inputs), feeds_only)
+
+    def _samples(self, indices=None):
+        """The inputs (all, or those at `indices`) on the compute device, one at a time (the replayed outputs
+        follow the sample)."""
+        for i in range(len(self.inputs)) if indices is None else indices:
+            self.replayed.sample = i
+            yield self.inputs[i].to(self.device)
+
+    def forward_all(self, keep_outputs=False, store_device="cpu", name="block"):
+        """Outputs (when kept) checked finite: `name` says which block overflowed. The block's final forward: it
+        consumes the replayed outputs."""
+        outs = []
+        with torch.inference_mode(), self.replayed.active(consume=True):
+            for x in self._samples():
+                y = first_tensor(self.block(x, **self.kwargs))
+                if keep_outputs:
+                    outs.append(check_activations(y.detach(), f"the outputs of {name}").to(store_device))
+        return outs
+
+    def observe(self, names, sink: Callable[[str, torch.Tensor, str], None], parallel=False, samples=None) -> None:
+        """Per sample, sink(name, x, source) gets the input x of every named linear, `source` being the first
+        of them that was fed the very same tensor (q/k/v read one normed input: a sink accumulates it once).
+        A sample's forward stops as soon as all of them have been fed: the modules after them (the MLP
+        while observing q/k/v, and the last of the named linears) are never computed. parallel: no named
+        linear's input depends on another's output (a true-sequential stage), so they are not computed at all
+        (zeros stand in for their outputs: gate_proj ran in full before up_proj was reached). samples: the indices
+        of the samples to forward (default all)."""
+        fed = {}  # this sample: name -> its input (held, so no later tensor can reuse the address)
+
+        def hook(name, x):
+            same = (x.data_ptr(), x.shape, x.stride())
+            source = next((n for n, y in fed.items() if (y.data_ptr(), y.shape, y.stride()) == same), name)
+            fed[name] = x
+            last = len(fed) == len(names)
+            self.replayed.fed(name, x, last)
+            sink(name, x, source)
+            if last:
+                raise _StopForward
+
+        skipped = _outputs_not_computed(self.block, names) if parallel else contextlib.nullcontext()
+        with torch.inference_mode(), input_hooks(self.block, names, hook), skipped, self.replayed.active():
+            for x in self._samples(samples):
+                fed.clear()
+                try:
+                    self.block(x, **self.kwargs)
+                except _StopForward:
+                    pass
+        missing = [n for n in names if n not in fed]
+        if missing:
+            raise QuantkitError(f"the block never calls {', '.join(missing)} in its forward: nothing to calibrate "
+                                "it on; skip it in the recipe (modules: ... skip: true)")
+
+    def capture(self, names, samples=None) -> dict[str, torch.Tensor]:
+        """Inputs of the named linears over all samples (or those at `samples`), as [tokens, in] on the compute
+        device."""
+        got = {n: [] for n in names}
+        self.observe(names, lambda n, x, source: got[n].append(x.reshape(-1, x.shape[-1])), samples=samples)
+        return {n: torch.cat(v) for n, v in got.items()}
+
+
+def check_activations(x: torch.Tensor, where: str) -> torch.Tensor:
+    if not all_finite(x):  # runs on every block output of every sample
+        raise QuantkitError(f"calibration activations are NaN/Inf at {where} ({x.dtype}): the model overflows on "
+                            "this data; quantize with --dtype float32, or check the calibration text")
+    return x
+
+
+def run_sequential(model, arch: Arch, input_ids, method, device, true_sequential=True, store_device="cpu"):
+    """Quantize every block of an in-memory model in order; returns {full module name: QuantResult}."""
+    from quantkit.models.stream import InMemoryModel
+
+    results = {}
+    for _, _, block_results in calibrated_blocks(InMemoryModel(model, ""), arch, input_ids, method, device,
+                                                 true_sequential, store_device):
+        results.update(block_results)
+    return results
+
+
+def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequential=True, store_device="cpu",
+                      start=0, replay=None, on_result=None, group=None):
+    """Quantize the blocks of `source` (quantkit.models.stream) in order, yielding (index, block, its results)
+    while the block is still loaded (its norms may carry AWQ's folded scales, to be written).
+
+    `method` provides: prepare_block(runner, block, prefix) (may rescale weights, e.g. AWQ),
+    names(block_prefix, stage) -> the names in the stage it quantizes,
+    observer(full_name, weight) -> object with add_batch(x), and
+    quantize(full_name, observer, module) -> QuantResult.
+    Blocks before `start` (--resume) are not quantized again: replay(i) rebuilds block i as it was written
+    (decoded weights), and it is only forwarded, to produce the next block's inputs.
+    on_result(full_name, result) -> result, if given, sees each layer's result as soon as its quantized weight is
+    in place, and what it returns is kept instead (the writer packs the codes there and keeps a summary, so a
+    block's int32 codes are never all held at once).
+    group (quantkit.calibration.distributed.Group, under torchrun): this process calibrates on its share of the samples, the
+    statistics are summed over the processes and the linears of each stage quantized a share per process.
+    """
+    from quantkit.calibration.distributed import SINGLE
+
+    group = group or SINGLE
+    model = source.model
+    blocks = get_submodule(model, arch.blocks)
+    input_ids = group.split(input_ids)
+    check_activation_memory(model.config, input_ids, source.dtype, store_device)
+    undo = source.load_outside(arch.blocks, device)  # embeddings etc. load on first use
+    try:
+        inputs, kwargs = capture_block_inputs(model, arch, input_ids, device, store_device)
+    finally:
+        undo()
+    stages = arch.sequential if true_sequential else (tuple(n for s in arch.sequential for n in s),)
+    for i in tqdm(range(len(blocks)), desc="blocks", unit="block", disable=not group.is_writer):
+        prefix = f"{arch.blocks}.{i}"
+        block = replay(i) if i < start else source.load(prefix)
+        block.to(device)
+        with onednn_linears(block):  # on a CPU with AVX-512: the block's float32 products at twice BLAS's speed
+            runner = BlockRunner(block, inputs, kwargs, device, store_device, arch.feeds_only)
+            results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, arch.reusable,
+                                                           on_result, group)
+            inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)
+        block.to("cpu")
+        if i >= start:
+            yield i, block, results
+        source.release(prefix)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _quantize_block(runner, block, prefix, method, stages, reusable, on_result, group) -> dict:
+    """Each stage: observe its linears' inputs, quantize them, put the quantized weights in place (under torchrun:
+    statistics summed over the processes, each linear quantized by one of them and sent to all). Around it, what
+    the later passes may replay (quantkit.calibration.replay): a reusable submodule's output linear has its input
+    recorded when its stage is observed after the submodule's other linears, and a submodule whose last linear
+    this stage quantized is final (its tail replayed, its outputs recorded while later stages remain)."""
+    method.prepare_block(runner, block, prefix)
+    results = {}
+    for s, stage in enumerate(stages):
+        for name, tail in _tails_observed_in(reusable, stages, s):
+            runner.replayed.record_tail(name, tail)
+        results.update(_quantize_stage(runner, block, prefix, method, stage, len(stages) > 1, on_result, group))
+        for name, _ in reusable:
+            linears = _stages_of(name, stages)
+            if linears and max(linears.values()) == s:
+                runner.replayed.final(name, record_outputs=s + 1 < len(stages))
+    return results
+
+
+def _stages_of(submodule: str, stages) -> dict[str, int]:
+    """{linear: index of its stage} for the submodule's linears."""
+    return {n: i for i, stage in enumerate(stages) for n in stage if n.startswith(submodule + ".")}
+
+
+def _tails_observed_in(reusable, stages, s: int) -> list:
+    """(submodule, output linear) pairs whose output linear stage s observes after all the submodule's other linears
+    were quantized (so its input is final): stages follow the data flow."""
+    out = []
+    for name, tail in reusable:
+        linears = _stages_of(name, stages)
+        if linears.get(tail) == s and all(i < s for n, i in linears.items() if n != tail):
+            out.append((name, tail))
+    return out
+
+
+def _quantize_stage(runner, block, prefix, method, stage, parallel, on_result, group) -> dict:
+    """parallel: one of several true-sequential stages, whose linears are fed from one point of the block
+    (Arch.sequential), never from each other: they need not be computed while observed."""
+    names = method.names(prefix, stage)
+    if not names:
+        return {}
+    observers = {n: method.observer(f"{prefix}.{n}", get_weight(block.get_submodule(n))) for n in names}
+    _observe_stage(runner, names, observers, parallel)
+    group.reduce_statistics([observers[n] for n in names])
+
+    def quantize_one(n):
+        try:
+            return method.quantize(f"{prefix}.{n}", observers.pop(n), block.get_submodule(n))
+        except QuantkitError as e:
+            raise QuantkitError(f"{prefix}.{n}: {e}") from e
+
+    results = {}
+    for n, res in _stage_results(names, quantize_one, group):
+        set_weight(block.get_submodule(n), res.dequantize())
+        results[f"{prefix}.{n}"] = on_result(f"{prefix}.{n}", res) if on_result else res
+        del res  # its codes, before the next layer's are made
+    return results
+
+
+def _stage_results(names, quantize_one, group):
+    """(name, result) in stage order. One process: each linear quantized when its turn comes (one layer's codes
+    held at a time). Under torchrun: each process first quantizes its own share (at the same time as the others),
+    then every result is sent from its owner to all."""
+    if not group.active:
+        for n in names:
+            yield n, quantize_one(n)
+        return
+    own = {n: quantize_one(n) for j, n in enumerate(names) if group.owner(j) == group.rank}
+    for j, n in enumerate(names):
+        yield n, group.broadcast(own.pop(n, None), group.owner(j))
+
+
+def _observe_stage(runner, names, observers, parallel=False) -> None:
+    """Accumulate each linear's input statistics; linears fed one tensor share the first one's (once)."""
+    shared = {}
+
+    def sink(name, x, source):
+        if source == name:
+            observers[name].add_batch(x)
+        else:
+            shared[name] = source
+
+    runner.observe(names, sink, parallel)
+    for name, source in shared.items():
+        observers[name].share_statistics(observers[source])
+
+
+def data_free_blocks(source, arch: Arch, method, start=0, on_result=None):
+    """RTN-style methods: each block's linears rounded one at a time, yielded, released; no activations.
+    Only one quantized linear's weight is loaded at a time (the block's other tensors stay loaded for the writer);
+    on_result as in calibrated_blocks."""
+    from quantkit.models.arch import block_linears
+
+    blocks = get_submodule(source.model, arch.blocks)
+    for i in tqdm(range(start, len(blocks)), desc=method.config.method, unit="block", initial=start,
+                  total=len(blocks)):
+        prefix = f"{arch.blocks}.{i}"
+        names = [f"{prefix}.{n}" for n in block_linears(arch) if method.config.spec_for(f"{prefix}.{n}") is not None]
+        weights = [f"{n}.weight" for n in names]
+        block = source.load(prefix, skip=weights)
+        results = {}
+        for name, weight in zip(names, weights):
+            source.load_names([weight])
+            res = method.quantize(name, None, source.model.get_submodule(name))
+            source.release_names([weight])
+            results[name] = on_result(name, res) if on_result else res
+            del res  # its codes, before the next layer's are made
+        yield i, block, results
+        source.release(prefix)

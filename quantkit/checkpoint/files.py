@@ -1,0 +1,263 @@
+"""Writing and reading quantized checkpoint folders (safetensors shards + config), atomically.
+
+Folder layout (readable by GPTQ-aware tools; an AutoGPTQ folder whose quantize_config.json is its only
+quantization config, and whose one shard may be named after model_file_base_name, is read too):
+  config.json                 the model config + "quantization_config" (see quantization_config())
+  quantize_config.json        the same quantization_config alone (AutoGPTQ/GPTQModel convention)
+  model.safetensors           or model-0000i-of-0000N.safetensors + model.safetensors.index.json
+                              metadata {"format": "pt"}; quantized linears as GPTQ-layout tensors
+  tokenizer files, generation_config.json
+  quantkit_recipe.yaml        the effective options, to repeat the run (quantkit quantize --recipe)
+  quantkit_report.json        per-layer method, bits, error, damping, time (quantkit inspect shows it)
+Where the folder may be written and how it is staged and renamed into place: quantkit.run.output.
+"""
+import json
+import os
+import re
+from pathlib import Path
+
+import yaml
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from quantkit.checkpoint import codecs, gptq
+from quantkit.core.errors import QuantkitError
+from quantkit.core.folders import INDEX_NAME, SINGLE_NAME
+
+REPORT_NAME = "quantkit_report.json"
+QUANTIZE_CONFIG = "quantize_config.json"
+RECIPE_NAME = "quantkit_recipe.yaml"
+UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def parse_size(text) -> int:
+    """Bytes of a shard size: an int, or a number with a unit (500MB, 4GB, 2GiB)."""
+    if isinstance(text, int):
+        size = text
+    else:
+        m = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", str(text))
+        unit = (m.group(2) or "B").upper() if m else None
+        if not m or unit not in UNITS:
+            raise QuantkitError(f"shard size '{text}' is not understood: use a size like 500MB or 4GB")
+        size = int(float(m.group(1)) * UNITS[unit])
+    if size < 1:
+        raise QuantkitError(f"shard size '{text}' is not a positive size: use a size like 500MB or 4GB")
+    return size
+
+
+def write_tensors(folder: Path, tensors: dict, max_shard_bytes: int) -> None:
+    """safetensors shards of at most max_shard_bytes (a single tensor may exceed it), with an index."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        _save(shards[0], folder / SINGLE_NAME)
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        _save(shard, folder / fname)
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2))
+
+
+def _save(tensors: dict, path: Path) -> None:
+    """save_file, with its I/O failures (e.g. disk full) raised as the OSError they are."""
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as e:
+        save_error(e, path)
+
+
+def save_error(e, path: Path):
+    """Raise a SafetensorError that reports an I/O failure as the OSError it is (ENOSPC says disk full)."""
+    code = re.search(r"os error (\d+)", str(e))
+    if code is None:
+        raise e
+    raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
+
+
+def write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def read_report(folder) -> dict:
+    """The quantkit report a checkpoint folder holds (quantize's or convert's); {} when it has none."""
+    path = Path(folder) / REPORT_NAME
+    return read_json(path) if path.is_file() else {}
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise QuantkitError(f"{path} is not valid JSON ({e}): the file is damaged; restore it or quantize again") from e
+    if not isinstance(data, dict):
+        raise QuantkitError(f"{path} must hold a JSON object: the file is damaged; restore it or quantize again")
+    return data
+
+
+def read_config(folder) -> dict:
+    """config.json of a quantized folder, its quantization_config checked field by field."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise QuantkitError(f"quantized model folder {folder} not found: pass the -o folder of `quantkit quantize`")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise QuantkitError(f"{folder} has no config.json: pass a folder written by `quantkit quantize`")
+    config = read_json(path)
+    qc = config.get("quantization_config") or _autogptq_config(folder)
+    if not qc:
+        raise QuantkitError(f"{folder} has no quantization_config in config.json and no {QUANTIZE_CONFIG}: it is not "
+                            "a quantized checkpoint (evaluate it as a floating-point model, or quantize it first with "
+                            "`quantkit quantize`)")
+    config["quantization_config"] = qc
+    if not isinstance(qc, dict):
+        raise QuantkitError(f"{path} quantization_config must be a JSON object: the checkpoint is damaged")
+    codecs.codec_named(qc, str(path)).check_config(qc, str(path))
+    if qc["quant_method"] == "gptq":
+        _check_recipe_agrees(folder, qc)
+    return config
+
+
+def _autogptq_config(folder: Path):
+    """quantize_config.json of a folder whose config.json has no quantization_config (AutoGPTQ's layout);
+    AutoGPTQ before 0.7 wrote no quant_method, and every such file describes GPTQ tensors."""
+    path = folder / QUANTIZE_CONFIG
+    if not path.is_file():
+        return None
+    qc = read_json(path)
+    return {"quant_method": "gptq", **qc}
+
+
+def has_quantization_config(folder) -> bool:
+    """Whether a folder declares itself quantized (config.json's quantization_config or quantize_config.json)."""
+    folder = Path(folder)
+    cfg = folder / "config.json"
+    return cfg.is_file() and ("quantization_config" in read_json(cfg) or (folder / QUANTIZE_CONFIG).is_file())
+
+
+def _check_recipe_agrees(folder: Path, qc: dict) -> None:
+    """The zero-point convention cannot be read off asymmetric tensors; quantkit's own recipe records it."""
+    recipe = folder / RECIPE_NAME
+    try:
+        written = yaml.safe_load(recipe.read_text()).get("checkpoint_format") if recipe.is_file() else None
+    except (yaml.YAMLError, AttributeError, UnicodeDecodeError):
+        written = None
+    declared = gptq.checkpoint_format(qc)
+    if written is not None and written != declared:
+        raise QuantkitError(f"{folder}/config.json says checkpoint_format {declared!r} but the checkpoint was written "
+                            f"as {written!r} ({RECIPE_NAME}): restore checkpoint_format {written!r} in config.json")
+
+
+def read_checkpoint(folder):
+    """(config, tensors, layers, codec) of a quantized folder, validated as a whole before any model is built."""
+    config = read_config(folder)
+    qc = config["quantization_config"]
+    codec = codecs.codec_named(qc, str(folder))
+    tensors = read_tensors(folder)
+    return config, tensors, codec.read_layers(qc, tensors, str(folder)), codec
+
+
+def shard_files(folder: Path) -> list[Path]:
+    """The safetensors files of a quantized folder; a sharded one's index checked against them (index_map)."""
+    fix = "the checkpoint is damaged, quantize again"
+    others = sorted(folder.glob("*.safetensors"))
+    if (folder / INDEX_NAME).is_file():
+        files = [folder / n for n in sorted(set(index_map(folder, fix).values()))]
+    elif not (folder / SINGLE_NAME).is_file() and len(others) == 1:
+        files = others  # AutoGPTQ names its one shard after model_file_base_name (gptq_model-4bit-128g.safetensors)
+    elif not (folder / SINGLE_NAME).is_file() and len(others) > 1:
+        raise QuantkitError(f"{folder} has {len(others)} safetensors shards ({others[0].name}, ...) but no "
+                            f"{INDEX_NAME}, which says which tensor is where: {fix}")
+    else:
+        files = [folder / SINGLE_NAME]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise QuantkitError(f"{folder} is missing {', '.join(missing)}: the checkpoint is incomplete, quantize again")
+    return files
+
+
+def index_map(folder: Path, fix: str) -> dict:
+    """{tensor: shard file} from a folder's model.safetensors.index.json, checked against the shards' own
+    headers (no tensor data is read): the index is a JSON weight_map of tensor names to file names in the
+    folder, every file it names exists and opens, each tensor is in the file the index names, and no shard
+    holds a tensor the index does not list (a reader would silently miss it). Every problem is a
+    QuantkitError naming the tensor and the files; `fix` says what to do."""
+    index = folder / INDEX_NAME
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise QuantkitError(f"{index} is damaged ({type(e).__name__}: {e}): {fix}") from e
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise QuantkitError(f"{index}: weight_map must map tensor names to shard file names: {fix}")
+    files = sorted(set(weight_map.values()))
+    for f in files:
+        if Path(f).name != f or not f.endswith(".safetensors"):
+            raise QuantkitError(f"{index} names {f!r}, not a .safetensors file in {folder}: {fix}")
+    missing = [f for f in files if not (folder / f).is_file()]
+    if missing:
+        first = next(n for n, f in weight_map.items() if f == missing[0])
+        raise QuantkitError(f"{index} puts {first} (and more) in {missing[0]}, which is missing"
+                            f"{f' (as are {len(missing) - 1} more shards)' if len(missing) > 1 else ''}: {fix}")
+    held = {}
+    for f in files:
+        try:
+            with safe_open(folder / f, framework="pt") as sf:
+                for name in sf.keys():
+                    held.setdefault(name, []).append(f)
+        except (SafetensorError, OSError) as e:
+            raise QuantkitError(f"{folder / f} is truncated or corrupted ({e}): {fix}") from e
+    for name, f in weight_map.items():
+        if name not in held:
+            raise QuantkitError(f"{index} puts tensor {name} in {f}, but no shard holds it: {fix}")
+        if f not in held[name]:
+            raise QuantkitError(f"{index} puts tensor {name} in {f}, but it is in {held[name][0]}: {fix}")
+    for name, where in held.items():
+        if len(where) > 1:
+            raise QuantkitError(f"tensor {name} is in both {where[0]} and {where[1]} of {folder}: {fix}")
+        if name not in weight_map:
+            raise QuantkitError(f"{folder / where[0]} holds tensor {name}, which {INDEX_NAME} does not list: {fix}")
+    return weight_map
+
+
+def tensor_files(folder) -> dict:
+    """{tensor name: the safetensors file holding it} of a quantized folder (headers only)."""
+    out = {}
+    for f in shard_files(Path(folder)):
+        try:
+            with safe_open(f, framework="pt") as sf:
+                out.update({name: f for name in sf.keys()})
+        except (SafetensorError, OSError) as e:
+            raise QuantkitError(f"{f} is truncated or corrupted ({e}): copy it again or quantize again") from e
+    return out
+
+
+def read_tensors(folder, names=None, files=None) -> dict:
+    """The checkpoint's tensors (`names`, default all) on CPU, as memory-mapped views of the files (a page is
+    resident while touched and its view alive); a truncated or corrupted file is a clear error. files: the
+    tensor_files map, when the caller already has it."""
+    files = files if files is not None else tensor_files(folder)
+    by_file = {}
+    for name in (files if names is None else names):
+        by_file.setdefault(files[name], []).append(name)
+    tensors = {}
+    for f, group in by_file.items():
+        try:
+            with safe_open(f, framework="pt") as sf:
+                for name in group:
+                    tensors[name] = sf.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise QuantkitError(f"{f} is truncated or corrupted ({e}): copy it again or quantize again") from e
+    return tensors

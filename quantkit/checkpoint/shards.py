@@ -1,0 +1,168 @@
+"""Streaming checkpoint writer: finished blocks go to small part files, shards are assembled by copying bytes.
+
+Why parts first and shards at the end: a safetensors file starts with a header listing every tensor's offset,
+and the shard names carry the shard count ("-of-00004"), so neither can be written before the last block is
+known. Each finished block is saved at once as `part-NNNNN.safetensors` in the staging folder (that is also
+what --resume reads back); `assemble` then plans the shards over the tensors in the order the in-memory
+writer used (non-quantized tensors in state-dict order, then the packed layers in block order), so a streamed
+checkpoint is byte-identical to one written from a full state dict, and copies each tensor's bytes from its
+part file in chunks: memory stays at one chunk whatever the model size.
+
+The header is written here, not by safetensors, because the file is written piecewise; `header_bytes`
+reproduces safetensors' own serialization (tested byte for byte against save_file for every dtype).
+"""
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from quantkit.core.folders import INDEX_NAME, SINGLE_NAME
+
+PART_PREFIX = "part-"
+RESUME_PREFIX = "resume::"  # tensors kept in a part only to rebuild the block on --resume, never in the checkpoint
+CHUNK = 64 * 2**20
+
+# safetensors' Dtype enum order (safetensors/src/tensor.rs); files list tensors by this order descending, then name.
+_DTYPE_ORDER = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16",
+                "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64"]
+_NAMES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.float16: "F16",
+          torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}
+
+
+def part_name(key: str) -> str:
+    return f"{PART_PREFIX}{key}.safetensors"
+
+
+def save_part(folder: Path, key: str, tensors: dict, info: dict | None = None) -> None:
+    """One finished piece (a block: key "block-00007"), written under a temporary name and renamed, so a part
+    that exists is whole. info (JSON) goes into the file's metadata: the packed layers' order and report."""
+    path = folder / part_name(key)
+    tmp = path.with_suffix(".partial")
+    write_file(tmp, {k: v.detach().cpu() for k, v in tensors.items()},
+               {"format": "pt", "quantkit": json.dumps(info or {})})
+    os.replace(tmp, path)
+
+
+def write_file(path: Path, tensors: dict, metadata: dict) -> None:
+    """A safetensors file, as safetensors' save_file writes it (header_bytes), each tensor's bytes written straight
+    from its memory: save_file would first build the whole file in memory (an embedding's size, again)."""
+    entries = [(n, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()]
+    head, order = header_bytes(entries, metadata)
+    with open(path, "wb") as out:
+        out.write(head)
+        for name, *_ in order:
+            t = tensors[name].contiguous()
+            if t.numel():
+                out.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+
+
+def part_info(folder: Path, key: str) -> dict:
+    with safe_open(folder / part_name(key), framework="pt") as f:
+        return json.loads((f.metadata() or {}).get("quantkit", "{}"))
+
+
+def part_keys(folder: Path) -> list[str]:
+    return sorted(p.name[len(PART_PREFIX):-len(".safetensors")] for p in folder.glob(f"{PART_PREFIX}*.safetensors"))
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+    """(offset of the data, {name: {"dtype", "shape", "data_offsets"}}) of a safetensors file."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+def header_bytes(entries: list[tuple[str, str, list]], metadata: dict) -> tuple[bytes, list]:
+    """(8-byte length + JSON header padded to 8 bytes, entries in file order) as safetensors writes them."""
+    order = sorted(entries, key=lambda e: (-_DTYPE_ORDER.index(e[1]), e[0]))
+    head, offset = {"__metadata__": metadata}, 0
+    for name, dtype, shape, nbytes in order:
+        head[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, order
+
+
+class Parts:
+    """Where each checkpoint tensor sits in the part files: name -> (file, data offset, dtype, shape, nbytes)."""
+
+    def __init__(self, folder: Path):
+        self.where = {}
+        for key in part_keys(folder):
+            path = folder / part_name(key)
+            base, header = read_header(path)
+            for name, info in header.items():
+                if name.startswith(RESUME_PREFIX):
+                    continue
+                start, end = info["data_offsets"]
+                self.where[name] = (path, base + start, info["dtype"], info["shape"], end - start)
+
+    def nbytes(self, name: str) -> int:
+        return self.where[name][4]
+
+
+def assemble(folder: Path, order: list[str], max_shard_bytes: int) -> None:
+    """The checkpoint's shards (and index) from the part files, tensors planned in `order`. The parts stay
+    (a run killed while copying can be resumed): delete them with delete_parts."""
+    parts = Parts(folder)
+    missing = [n for n in order if n not in parts.where]
+    if missing:
+        raise RuntimeError(f"part files lack {missing[:3]}: the streamed run is inconsistent")
+    shards, current, size = [], [], 0
+    for name in order:  # the same plan as checkpoint.write_tensors
+        nbytes = parts.nbytes(name)
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        _copy_shard(folder / SINGLE_NAME, shards[0], parts)
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            _copy_shard(folder / fname, shard, parts)
+            for name in shard:
+                weight_map[name] = fname
+                total += parts.nbytes(name)
+        (folder / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                    indent=2))
+
+
+def delete_parts(folder: Path) -> None:
+    for key in part_keys(folder):
+        (folder / part_name(key)).unlink()
+
+
+def _copy_shard(path: Path, names: list[str], parts: Parts) -> None:
+    entries = [(n, parts.where[n][2], parts.where[n][3], parts.where[n][4]) for n in names]
+    head, order = header_bytes(entries, {"format": "pt"})
+    with open(path, "wb") as out:
+        out.write(head)
+        for name, *_ in order:
+            src, offset, _, _, nbytes = parts.where[name]
+            with open(src, "rb") as f:
+                f.seek(offset)
+                while nbytes:
+                    chunk = f.read(min(CHUNK, nbytes))
+                    out.write(chunk)
+                    nbytes -= len(chunk)
+
+
+def read_part(folder: Path, key: str, prefix: str = "") -> dict:
+    """The tensors of one part whose names start with `prefix` (all: checkpoint and resume tensors)."""
+    with safe_open(folder / part_name(key), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _NAMES[dtype]
+

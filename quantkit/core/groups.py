@@ -1,0 +1,37 @@
+"""Group arithmetic shared by every layer: which input columns share parameters, and how units fit in groups.
+
+group_size -1 means one group per row; otherwise groups are group_size consecutive input columns, the last
+one shorter when group_size does not divide the input width (SmolLM2's 576 at group size 128).
+"""
+import torch
+
+from quantkit.core.errors import QuantkitError
+
+
+def group_width(cols: int, group_size: int) -> int:
+    """Columns per group; group_size -1 means one group per row. The last group may be shorter."""
+    return cols if group_size == -1 else group_size
+
+
+def n_groups(cols: int, group_size: int) -> int:
+    return -(-cols // group_width(cols, group_size))
+
+
+def group_index(cols: int, group_size: int) -> torch.Tensor:
+    """g_idx: the group of each input column (i // group_size), int32."""
+    return (torch.arange(cols) // group_width(cols, group_size)).to(torch.int32)
+
+
+def check_shape(quantizer, cols: int, group_size: int) -> None:
+    """Units never straddle a group or the end of the row."""
+    w = quantizer.width
+    size = group_width(cols, group_size)
+    if cols % w or size % w:
+        raise QuantkitError(f"the {quantizer.name} quantizer rounds {w} columns at a time: it needs the input width "
+                            f"({cols}) and the group size ({size}) to be multiples of {w}")
+
+
+def per_column(params: dict, g_idx: torch.Tensor) -> dict:
+    """Group parameters [rows, groups] gathered to [rows, cols] by g_idx."""
+    g = g_idx.long().to(next(iter(params.values())).device)
+    return {k: v[:, g] for k, v in params.items()}

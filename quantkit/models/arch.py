@@ -1,0 +1,235 @@
+"""Architecture knowledge as data: one small entry per model family, no subclass per model.
+
+For each `config.model_type`:
+  blocks      dotted path from the CausalLM to the ModuleList of decoder blocks
+  sequential  the block's linears in true-sequential order, as stages: a stage's linears read the same
+              input, and a later stage reads outputs of an earlier one (q/k/v, then o, then gate/up, ...)
+  scale_groups (AWQ) each (prev_op, linears): the op whose output feeds exactly those linears, into which
+              1/s is folded. prev_op is a norm (weight, bias) or a linear whose output dim equals the
+              linears' input dim with only a positively homogeneous op between (v->o, up->down,
+              fc1->ReLU->fc2). A group whose shapes don't allow folding (v->o under GQA) is skipped at
+              run time.
+  norm_offset Gemma-style RMSNorm computes x * (1 + weight); folding must respect it.
+  reusable    (submodule, its output linear) pairs whose work the calibration loop does not repeat
+              (quantkit.calibration.replay): the output linear's input, recorded once the submodule's other linears are
+              quantized, and the submodule's output, once all are; the attention (o_proj) and the MLP (down_proj)
+  feeds_only  (module, reusable submodule) pairs: the module's output is read by that submodule alone (the norm
+              before the attention, the one before the MLP), so while the submodule is replayed it is not run
+              either. Not for post-LN or parallel blocks (OPT-350m, phi), whose norms feed the residual or both.
+  fused       each (serving name, linears): linears that vLLM loads into one fused layer of that name
+              (q/k/v -> qkv_proj, gate/up -> gate_up_proj), so they must share one quantization setting;
+              recipe overrides apply to the whole group and the GPTQ `dynamic` map names both spellings.
+An unknown family still quantizes with RTN/GPTQ (blocks found by shape, all linears in one stage);
+AWQ needs an entry and says what is missing.
+"""
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from quantkit.core.errors import QuantkitError
+
+
+@dataclass(frozen=True)
+class Arch:
+    """blocks: path of the decoder blocks' ModuleList. sequential: the true-sequential stages, in order; the
+    linears of one stage are fed from one point of the block, never from one another's outputs (the
+    calibration loop relies on it: it does not compute a stage's own linears while observing them).
+    scale_groups: (previous op, the linears it feeds) pairs AWQ can scale; norm_offset: Gemma's 1 + weight
+    norms; reusable: (submodule, output linear) pairs replayed once final (the attention, the MLP: nothing
+    downstream of a later stage may feed them); feeds_only: (module, reusable submodule) pairs, the module's
+    output read by the submodule alone; fused: the groups a server fuses into one layer (one setting each)."""
+    blocks: str
+    sequential: tuple[tuple[str, ...], ...]
+    scale_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    norm_offset: float = 0.0
+    reusable: tuple[tuple[str, str], ...] = ()
+    feeds_only: tuple[tuple[str, str], ...] = ()
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+# vLLM's packed_modules_mapping (vllm/model_executor/models/llama.py, LlamaForCausalLM; the Llama-style families share it)
+_LLAMA_FUSED = (("self_attn.qkv_proj", _QKV), ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
+
+_LLAMA = Arch(
+    blocks="model.layers",
+    sequential=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+                ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)),
+    scale_groups=(("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                  ("self_attn.v_proj", ("self_attn.o_proj",)),
+                  ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+                  ("mlp.up_proj", ("mlp.down_proj",))),
+    reusable=(("self_attn", "self_attn.o_proj"), ("mlp", "mlp.down_proj")),
+    feeds_only=(("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp")),
+    fused=_LLAMA_FUSED,
+)
+
+ARCHS: dict[str, Arch] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": _LLAMA,
+    "gemma": replace(_LLAMA, norm_offset=1.0),
+    "opt": Arch(
+        blocks="model.decoder.layers",
+        sequential=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.out_proj",),
+                    ("fc1",), ("fc2",)),
+        scale_groups=(("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                      ("self_attn.v_proj", ("self_attn.out_proj",)),
+                      ("final_layer_norm", ("fc1",)),
+                      ("fc1", ("fc2",))),  # ReLU between: relu(x/s) = relu(x)/s for s > 0
+        reusable=(("self_attn", "self_attn.out_proj"),),  # fc1/fc2 sit in the block itself
+    ),
+    "gpt_neox": Arch(
+        blocks="gpt_neox.layers",
+        sequential=(("attention.query_key_value",), ("attention.dense",), ("mlp.dense_h_to_4h",),
+                    ("mlp.dense_4h_to_h",)),
+        scale_groups=(("input_layernorm", ("attention.query_key_value",)),
+                      ("post_attention_layernorm", ("mlp.dense_h_to_4h",))),
+        reusable=(("attention", "attention.dense"), ("mlp", "mlp.dense_4h_to_h")),
+        feeds_only=(("input_layernorm", "attention"), ("post_attention_layernorm", "mlp")),  # also parallel residual
+    ),
+    "gpt2": Arch(
+        blocks="transformer.h",
+        sequential=(("attn.c_attn",), ("attn.c_proj",), ("mlp.c_fc",), ("mlp.c_proj",)),
+        scale_groups=(("ln_1", ("attn.c_attn",)), ("ln_2", ("mlp.c_fc",))),
+        reusable=(("attn", "attn.c_proj"), ("mlp", "mlp.c_proj")),
+        feeds_only=(("ln_1", "attn"), ("ln_2", "mlp")),
+    ),
+    "phi": Arch(
+        blocks="model.layers",
+        sequential=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.fc1"),
+                    ("self_attn.dense", "mlp.fc2")),
+        # parallel block: one norm feeds attention and MLP
+        scale_groups=(("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.fc1")),
+                      ("self_attn.v_proj", ("self_attn.dense",))),
+        reusable=(("self_attn", "self_attn.dense"), ("mlp", "mlp.fc2")),
+    ),
+    "phi3": Arch(
+        blocks="model.layers",
+        sequential=(("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
+        scale_groups=(("input_layernorm", ("self_attn.qkv_proj",)),
+                      ("post_attention_layernorm", ("mlp.gate_up_proj",))),
+        reusable=(("self_attn", "self_attn.o_proj"), ("mlp", "mlp.down_proj")),
+        feeds_only=(("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp")),
+    ),
+}
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's Conv1D: a linear layer whose weight is stored [in, out]."""
+    return type(module).__name__ == "Conv1D"
+
+
+def get_weight(module: nn.Module) -> torch.Tensor:
+    """Weight as [out, in] (GPT-2's Conv1D stores [in, out])."""
+    w = module.weight.data
+    return w.t() if is_conv1d(module) else w
+
+
+def set_weight(module: nn.Module, w: torch.Tensor) -> None:
+    w = w.t() if is_conv1d(module) else w
+    module.weight.data.copy_(w.to(module.weight.dtype))
+
+
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear or GPT-2's Conv1D."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def first_tensor(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def get_submodule(root: nn.Module, path: str) -> nn.Module:
+    try:
+        return root.get_submodule(path)
+    except AttributeError as e:
+        raise QuantkitError(f"model has no module '{path}' ({e}): its architecture table entry is wrong") from e
+
+
+def find_blocks_path(model: nn.Module) -> str:
+    """The longest ModuleList whose entries hold linears: the decoder blocks of an unknown family."""
+    best, best_len = None, 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > best_len:
+            if any(is_linear(m) for m in mod[0].modules()):
+                best, best_len = name, len(mod)
+    if best is None:
+        raise QuantkitError("could not find the decoder blocks of this model: add its family to quantkit/models/arch.py")
+    return best
+
+
+def arch_for(model: nn.Module) -> Arch:
+    model_type = getattr(model.config, "model_type", None)
+    if model_type in ARCHS:
+        return ARCHS[model_type]
+    blocks = get_submodule(model, find_blocks_path(model))
+    linears = tuple(n for n, m in blocks[0].named_modules() if is_linear(m))
+    return Arch(blocks=find_blocks_path(model), sequential=(linears,))
+
+
+def require_scale_groups(arch: Arch, model_type: str = "this model family") -> None:
+    if not arch.scale_groups:
+        raise QuantkitError(
+            f"AWQ has no scale-group table for model_type '{model_type}': add which norm or linear "
+            "feeds which linears to ARCHS in quantkit/models/arch.py, or use --method gptq/rtn")
+
+
+def block_linears(arch: Arch) -> list[str]:
+    return [name for stage in arch.sequential for name in stage]
+
+
+def fused_groups(arch: Arch, names) -> dict[str, tuple[str, ...]]:
+    """{full serving name: full names of its linears} for every fused group among `names`
+    ("model.layers.0.self_attn.qkv_proj" -> (".q_proj", ".k_proj", ".v_proj" of that block))."""
+    present, groups = set(names), {}
+    for name in names:
+        for fused, members in arch.fused:
+            if name.endswith("." + members[0]):
+                prefix = name[: -len(members[0])]
+                full = tuple(prefix + m for m in members)
+                if all(m in present for m in full):
+                    groups[prefix + fused] = full
+    return groups
+
+
+def fused_siblings(arch: Arch, names) -> dict[str, tuple[str, ...]]:
+    """{full linear name: the other linears of its fused group}."""
+    out = {}
+    for members in fused_groups(arch, names).values():
+        for m in members:
+            out[m] = tuple(x for x in members if x != m)
+    return out
+
+
+# config.json fields that bound the positions a model was built for: a learned position table (GPT-2, OPT) has no
+# row past them, and a RoPE model was never trained there. transformers maps most families onto the first.
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def context_length(model_config) -> int | None:
+    """The longest window the model takes: its config's context field, times a RoPE scaling factor where one is
+    declared (Llama 3.1 and Qwen's yarn store the scaled length, a linear or dynamic scaling the original one:
+    the larger reading is taken). None when the config names no context."""
+    limit = next((int(v) for f in CONTEXT_FIELDS if isinstance(v := getattr(model_config, f, None), int)), None)
+    if limit is None:
+        return None
+    params = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    per_layer_type = [p for p in params.values() if isinstance(p, dict)] if isinstance(params, dict) else []
+    for p in per_layer_type or [params]:
+        kind = p.get("rope_type", p.get("type", "default")) if isinstance(p, dict) else "default"
+        if kind != "default" and isinstance(p.get("factor"), (int, float)):
+            limit = max(limit, int(p.get("original_max_position_embeddings", limit) * p["factor"]))
+    return limit
+
+
+def check_window(model_config, length: int, what: str, fix=lambda limit: f"use --seqlen {limit} or less") -> None:
+    """Refuse `length` tokens past the model's context (`what` names them, e.g. '--seqlen 4096'; fix(limit) says
+    what to do instead): past it a learned position table fails with an index error and a RoPE model computes
+    activations it never saw."""
+    limit = context_length(model_config)
+    if limit is not None and length > limit:
+        raise QuantkitError(f"{what} is longer than the model's context of {limit} tokens (its config.json's "
+                            f"max_position_embeddings or equivalent): {fix(limit)}")

@@ -1,0 +1,155 @@
+"""Loading the floating-point source model and tokenizer from a hub id or a local folder."""
+import os
+from pathlib import Path
+
+import torch
+
+from quantkit.core.errors import QuantkitError, first_line
+from quantkit.core.finite import all_finite
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(name):
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise QuantkitError(f"unknown dtype '{name}': use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> the GPU when there is one, else the CPU. What the code runs on is the CPU and CUDA GPUs (the
+    kernels are Triton's for CUDA): any other device, a CUDA device without a GPU or past the last one is a user
+    error, named before anything loads."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
+        raise QuantkitError(f"--device {device} is not supported: use cpu, cuda, cuda:N (N = 0, 1, ...) or auto")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise QuantkitError(f"--device {device} was asked for but no CUDA GPU is visible: use --device cpu or auto")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        raise QuantkitError(f"--device {device} was asked for but this machine has {torch.cuda.device_count()} "
+                            f"GPU(s): use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
+def looks_local(source: str) -> bool:
+    """A path-like MODEL argument is never sent to the hub (no surprise downloads)."""
+    return os.path.exists(source) or source.startswith((".", "/", "~")) or source.count("/") > 1
+
+
+def stored_dtype(model, trust_remote_code=False) -> torch.dtype:
+    """The dtype the source checkpoint declares (what dtype="auto" gives), fp32 when unknown."""
+    from transformers import AutoConfig
+
+    declared = getattr(AutoConfig.from_pretrained(model.name_or_path, trust_remote_code=trust_remote_code), "dtype", None)
+    return declared if isinstance(declared, torch.dtype) else torch.float32
+
+
+def load_fp_model(source: str, dtype="auto", trust_remote_code=False):
+    """(model, tokenizer) in eval mode on CPU, checked complete and finite. Errors name the problem and the fix.
+
+    Weights are read from safetensors only (pickle .bin files can run code when loaded); a model's own Python
+    code (auto_map in config.json) runs only with trust_remote_code=True (`--trust-remote-code`)."""
+    from safetensors import SafetensorError
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = str(source)
+    if looks_local(source):
+        check_local_folder(source)
+        check_safetensors(source)
+    remote = {"trust_remote_code": trust_remote_code}
+    try:
+        config = AutoConfig.from_pretrained(source, **remote)
+        refuse_quantized(source, config)
+        model, info = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=parse_dtype(dtype),
+                                                           output_loading_info=True, use_safetensors=True, **remote)
+    except SafetensorError as e:
+        raise QuantkitError(f"a safetensors file of model '{source}' is truncated or corrupted ({e}): "
+                            "download or copy the model again") from e
+    except (OSError, ValueError) as e:
+        raise load_error(source, e) from e
+    _check_complete(source, info)
+    check_finite(model, f"model '{source}'")
+    model.eval()
+    return model, load_tokenizer(source, trust_remote_code)
+
+
+def load_tokenizer(source, trust_remote_code=False):
+    """The model's tokenizer; a folder without usable tokenizer files is a user error that says so."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):
+            raise load_error(str(source), e) from e
+        raise QuantkitError(f"no tokenizer could be loaded from '{source}' ({first_line(e)}): the folder needs its "
+                            "model's tokenizer files (tokenizer.json or tokenizer.model, and tokenizer_config.json); "
+                            "copy them from where the model came from") from e
+
+
+def check_local_folder(source: str) -> None:
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        raise QuantkitError(f"model path {source} not found: pass an existing model folder or a hub id like org/name")
+    if not (path / "config.json").is_file():
+        raise QuantkitError(f"{source} has no config.json: pass a Hugging Face model folder (save_pretrained output)")
+
+
+def load_error(source: str, e: Exception) -> QuantkitError:
+    """What transformers' failure to load `source` means for the user."""
+    if "trust_remote_code" in str(e):
+        return QuantkitError(f"model '{source}' ships its own Python code (auto_map in its config.json), which "
+                             "quantkit runs only when asked: pass --trust-remote-code if you trust that code")
+    return QuantkitError(f"could not load model '{source}' ({first_line(e)}): check the id or path, "
+                         "or download the model and pass its folder")
+
+
+def check_safetensors(source: str) -> None:
+    """A local folder whose weights are only pickle files is refused (loading them can run arbitrary code)."""
+    path = Path(source).expanduser()
+    if any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for ext in ("*.bin", "*.pt", "*.pth", "*.ckpt") for p in path.glob(ext))
+    if pickles:
+        raise QuantkitError(f"model {source} has only pickle weights ({pickles[0]}), which can run code when loaded; "
+                            "quantkit reads safetensors only: convert it once where you trust the file "
+                            "(from_pretrained(...).save_pretrained(folder, safe_serialization=True)) and pass that folder")
+
+
+def refuse_quantized(source, config) -> None:
+    qc = getattr(config, "quantization_config", None)
+    if qc:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "?")
+        raise QuantkitError(f"model '{source}' is already quantized (quant_method {method}): pass its "
+                            "floating-point source to quantize, or `quantkit eval perplexity` to evaluate it")
+
+
+def _check_complete(source, info: dict) -> None:
+    """transformers fills missing tensors with random values: that must never be quantized or evaluated."""
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if any(k.endswith((".qweight", ".codes")) for k in unexpected):
+        raise QuantkitError(f"model '{source}' holds packed quantized tensors ({unexpected[0]}) but its config.json "
+                            "has no quantization_config: restore it (quantize_config.json holds a copy) or quantize "
+                            "the floating-point model again")
+    problems = [(k, "missing") for k in sorted(info.get("missing_keys") or ())]
+    problems += [(k[0] if isinstance(k, tuple) else k, "has the wrong shape")
+                 for k in sorted(info.get("mismatched_keys") or ())]
+    if problems:
+        name, what = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise QuantkitError(f"model '{source}' is incomplete: tensor {name} {what}{more}; transformers would fill "
+                            "it with random values. Download or copy the model again")
+
+
+def check_finite(model, what: str) -> None:
+    """Every parameter finite: one Inf weight turns every logit of a quantized model into NaN."""
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not all_finite(p):
+            bad = int((~torch.isfinite(p)).sum())
+            raise QuantkitError(f"{what}: tensor {name} has {bad} NaN/Inf value(s) of {p.numel()}: the weights are "
+                                "damaged (or overflowed when cast to a half type: try --dtype float32); fix the model first")

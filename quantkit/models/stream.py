@@ -1,0 +1,266 @@
+"""The fp source model without holding it: a meta-device skeleton whose tensors come from the safetensors shards.
+
+StreamedModel.load(prefix) reads the tensors under a module path (a decoder block) straight from the shards,
+casting them to the compute dtype; release(prefix) turns them back into meta tensors. Each read opens the
+shard with safe_open and closes it again: a memory-mapped file whose pages were touched counts in the
+process's resident memory for as long as it stays mapped, so keeping every shard open would grow RSS to the
+model's size. Modules outside the decoder blocks (embeddings, rotary, final norm, lm_head) load themselves on
+their first forward call (a pre-hook): capturing block 0's inputs touches only what runs before block 0.
+
+Sources that cannot be streamed (no safetensors, tensor names transformers would rename, hub ids) fall back
+to loading the whole model (quantkit.models.hub) behind the same interface: the old memory, the same result.
+"""
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.checkpoint import files as checkpoint
+from quantkit.core.errors import QuantkitError
+from quantkit.core.finite import all_finite
+from quantkit.core.folders import INDEX_NAME, SINGLE_NAME
+from quantkit.models import hub as loader
+
+
+class StreamedModel:
+    """model: the skeleton (parameters on meta); names: checkpoint tensor names in state-dict order, tied
+    duplicates dropped (what the in-memory writer kept)."""
+
+    def __init__(self, folder: Path, config, compute_dtype, files: dict, source_name: str, trust_remote_code=False):
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        self.folder, self.files, self.source_name, self.dtype = folder, files, source_name, compute_dtype
+        with init_empty_weights(include_buffers=False):
+            self.model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype, trust_remote_code=trust_remote_code)
+        self.model.tie_weights()
+        self.model.eval()
+        if (folder / "generation_config.json").is_file():  # what from_pretrained would have read
+            from transformers import GenerationConfig
+
+            self.model.generation_config = GenerationConfig.from_pretrained(folder)
+        self.names = _distinct_state_names(self.model)
+
+    def read(self, names, dtype=None) -> dict:
+        """{name: tensor} from the shards (one open per shard, closed again), checked finite."""
+        from safetensors import SafetensorError, safe_open
+
+        by_file, out = {}, {}
+        for n in names:
+            by_file.setdefault(self.files[n], []).append(n)
+        for fname, group in by_file.items():
+            try:
+                with safe_open(self.folder / fname, framework="pt") as f:
+                    for n in group:
+                        out[n] = f.get_tensor(n)
+            except (SafetensorError, OSError) as e:
+                raise QuantkitError(f"a safetensors file of model '{self.source_name}' is truncated or corrupted "
+                                    f"({fname}: {e}): download or copy the model again") from e
+        for n, t in out.items():
+            if t.is_floating_point() and not all_finite(t):
+                bad = int((~torch.isfinite(t)).sum())
+                raise QuantkitError(f"model '{self.source_name}': tensor {n} has {bad} NaN/Inf value(s) of {t.numel()}: "
+                                    "the weights are damaged (or overflowed when cast to a half type: try --dtype "
+                                    "float32); fix the model first")
+            if dtype is not None and t.is_floating_point():
+                out[n] = t.to(dtype)
+        return out
+
+    def check_shapes(self) -> None:
+        """Every tensor's shape in the shards (headers only) against the skeleton config.json builds."""
+        from safetensors import SafetensorError, safe_open
+
+        by_file = {}
+        for n in self.names:
+            by_file.setdefault(self.files[n], []).append(n)
+        for fname, group in by_file.items():
+            try:
+                with safe_open(self.folder / fname, framework="pt") as f:
+                    shapes = {n: list(f.get_slice(n).get_shape()) for n in group}
+            except (SafetensorError, OSError) as e:
+                raise QuantkitError(f"a safetensors file of model '{self.source_name}' is truncated or corrupted "
+                                    f"({fname}: {e}): download or copy the model again") from e
+            for n, shape in shapes.items():
+                want = list(_get(self.model, n).shape)
+                if shape != want:
+                    raise QuantkitError(f"model '{self.source_name}': tensor {n} is {shape} in {fname}, but "
+                                        f"config.json makes it {want}: the weights and config.json disagree; download "
+                                        "or copy the model again")
+
+    def under(self, prefix: str) -> list[str]:
+        return [n for n in self.names if n.startswith(prefix + ".")]
+
+    def load(self, prefix: str, skip=()) -> nn.Module:
+        """The module at `prefix` with its tensors real (but those named in `skip`), in the compute dtype."""
+        self.load_names([n for n in self.under(prefix) if n not in set(skip)])
+        return self.model.get_submodule(prefix)
+
+    def load_names(self, names) -> None:
+        for name, t in self.read(names, self.dtype).items():
+            _assign(self.model, name, t)
+
+    def release(self, prefix: str) -> None:
+        self.release_names(self.under(prefix))
+
+    def release_names(self, names) -> None:
+        for name in names:
+            t = _get(self.model, name)
+            _assign(self.model, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+
+    def load_outside(self, blocks_path: str, device="cpu"):
+        """Pre-hooks that load each module outside the blocks on first use; returns a function undoing all."""
+        handles, loaded = [], []
+        for mod_name, module in self.model.named_modules():
+            own = [n for n in self.names if n.rpartition(".")[0] == mod_name]
+            if not own or mod_name == blocks_path or mod_name.startswith(blocks_path + "."):
+                continue
+
+            def hook(m, args, own=own):
+                for name, t in self.read([n for n in own if _get(self.model, n).is_meta], self.dtype).items():
+                    _assign(self.model, name, t.to(device))
+                    loaded.append(name)
+            handles.append(module.register_forward_pre_hook(hook))
+
+        def undo():
+            for h in handles:
+                h.remove()
+            for name in loaded:
+                t = _get(self.model, name)
+                _assign(self.model, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+        return undo
+
+
+class InMemoryModel(StreamedModel):
+    """The whole model loaded (sources that cannot be streamed): load/release are no-ops."""
+
+    def __init__(self, model, source_name: str):
+        from quantkit.core.folders import drop_shared
+
+        self.model, self.source_name, self.dtype = model, source_name, model.dtype
+        self.names = list(drop_shared(model.state_dict()))
+        self._state = model.state_dict()
+
+    def read(self, names, dtype=None) -> dict:
+        return {n: self._state[n].to(dtype) if dtype is not None and self._state[n].is_floating_point()
+                else self._state[n] for n in names}
+
+    def load(self, prefix, skip=()):
+        return self.model.get_submodule(prefix)
+
+    def load_names(self, names):
+        pass
+
+    def release(self, prefix):
+        pass
+
+    def release_names(self, names):
+        pass
+
+    def load_outside(self, blocks_path, device="cpu"):
+        return lambda: None
+
+
+def return_freed_memory() -> None:
+    """Hand the heap pages freed by the last block back to the OS: glibc keeps them otherwise, and the resident
+    memory creeps up by fragments of every block. A no-op without glibc."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
+
+
+def _distinct_state_names(model) -> list[str]:
+    seen, names = set(), []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            names.append(name)
+    return names
+
+
+def _get(model, name):
+    mod, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(mod), leaf)
+
+
+def _assign(model, name, t):
+    mod, _, leaf = name.rpartition(".")
+    module = model.get_submodule(mod)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+    else:
+        module._buffers[leaf] = t
+
+
+def _shard_map(folder: Path) -> dict | None:
+    """{tensor name: shard file} of a safetensors folder, None when it has no safetensors."""
+    from safetensors import SafetensorError, safe_open
+
+    fix = "download or copy the model again"
+    if (folder / INDEX_NAME).is_file():
+        return checkpoint.index_map(folder, fix)
+    shards = sorted(folder.glob("*.safetensors"))
+    if not (folder / SINGLE_NAME).is_file() and len(shards) > 1:
+        raise QuantkitError(f"model '{folder}' has {len(shards)} safetensors shards ({shards[0].name}, ...) but no "
+                            f"{INDEX_NAME}, which says which tensor is where: {fix}")
+    if (folder / SINGLE_NAME).is_file():
+        try:
+            with safe_open(folder / SINGLE_NAME, framework="pt") as f:
+                return {k: SINGLE_NAME for k in f.keys()}
+        except (SafetensorError, OSError) as e:
+            raise QuantkitError(f"a safetensors file of model '{folder}' is truncated or corrupted ({e}): "
+                                "download or copy the model again") from e
+    return None
+
+
+def compute_dtype_for(config, dtype):
+    """What from_pretrained(dtype=...) would give: the named dtype, or the config's for 'auto' (fp32 unknown)."""
+    parsed = loader.parse_dtype(dtype)
+    if parsed != "auto":
+        return parsed
+    declared = getattr(config, "dtype", None)
+    return declared if isinstance(declared, torch.dtype) else torch.float32
+
+
+def open_model(source: str, dtype="auto", trust_remote_code=False):
+    """(StreamedModel or InMemoryModel, tokenizer, stored dtype) for a quantization run (or a streamed
+    evaluation). trust_remote_code: run the model's own code (config.json auto_map); off unless asked."""
+    from transformers import AutoConfig
+
+    source = str(source)
+    folder = Path(source).expanduser()
+    if loader.looks_local(source):
+        loader.check_local_folder(source)
+        files = _shard_map(folder)
+        if files is not None:
+            try:
+                config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+            except (OSError, ValueError) as e:
+                raise loader.load_error(source, e) from e
+            loader.refuse_quantized(source, config)
+            declared = _declared(config)  # before from_config, which sets config.dtype to the compute dtype
+            model = StreamedModel(folder, config, compute_dtype_for(config, dtype), files, source, trust_remote_code)
+            if all(n in files for n in model.names):  # else renamed or missing tensors: transformers decides
+                model.check_shapes()
+                return model, loader.load_tokenizer(folder, trust_remote_code), declared
+    fp_model, tokenizer = loader.load_fp_model(source, dtype, trust_remote_code)  # a bad id fails here, note unsaid
+    print(f"note: {source} was loaded whole: it is not a local safetensors folder, which is read block by block",
+          file=sys.stderr)
+    return InMemoryModel(fp_model, source), tokenizer, loader.stored_dtype(fp_model, trust_remote_code)
+
+
+def _declared(config):
+    declared = getattr(config, "dtype", None)
+    return declared if isinstance(declared, torch.dtype) else torch.float32

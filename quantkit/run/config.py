@@ -1,0 +1,220 @@
+"""QuantConfig: every option of a quantization run, validated once; recipes load into it.
+
+A recipe is a YAML or TOML file whose keys mirror the CLI options (dashes or underscores) plus a
+`modules` list of per-module overrides, applied in order to each quantizable module's full name:
+
+    method: gptq
+    bits: 4
+    group_size: 128
+    modules:
+      - pattern: 'model\\.layers\\.0\\.mlp\\.down_proj'   # regex, re.search on the full name
+        bits: 8
+      - pattern: 'self_attn\\.o_proj'
+        skip: true                                       # leave this one in floating point
+
+An override that matches one linear of a fused group (q/k/v, gate/up: quantkit.models.arch `fused`) applies to
+the whole group, because vLLM runs the group as one layer with one setting; `split_fused: true` limits it to
+the linears it matches (a checkpoint vLLM refuses; the compat report says so).
+"""
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from quantkit.checkpoint.gptq import WRITE_FORMATS
+from quantkit.core.errors import QuantkitError
+from quantkit.schemes.base import quantizer_for, quantizer_names
+from quantkit.schemes.grid import check_bits, check_group_size, is_int
+
+METHODS = ("rtn", "gptq", "awq", "awq+gptq", "turboquant", "turboquant+gptq", "e8", "e8+gptq")
+DATA_FREE = ("rtn", "turboquant", "e8")
+ROTATIONS = ("none", "hadamard")
+# What a method implies when --quantizer / --rotate are not given: TurboQuant and E8 are a Hadamard rotation
+# followed by their own codebook ("name+gptq": the same inside GPTQ's error feedback).
+METHOD_DEFAULTS = {f"{name}{gptq}": {"quantizer": name, "rotate": "hadamard"}
+                   for name in ("turboquant", "e8") for gptq in ("", "+gptq")}
+PLAIN_DEFAULTS = {"quantizer": "int", "rotate": "none"}
+OVERRIDE_TYPES = {"pattern": str, "bits": int, "group_size": int, "sym": bool, "skip": bool, "split_fused": bool}
+COMPAT_TARGETS = ("none", "any", "vllm", "transformers", "gptqmodel")
+_TYPE_WORDS = {bool: "true or false, without quotes", int: "a whole number, without quotes",
+               float: "a number, without quotes", str: "a string (in quotes)", list: "a list of '- pattern: ...' items"}
+
+
+def check_type(value, expected, key: str, where: str = "recipe"):
+    """`value` as `expected` (an int is fine for a float), or a QuantkitError: a quoted 'false' is no boolean."""
+    if expected is float and is_int(value):
+        return float(value)
+    if not (is_int(value) if expected is int else isinstance(value, expected)):
+        raise QuantkitError(f"{where} {key} must be {_TYPE_WORDS[expected]}; got {value!r} ({type(value).__name__})")
+    return value
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """How one module is quantized after overrides."""
+    bits: int
+    group_size: int
+    sym: bool
+
+    quantizer_name: str = "int"
+
+    def quantizer(self):
+        return quantizer_for(self.quantizer_name, self.bits, self.sym, self.group_size)
+
+
+@dataclass
+class QuantConfig:
+    method: str = "rtn"
+    quantizer: Optional[str] = None  # None: the method's (int; turboquant or e8 for those methods)
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    dataset: str = "wikitext2"
+    nsamples: int = 128
+    seqlen: int = 512
+    seed: int = 0
+    damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = True
+    true_sequential: bool = True
+    awq_grid: int = 20
+    awq_clip: bool = True
+    checkpoint_format: str = "gptq"
+    rotate: Optional[str] = None     # None: the method's (none; hadamard for the turboquant and e8 methods)
+    max_shard_size: str = "4GB"
+    compat: str = "none"             # reader(s) whose refusal is an error before any work; none: warnings only
+    modules: list = field(default_factory=list)
+
+    def __post_init__(self):
+        if isinstance(self.dataset, os.PathLike):
+            self.dataset = str(self.dataset)
+        if self.method not in METHODS:
+            raise QuantkitError(f"unknown method {self.method!r}: choose one of {', '.join(METHODS)}")
+        for key, value in METHOD_DEFAULTS.get(self.method, PLAIN_DEFAULTS).items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        for f in dataclasses.fields(self):
+            if f.name == "max_shard_size" and is_int(self.max_shard_size):
+                continue  # a byte count is as good as "4GB"
+            expected = {"modules": list, "quantizer": str, "rotate": str}.get(f.name, f.type)
+            setattr(self, f.name, check_type(getattr(self, f.name), expected, f.name, "option"))
+        check_group_size(self.group_size)
+        for name in ("nsamples", "seqlen", "block_size", "awq_grid"):
+            if getattr(self, name) < 1:
+                raise QuantkitError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        if not 0 < self.damp <= 1:
+            raise QuantkitError(f"--damp {self.damp} is out of range: use a fraction in (0, 1], e.g. 0.01")
+        if self.quantizer not in quantizer_names():
+            raise QuantkitError(f"unknown quantizer '{self.quantizer}': choose one of {', '.join(quantizer_names())}")
+        implied = METHOD_DEFAULTS.get(self.method, {}).get("quantizer")
+        if implied and self.quantizer != implied:
+            raise QuantkitError(f"--method {self.method} rounds with the {implied} quantizer, not {self.quantizer}: "
+                                f"drop --quantizer (or use --method {'gptq' if self.method.endswith('gptq') else 'rtn'} "
+                                f"--quantizer {self.quantizer})")
+        if self.rotate not in ROTATIONS:
+            raise QuantkitError(f"unknown rotation '{self.rotate}': use {' or '.join(ROTATIONS)}")
+        if self.rotate != "none" and "awq" in self.method:
+            raise QuantkitError(f"--rotate {self.rotate} does not work with --method {self.method}: AWQ's "
+                                "scales are searched in the unrotated basis")
+        if self.compat not in COMPAT_TARGETS:
+            raise QuantkitError(f"unknown --compat '{self.compat}': use one of {', '.join(COMPAT_TARGETS)}")
+        if self.checkpoint_format not in WRITE_FORMATS:
+            raise QuantkitError(f"unknown checkpoint format '{self.checkpoint_format}': use one of "
+                                f"{', '.join(WRITE_FORMATS)}")
+        self.modules = [self._check_override(o, i) for i, o in enumerate(self.modules)]
+        self._check_quantizers()
+
+    def _check_quantizers(self) -> None:
+        """Build the quantizer of the run's settings and of each override, so bad bits fail before any work."""
+        base = {"bits": self.bits, "group_size": self.group_size, "sym": self.sym}
+        for where, override in [("", {})] + [(f"recipe modules[{i}]", o) for i, o in enumerate(self.modules)]:
+            settings = {**base, **{k: override[k] for k in base if k in override}}
+            if self.quantizer == "int":
+                check_bits(settings["bits"], f"{where} bits" if where else "--bits")
+            try:
+                LayerSpec(**settings, quantizer_name=self.quantizer).quantizer()
+            except QuantkitError as e:
+                raise QuantkitError(f"{where}: {e}" if where else str(e)) from e
+
+    @staticmethod
+    def _check_override(o, i) -> dict:
+        where = f"recipe modules[{i}]"
+        if not isinstance(o, dict) or "pattern" not in o:
+            raise QuantkitError(f"{where} needs a 'pattern' (regex on module names) and settings such as bits: 8 or skip: true")
+        unknown = set(o) - set(OVERRIDE_TYPES)
+        if unknown:
+            raise QuantkitError(f"{where} has unknown keys {sorted(unknown)}: allowed are {sorted(OVERRIDE_TYPES)}")
+        for key, value in o.items():
+            check_type(value, OVERRIDE_TYPES[key], key, where)
+        try:
+            re.compile(o["pattern"])
+        except re.error as e:
+            raise QuantkitError(f"{where} pattern {o['pattern']!r} is not a valid regex: {e}") from e
+        if "group_size" in o:
+            check_group_size(o["group_size"], f"{where} group_size")
+        return dict(o)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method not in DATA_FREE
+
+    def bind_fused_groups(self, siblings: dict) -> None:
+        """{full linear name: the other linears of its fused group} (quantkit.models.arch.fused_siblings), so that
+        spec_for applies an override to whole groups. Not a field: it describes the model, not the run."""
+        self._siblings = dict(siblings)
+
+    def _matches(self, o: dict, name: str) -> bool:
+        names = (name,) if o.get("split_fused") else (name, *getattr(self, "_siblings", {}).get(name, ()))
+        return any(re.search(o["pattern"], n) for n in names)
+
+    def spec_for(self, name: str) -> Optional[LayerSpec]:
+        """The settings for module `name`, or None when an override skips it."""
+        spec = {"bits": self.bits, "group_size": self.group_size, "sym": self.sym}
+        for o in self.modules:
+            if self._matches(o, name):
+                if o.get("skip"):
+                    return None
+                spec.update({k: o[k] for k in ("bits", "group_size", "sym") if k in o})
+        return LayerSpec(**spec, quantizer_name=self.quantizer)
+
+    def unmatched_overrides(self, names) -> list[str]:
+        """The recipe's overrides whose pattern matches none of `names` (a misspelled pattern changes nothing)."""
+        return [f"recipe modules[{i}] pattern {o['pattern']!r}" for i, o in enumerate(self.modules)
+                if not any(self._matches(o, n) for n in names)]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def read_recipe(path) -> dict:
+    """Recipe file -> dict of QuantConfig fields (keys normalised to underscores)."""
+    path = Path(path)
+    if not path.is_file():
+        raise QuantkitError(f"recipe file {path} not found: pass an existing .yaml/.yml/.toml file")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            raw = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            raw = yaml.safe_load(text) or {}
+        else:
+            raise QuantkitError(f"recipe {path} has an unknown extension: use .yaml, .yml or .toml")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
+        raise QuantkitError(f"recipe {path} is not valid {path.suffix[1:].upper()}: {e}") from e
+    if not isinstance(raw, dict):
+        raise QuantkitError(f"recipe {path} must be a mapping of option names to values")
+    data = {k.replace("-", "_"): v for k, v in raw.items()}
+    known = {f.name for f in dataclasses.fields(QuantConfig)}
+    unknown = set(data) - known
+    if unknown:
+        raise QuantkitError(f"recipe {path} has unknown keys {sorted(unknown)}: allowed are {sorted(known)}")
+    return data
+
+
+def write_recipe(config: QuantConfig, path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -1,0 +1,118 @@
+"""load_quantized: a quantized checkpoint folder -> a transformers model with quantized linear modules.
+
+config.json -> the codec of its quant_method checks config and tensors (quantkit.checkpoint.codecs) ->
+model skeleton with parameters on the meta device (buffers such as rotary tables are real) -> each
+quantized layer becomes the module its codec builds (QuantLinear for the GPTQ layout) -> tensors are
+assigned (no full-precision copy of quantized weights is ever made) -> tied weights re-tied.
+"""
+from pathlib import Path
+
+import torch
+
+from quantkit.checkpoint import files as checkpoint
+from quantkit.core.errors import QuantkitError
+from quantkit.models.arch import arch_for, get_weight
+from quantkit.models.hub import parse_dtype, resolve_device
+
+
+def _device(device_map):
+    if device_map is None:
+        return "cpu"
+    if device_map == "balanced":
+        return resolve_device("cuda")
+    if isinstance(device_map, (str, torch.device)):
+        return resolve_device(str(device_map))
+    raise QuantkitError(f"device_map {device_map!r} is not supported: use None, 'auto', 'balanced', 'cpu' or a "
+                        "device like 'cuda:0'")
+
+
+def _default_dtype(config_dtype, device):
+    """fp32 on CPU (fast and exact there); on GPU the checkpoint's half type, fp16 otherwise."""
+    if device == "cpu":
+        return torch.float32
+    return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
+def _skeleton(folder, dtype, qc):
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise QuantkitError(f"{folder}/config.json does not describe a model transformers knows ({e}): "
+                            "restore it from the source model") from e
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # keep transformers from looking for a GPTQ backend
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.config.quantization_config = qc
+    return model, qc
+
+
+def _swap_quantized(model, layers, codec, qc, dtype):
+    for layer in layers:
+        name = layer.name
+        try:
+            module = model.get_submodule(name)
+        except AttributeError as e:
+            raise QuantkitError(f"checkpoint layer {name} does not exist in the model built from config.json") from e
+        n, k = get_weight(module).shape   # also meta tensors: only the shape is read
+        if (layer.in_features, layer.out_features) != (k, n):
+            raise QuantkitError(f"checkpoint layer {name} is {layer.in_features}->{layer.out_features} but the model "
+                                f"built from config.json has a {k}->{n} linear there: the checkpoint and its config disagree")
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, codec.build_module(layer, qc, dtype))
+
+
+def load_quantized(path, device_map=None, dtype=None, stream=False):
+    """Load a quantkit/GPTQ-layout checkpoint folder as a transformers model in eval mode.
+
+    device_map: None or "cpu" (CPU), "auto" (the GPU when there is one; the decoder blocks spread over all
+        visible GPUs when the model does not fit on one, quantkit.models.placement), "balanced" (spread over all
+        GPUs in any case) or a device string such as "cuda:1".
+    dtype: activation/float-parameter dtype; default fp32 on CPU, fp16/bf16 on GPU.
+    stream: keep the decoder blocks (and an untied lm_head) in the files and read each one when its forward
+        runs (quantkit.models.offload): memory ≈ the embedding + one block, for checkpoints larger than
+        memory; every forward reads the blocks again, so it is slower (fine for evaluation, slow for generate).
+    """
+    from quantkit.calibration.sequential import move_loaded
+    from quantkit.models import offload, placement
+
+    folder = Path(path)
+    device = _device(device_map)  # before the files are read: a mistyped device is named at once
+    config, tensors, layers, codec = checkpoint.read_checkpoint(folder)
+    dtype = parse_dtype(dtype) or _default_dtype(parse_dtype(config.get("dtype") or config.get("torch_dtype")), device)
+    qc = config["quantization_config"]  # config.json's, or an AutoGPTQ folder's quantize_config.json
+    model, qc = _skeleton(folder, dtype, qc)
+    blocks_path = arch_for(model).blocks  # before the swap: an unknown family's blocks are found by their linears
+    _swap_quantized(model, layers, codec, qc, dtype)
+    units = []
+    if stream:
+        files = checkpoint.tensor_files(folder)
+        units = offload.stream_model(model, blocks_path, lambda names: checkpoint.read_tensors(folder, names, files),
+                                     set(files), device)
+        tensors = {n: t for n, t in tensors.items() if not offload.under(n, units)}  # their views (pages) go
+    buffers = dict(model.named_buffers())
+    for name, t in tensors.items():  # float tensors take the activation dtype, unless the module keeps its own
+        if t.is_floating_point() and not (name in buffers and buffers[name].dtype != dtype):
+            tensors[name] = t.to(dtype)
+    try:
+        result = model.load_state_dict(tensors, strict=False, assign=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[-1].strip()
+        raise QuantkitError(f"the tensors of {folder} do not fit the model its config.json describes ({first}): "
+                            "the checkpoint is damaged, quantize again") from e
+    if result.unexpected_keys:
+        raise QuantkitError(f"checkpoint has tensors the model does not: {result.unexpected_keys[:5]}")
+    model.tie_weights()
+    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
+               if p.device.type == "meta" and not offload.under(n, units)]
+    if missing:
+        raise QuantkitError(f"checkpoint is missing tensors {missing[:5]}: it is incomplete, quantize again")
+    if stream:
+        move_loaded(model, device)
+        return model.eval()
+    if device_map in ("auto", "balanced") and device == "cuda":
+        return placement.place_on_gpus(model.eval(), blocks_path, always=device_map == "balanced")
+    return model.to(device).eval()

@@ -1,0 +1,71 @@
+"""What quantize refuses or warns about before any work: which linears it quantizes, each one's shape against its
+quantizer, and the readers that would refuse the checkpoint (quantkit.checkpoint.compat)."""
+import re
+import sys
+
+from quantkit.checkpoint import codecs, compat
+from quantkit.core.errors import QuantkitError
+from quantkit.core.groups import check_shape
+from quantkit.models.arch import block_linears, fused_groups, get_submodule, get_weight, is_linear
+
+
+def quantizable_linears(model, arch) -> list[str]:
+    """Full names of the linears inside the decoder blocks (embeddings and lm_head are left alone)."""
+    blocks = get_submodule(model, arch.blocks)
+    names = []
+    for i, block in enumerate(blocks):
+        for rel in block_linears(arch):
+            module = get_submodule(block, rel)
+            if not is_linear(module):
+                raise QuantkitError(f"{arch.blocks}.{i}.{rel} is a {type(module).__name__}, not a linear layer")
+            names.append(f"{arch.blocks}.{i}.{rel}")
+    return names
+
+
+def check_compat(config, arch, names, specs, shapes) -> list[str]:
+    """Before any calibration (specs and shapes from layer_specs): each layer's shape against its quantizer (an
+    error), then the readers that would refuse the checkpoint (quantkit.checkpoint.compat):
+    a QuantkitError for the --compat target, a warning line on stderr for each other reader."""
+    _check_units(specs, shapes)
+    codecs.precheck(config, specs, shapes)
+    found = compat.enforce(compat.check(config, specs, shapes, fused_groups(arch, names)), config.compat)
+    for line in found:
+        print(f"warning: {line}", file=sys.stderr)
+    return found
+
+
+def layer_specs(model, names, config) -> tuple[dict, dict]:
+    """({name: its LayerSpec, None when skipped}, {name: (in_features, out_features)}): what the pre-checks read."""
+    specs = {n: config.spec_for(n) for n in names}
+    shapes = {n: tuple(reversed(get_weight(model.get_submodule(n)).shape)) for n in names}
+    return specs, shapes
+
+
+def unit_misfits(specs: dict, shapes: dict) -> dict:
+    """{name: reason} of the layers whose inputs do not split into their quantizer's units (E8 rounds 8 columns at
+    a time); specs and shapes from layer_specs."""
+    refused = {}
+    for name, spec in specs.items():
+        if spec is None:
+            continue
+        try:
+            check_shape(spec.quantizer(), shapes[name][0], spec.group_size)
+        except QuantkitError as e:
+            refused[name] = e
+    return refused
+
+
+def skip_override(names) -> dict:
+    """The recipe override that keeps these layers, and their namesakes in every block, in floating point."""
+    leaves = {re.sub(r"^.*?\.\d+\.", "", n) for n in names}  # after the block index: mlp.down_proj, fc2
+    return {"pattern": "(" + "|".join(re.escape(leaf) for leaf in sorted(leaves)) + ")$", "skip": True}
+
+
+def _check_units(specs: dict, shapes: dict) -> None:
+    """unit_misfits checked before any work; the error names the layers and the override that skips them."""
+    refused = unit_misfits(specs, shapes)
+    if refused:
+        first, reason = next(iter(refused.items()))
+        more = f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""
+        raise QuantkitError(f"{first}{more}: {reason}. Keep such layers in floating point with a recipe override "
+                            f"(modules: - pattern: '{skip_override(refused)['pattern']}' skip: true)")

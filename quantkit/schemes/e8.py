@@ -1,0 +1,170 @@
+"""The E8 lattice: nearest points (Conway–Sloane) and the box-truncated E8 codebook at exactly b bits per weight.
+
+E8 = D8 ∪ (D8 + ½·1), D8 = {z ∈ Z⁸ : Σz even}. The nearest point of D8 to y (Conway & Sloane, "Fast
+quantizing and decoding algorithms for lattice quantizers", 1982): round every coordinate; when the sum is
+odd, re-round the one coordinate whose rounding cost least (largest |y_i − round(y_i)|) the other way. For
+E8, the closer of the nearest points of D8 and of D8 + ½. Both are exact and vectorised over [..., 8].
+
+A codebook needs finitely many points. The box-truncated E8 at b bits keeps, in each coset c ∈ {0, 1},
+the points whose coordinates are lo + k + c/2 + offset with k ∈ {0, …, 2^b − 1} (lo = −2^(b−1)) and Σk even:
+2 · 2^(8b − 1) = 2^(8b) points, exactly b bits per weight. The code of an 8-vector is its eight k with the
+lowest bit of the last one replaced by the coset bit: that bit is implied by the parity (Σk even), so
+nothing is lost and every column keeps a b-bit code (quantkit.schemes.base's one code per column).
+Nearest point within the box is exact too: per coordinate the nearest level in range, and when the parity
+is wrong the cheapest single change to a neighbouring level in range (changing one coordinate by ±1 is
+the only way to flip the parity that can be optimal, since every change costs ≥ 0).
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.core.errors import QuantkitError
+from quantkit.schemes.grid import is_int
+from quantkit.schemes.scales import OneScalePerGroup
+
+
+def nearest_d8(y: torch.Tensor) -> torch.Tensor:
+    """The nearest point of D8 to each 8-vector of y [..., 8] (Conway–Sloane)."""
+    f = torch.round(y)
+    odd = (f.sum(dim=-1) % 2) != 0
+    err = y - f
+    worst = err.abs().argmax(dim=-1, keepdim=True)
+    step = torch.where(err.gather(-1, worst) >= 0, 1.0, -1.0).to(y.dtype)  # toward y
+    fixed = f.scatter_add(-1, worst, step)
+    return torch.where(odd[..., None], fixed, f)
+
+
+def nearest_e8(y: torch.Tensor) -> torch.Tensor:
+    """The nearest point of E8 = D8 ∪ (D8 + ½) to each 8-vector of y [..., 8]."""
+    a = nearest_d8(y)
+    b = nearest_d8(y - 0.5) + 0.5
+    closer_a = ((y - a) ** 2).sum(-1, keepdim=True) <= ((y - b) ** 2).sum(-1, keepdim=True)
+    return torch.where(closer_a, a, b)
+
+
+def box_levels(bits: int, offset: float) -> torch.Tensor:
+    """Values of one coordinate in coset 0 (coset 1 adds ½): lo + k + offset, k = 0 .. 2^bits − 1."""
+    return torch.arange(1 << bits, dtype=torch.float64) - 2 ** (bits - 1) + offset
+
+
+def nearest_box_coset(y: torch.Tensor, bits: int, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, squared error) of the nearest point of one box-truncated coset to y [..., 8].
+
+    The coset's coordinates are lo + k + shift (k in 0 .. 2^bits − 1) with Σk even. Per coordinate the
+    nearest level k (residual r = t − k) and the neighbour k + dir: toward t (dir = sign r, extra cost
+    1 − 2|r|), or away from it where the box ends (extra cost 1 + 2|r|); both are 1 − 2·dir·r."""
+    top = (1 << bits) - 1
+    t = y - (shift - 2 ** (bits - 1))                  # the coordinate in units of k
+    k = torch.round(t).clamp_(0, top)
+    r = t - k
+    dir = torch.where(r >= 0, 1.0, -1.0).to(y.dtype)
+    blocked = torch.where(dir > 0, k == top, k == 0)
+    dir = torch.where(blocked, -dir, dir)
+    extra, i = (1 - 2 * dir * r).min(dim=-1, keepdim=True)
+    odd = (k.sum(dim=-1, keepdim=True) % 2) != 0
+    k = k.scatter_add(-1, i, dir.gather(-1, i) * odd)
+    err = (r * r).sum(dim=-1) + (extra * odd).squeeze(-1)
+    return k, err
+
+
+def nearest_box(y: torch.Tensor, bits: int, offset: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k [..., 8] int64, coset [...] int64, squared error [...]) of the nearest box-truncated E8 point to y [..., 8]."""
+    k0, e0 = nearest_box_coset(y, bits, offset)
+    k1, e1 = nearest_box_coset(y, bits, offset + 0.5)
+    second = e1 < e0
+    return torch.where(second[..., None], k1, k0).long(), second.long(), torch.minimum(e0, e1)
+
+
+RELAXED_EXTRA_BITS = math.log2(1.5) / 8  # per weight: the relaxed set has 1.5 x 2^(8b) points
+
+
+def nearest_relaxed(y: torch.Tensor, bits: int, offset: float) -> torch.Tensor:
+    """The seed's "relaxed parity" variant, for measurement: the integer coset keeps Σk even, the half-integer
+    coset drops the parity rule (all of (Z + ½)⁸ in the box). 2^(8b-1) + 2^(8b) points: b + RELAXED_EXTRA_BITS
+    bits per weight at an exact (entropy-coded) rate. Returns the nearest point [..., 8] (float64)."""
+    k0, e0 = nearest_box_coset(y, bits, offset)
+    t = y - (offset + 0.5 - 2 ** (bits - 1))
+    k1 = torch.round(t).clamp_(0, (1 << bits) - 1)
+    e1 = ((t - k1) ** 2).sum(dim=-1)
+    second = (e1 < e0)[..., None]
+    point0 = box_point(k0, torch.zeros_like(e0, dtype=torch.long), bits, offset)
+    point1 = box_point(k1, torch.ones_like(e0, dtype=torch.long), bits, offset)
+    return torch.where(second, point1, point0)
+
+
+def box_point(k: torch.Tensor, coset: torch.Tensor, bits: int, offset: float) -> torch.Tensor:
+    """The lattice point of codes k [..., 8] in coset [...]: lo + k + offset + coset / 2."""
+    return k.to(torch.float64) - 2 ** (bits - 1) + offset + 0.5 * coset[..., None].to(torch.float64)
+
+
+def pack_codes(k: torch.Tensor, coset: torch.Tensor) -> torch.Tensor:
+    """One b-bit code per coordinate: k, with the last coordinate's lowest bit (implied by Σk even) replaced
+    by the coset bit."""
+    return torch.cat([k[..., :7], (k[..., 7:] & ~1) | coset[..., None]], dim=-1)
+
+
+def unpack_codes(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of pack_codes: (k [..., 8], coset [...])."""
+    codes = codes.long()
+    coset = codes[..., 7] & 1
+    high = codes[..., 7] & ~1
+    low = (codes[..., :7].sum(-1) + high) & 1      # the bit that makes Σk even
+    return torch.cat([codes[..., :7], (high | low)[..., None]], dim=-1), coset
+
+
+# Block rms over the scale at which the box fits a unit Gaussian best (the median optimum measured on unit
+# Gaussian blocks of 128 with offset ¼); the scale search then looks ±30 % around it.
+NATURAL_SPREAD = {1: 0.625, 2: 1.0, 3: 1.7, 4: 3.0}
+
+
+@dataclass(frozen=True)
+class E8Box(OneScalePerGroup):
+    """The box-truncated E8 lattice as a quantizer: 8 columns at a time, one fp16 scale per row and group,
+    w_hat = scale * point. `offset` shifts the lattice: with ¼ the two cosets' boxes are mirror images of each
+    other (the codebook is symmetric under negation), and it measured lower MSE than 0 at 1–4 bits."""
+    bits: int
+    offset: float = 0.25
+
+    name = "e8"
+    width = 8
+    spread_by_bits = NATURAL_SPREAD
+
+    def __post_init__(self):
+        if not is_int(self.bits) or self.bits not in NATURAL_SPREAD:
+            raise QuantkitError(f"e8 bits {self.bits!r} is not supported: choose one of "
+                                f"{', '.join(map(str, NATURAL_SPREAD))}")
+        if not isinstance(self.offset, (int, float)) or isinstance(self.offset, bool) or not math.isfinite(self.offset):
+            raise QuantkitError(f"e8 offset must be a number, got {self.offset!r}")
+
+    @classmethod
+    def from_spec(cls, bits: int, sym: bool, group_size: int) -> "E8Box":
+        if group_size != -1 and group_size % 8:
+            raise QuantkitError(f"e8 rounds 8 weights at a time: --group-size must be a multiple of 8, got {group_size}")
+        return cls(bits)
+
+    def settings(self) -> dict:
+        return {"bits": self.bits, "offset": self.offset}
+
+    @property
+    def kernel_decode(self) -> dict:
+        """How the dequant-GEMM decodes codes (quantkit.kernels.codebook): as lattice points with this offset."""
+        return {"lattice_offset": self.offset}
+
+    def round(self, w: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, dequantized) of w [rows, 8 k] with per-row scales [rows]."""
+        s = params["scale"][:, None].to(w.dtype)
+        y = (w / s).reshape(w.shape[0], -1, 8)
+        k, coset, _ = nearest_box(y, self.bits, self.offset)
+        point = box_point(k, coset, self.bits, self.offset).to(w.dtype).reshape(w.shape)
+        return pack_codes(k, coset).reshape(w.shape), s * point
+
+    def squared_error(self, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """Per row, ||w - round(w)||² at scales s [rows], without building codes (the scale search's inner step)."""
+        y = (w / s[:, None]).reshape(w.shape[0], -1, 8)
+        return nearest_box(y, self.bits, self.offset)[2].sum(dim=1) * s * s
+
+    def dequantize(self, codes: torch.Tensor, params: dict) -> torch.Tensor:
+        rows, cols = codes.shape
+        k, coset = unpack_codes(codes.reshape(rows, cols // 8, 8))
+        return params["scale"].float() * box_point(k, coset, self.bits, self.offset).float().reshape(rows, cols)
