@@ -12,7 +12,7 @@ the share of the worst row.
     python scripts/layer_error.py ~/.cache/quantkit-assets/smollm2-135m model.layers.28.mlp.down_proj \\
         --calib ../shared/assets/text/wikitext2_tok_valid.txt --nsamples 32 --bits 3 --group-size 128
 
-docs/QUALITY.md ("The 2x is one weight") has what it showed on SmolLM2.
+docs/notes/quality-log.md ("The 2x is one weight") has what it showed on SmolLM2.
 """
 import argparse
 

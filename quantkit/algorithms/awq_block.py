@@ -100,7 +100,7 @@ def search_samples(inputs) -> list[int]:
 
     The searches' errors always came from SEARCH_TOKENS tokens; mean|x| now comes from the same samples instead of
     all of them, so the fp forward that captures their inputs (a third of AWQ's time with 64 x 512 samples) runs on
-    those samples only. On SmolLM2 the change is within what the calibration draw itself moves (docs/QUALITY.md,
+    those samples only. On SmolLM2 the change is within what the calibration draw itself moves (docs/notes/quality-log.md,
     "AWQ's search samples")."""
     n = len(inputs)
     k = min(n, -(-SEARCH_TOKENS // max(1, inputs[0].shape[:-1].numel())))

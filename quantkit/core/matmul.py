@@ -3,7 +3,7 @@
 torch's CPU wheel multiplies float32 matrices with MKL, which runs its AVX2 kernels on AMD processors; oneDNN, also
 inside the wheel, picks its kernels by the instruction set and uses AVX-512. On an AMD EPYC Zen 5 (2 cores,
 torch 2.13) a calibration-sized product ([512, 576] x [576, 1536]) runs at 470-480 GFLOP/s through oneDNN against
-200-220 through MKL, and the Hessian bands of GPTQ 1.6-1.9x faster (docs/QUALITY.md, "oneDNN for the calibration
+200-220 through MKL, and the Hessian bands of GPTQ 1.6-1.9x faster (docs/notes/quality-log.md, "oneDNN for the calibration
 products"). So calibration's float32 products on a CPU with AVX-512 go through oneDNN: the block linears
 (`onednn_linears`), GPTQ's Hessian (`addmm_nt_`), the fidelity report and AWQ's search (`linear`); so do evaluation's
 (the model's linears in `quantkit.eval.model_logits`) and every CPU forward of a loaded quantized layer (its decoded
