@@ -5,6 +5,7 @@ layer loaded on cuda:1 while cuda:0 is current fails ("cannot be accessed from T
 memory. Every launch in quantkit.kernels runs under on_device(x) of its activations.
 """
 import contextlib
+import importlib.util
 
 import torch
 
@@ -15,3 +16,8 @@ def on_device(t: torch.Tensor):
     if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
+
+
+def triton_available() -> bool:
+    """Whether triton is installed, without importing it (the interpreter must be chosen before the first import)."""
+    return importlib.util.find_spec("triton") is not None

@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from quantkit.kernels.device import triton_available
 from quantkit.kernels.reference import gptq_linear_torch, linear_dequantized
 
 BACKENDS = ("auto", "triton", "torch")
@@ -41,15 +42,7 @@ PATHS = ("auto", "fused", "prefill")
 PREFILL_MIN_M = 256   # Triton backend: M >= this decodes to a transient fp16/bf16 weight + cuBLAS
 
 
-def _triton_available():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _choose_backend(x, bits, backend):
+def choose_backend(x, bits, backend):
     backend = backend or os.environ.get("QUANTKIT_BACKEND", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -58,7 +51,7 @@ def _choose_backend(x, bits, backend):
     if backend != "auto":
         return backend
     fits = x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-    return "triton" if fits and _triton_available() else "torch"
+    return "triton" if fits and triton_available() else "torch"
 
 
 def choose_path(m, path=None):
@@ -78,9 +71,9 @@ def gptq_linear(x, qweight, qzeros, scales, g_idx, bits, in_features, bias=None,
     `path` ("auto", "fused", "prefill") applies to the Triton backend only; see the module docstring."""
     if path is not None and path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    if _choose_backend(x, bits, backend) == "torch":
+    if choose_backend(x, bits, backend) == "torch":
         return gptq_linear_torch(x, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
-    from quantkit.kernels.triton_gptq_ops import _check, gptq_matmul
+    from quantkit.kernels.triton_gptq_ops import check_layer, gptq_matmul
 
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"x must be [..., in_features={in_features}], got {tuple(x.shape)}")
@@ -90,7 +83,7 @@ def gptq_linear(x, qweight, qzeros, scales, g_idx, bits, in_features, bias=None,
     if choose_path(x2.shape[0], path) == "fused":
         y = gptq_matmul(x2, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
     else:
-        _check(x2, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
+        check_layer(x2, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
         y = _prefill(x2, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 

@@ -1,14 +1,13 @@
 """Pure-torch reference for the GPTQ-layout dequant-GEMM (also the CPU forward path)."""
 import torch
 
-from quantkit.checkpoint import gptq
-from quantkit.core import matmul
+from quantkit.core import gptq_layout, matmul
 
 
 def dequantize_weight(qweight, qzeros, scales, g_idx, bits, in_features, zero_offset=1, dtype=None):
     """W^T [in_features, out_features] decoded from packed tensors (exactly, in float32) and rounded
     once to `dtype` (default: scales')."""
-    w = gptq.decode(qweight, qzeros, scales, g_idx, bits, in_features, zero_offset)
+    w = gptq_layout.decode(qweight, qzeros, scales, g_idx, bits, in_features, zero_offset)
     return w.to(dtype or scales.dtype)
 
 

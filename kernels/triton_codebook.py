@@ -13,7 +13,7 @@ import triton.language as tl
 
 from quantkit.core import bitpack
 from quantkit.kernels.device import on_device
-from quantkit.kernels.triton_decode import _packed_codes
+from quantkit.kernels.triton_decode import packed_codes
 
 TABLE, LATTICE, E8P = 0, 1, 2  # the DECODE variants of _decode
 
@@ -82,7 +82,7 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, K
         x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         mask = k_mask[:, None] & n_mask[None, :]
-        q = _packed_codes(c_ptr + offs_n[None, :], offs_k[:, None], N, mask, KW, BITS)
+        q = packed_codes(c_ptr + offs_n[None, :], offs_k[:, None], N, mask, KW, BITS)
         g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
         s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
         w = (_decode(q, cb_ptr, mask, OFFSET, RATIO, BITS, DECODE, BLOCK_K, BLOCK_N) * s.to(tl.float32)).to(x.dtype)
@@ -96,32 +96,29 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, K
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def codebook_matmul(x, codes, scales, g_idx, codebook, bits, bias=None, lattice_offset=None, e8p_ratio=None):
+VARIANTS = {"table": TABLE, "lattice": LATTICE, "e8p": E8P}
+
+
+def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
     """x [M, K] (fp16/bf16/fp32, contiguous) @ Ŵᵀ -> [M, N] in x's dtype; ValueError on a malformed layer.
-    lattice_offset: decode E8 box points with this offset instead of looking codes up in `codebook`.
-    e8p_ratio: decode E8P points (codebook: the int32 tables of quantkit.schemes.e8p; the residual / e8p_ratio)."""
+    decode: the quantizer's KernelDecode (quantkit.schemes.base); table: kernels.codebook.decode_table(decode)."""
     m, k = x.shape
     n = scales.shape[1]
     kw = bitpack.packed_len(k, bits)
     if tuple(codes.shape) != (kw, n) or codes.dtype != torch.int32:
         raise ValueError(f"codes must be int32 [{kw}, {n}] for K={k} at {bits} bits, got {codes.dtype} {tuple(codes.shape)}")
-    decode = E8P if e8p_ratio is not None else LATTICE if lattice_offset is not None else TABLE
-    if decode != TABLE and k % 8:
+    variant = VARIANTS[decode.variant]
+    if variant != TABLE and k % 8:
         raise ValueError(f"E8 layers need K to be a multiple of 8, got {k}")
-    if decode == LATTICE:
-        codebook = scales.new_zeros(1, dtype=torch.float32)  # unused by the lattice decode
-    elif decode == E8P:
-        from quantkit.schemes.e8p import table_len
-
-        if codebook.numel() != table_len(bits) or bits not in (2, 3, 4):
-            raise ValueError(f"a {bits}-bit E8P layer needs {table_len(bits)} int32 table entries, got "
-                             f"{codebook.numel()}")
-        codebook = codebook.to(torch.int32).contiguous()
-    if tuple(g_idx.shape) != (k,) or (decode == TABLE and codebook.numel() != 1 << bits):
+    e8p_words = 512 if bits == 3 else 256  # _decode reads the abs patterns, and at 3 bits the residual points
+    if variant == E8P and (table.dtype != torch.int32 or bits not in (2, 3, 4) or table.numel() != e8p_words):
+        raise ValueError(f"a {bits}-bit E8P layer needs {e8p_words} int32 table entries, got {table.dtype} "
+                         f"[{table.numel()}]")
+    if tuple(g_idx.shape) != (k,) or (variant == TABLE and table.numel() != 1 << bits):
         raise ValueError(f"g_idx must be [{k}] and the codebook hold {1 << bits} levels")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
-    tensors = [x, codes, scales, g_idx, codebook] + ([bias] if bias is not None else [])
+    tensors = [x, codes, scales, g_idx, table] + ([bias] if bias is not None else [])
     if len({t.device for t in tensors}) != 1:
         raise ValueError("x and the layer's tensors must be on one device")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -129,11 +126,9 @@ def codebook_matmul(x, codes, scales, g_idx, codebook, bits, bias=None, lattice_
         return y
     block_m = 16 if m <= 16 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
-    table = codebook if decode == E8P else codebook.float().contiguous()
     with on_device(x):
-        codebook_kernel[grid](x, codes, scales, g_idx.to(torch.int32), table,
-                              bias if bias is not None else scales, y, m, n, k, kw, float(lattice_offset or 0.0),
-                              float(e8p_ratio or 1.0), BITS=bits,
-                              DECODE=decode, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-                              BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32)
+        codebook_kernel[grid](x, codes, scales, g_idx.to(torch.int32), table.contiguous(),
+                              bias if bias is not None else scales, y, m, n, k, kw, float(decode.offset),
+                              float(decode.ratio), BITS=bits, DECODE=variant, HAS_BIAS=bias is not None,
+                              IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32)
     return y

@@ -4,36 +4,36 @@ Layout (see quantkit.checkpoint.gptq): qweight int32 [KW = packed_len(K, bits), 
 first; qzeros int32 [G, packed_len(N, bits)] packed along N (stores zero - zero_offset); scales fp16
 [G, N]; g_idx int32 [K]. W[n, k] = scales[g, n] * (q[k, n] - z[g, n]), g = g_idx[k]. Bits 2, 4, 8
 hold 32/bits whole codes per word; 3-bit packs 32 codes into 3 words, two of them straddling a word
-boundary (_packed_codes gathers those).
+boundary (packed_codes gathers those).
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _load_words(qw_ptr, k0, offs_n, n_mask, N, KW, BITS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def load_words(qw_ptr, k0, offs_n, n_mask, N, KW, BITS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """The packed words of K tile [k0, k0 + BLOCK_K): [BLOCK_K // (32 // BITS), BLOCK_N] int32."""
     offs_kw = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
     return tl.load(qw_ptr + offs_kw[:, None] * N + offs_n[None, :],
-                   mask=_in_range(offs_kw, KW, EVEN_K)[:, None] & n_mask[None, :], other=0)
+                   mask=in_range(offs_kw, KW, EVEN_K)[:, None] & n_mask[None, :], other=0)
 
 
 @triton.jit
-def _tile_codes(qw_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+def tile_codes(qw_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
     """Codes of the K tile [k0, k0 + BLOCK_K) as [BLOCK_K, BLOCK_N] int32, row i = k0 + i (= offs_k)."""
     if 32 % BITS != 0:  # 3 (5, ...) bits: codes straddle words, gather each row's word(s)
-        q = _packed_codes(qw_ptr + offs_n[None, :], offs_k[:, None], N, n_mask[None, :], KW, BITS)
+        q = packed_codes(qw_ptr + offs_n[None, :], offs_k[:, None], N, n_mask[None, :], KW, BITS)
     else:          # one load per word, its codes shifted out in registers: row = word * PW + code
         PW: tl.constexpr = 32 // BITS
-        words = _load_words(qw_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, EVEN_K)
+        words = load_words(qw_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, EVEN_K)
         shifts = tl.arange(0, PW) * BITS
         q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
     return q
 
 
 @triton.jit
-def _x_by_code(x, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def x_by_code(x, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """x [BLOCK_M, BLOCK_K] as one tensor [BLOCK_M, BLOCK_K // PW] per code position c of a packed word
     (PW = 32 // BITS codes, word j = rows PW j .. PW j + PW - 1), number c holding columns PW j + c: the
     rows that code c of the tile's words multiplies. 4- and 8-bit.
@@ -59,7 +59,7 @@ def _x_by_code(x, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constex
 
 
 @triton.jit
-def _in_range(offs, limit, ALWAYS: tl.constexpr):
+def in_range(offs, limit, ALWAYS: tl.constexpr):
     """offs < limit, or a constant-true mask (folded away) when the shapes are known to divide."""
     if ALWAYS:
         return tl.full(offs.shape, 1, tl.int1)
@@ -67,7 +67,7 @@ def _in_range(offs, limit, ALWAYS: tl.constexpr):
 
 
 @triton.jit
-def _packed_codes(ptr, idx, stride, mask, n_words, BITS: tl.constexpr):
+def packed_codes(ptr, idx, stride, mask, n_words, BITS: tl.constexpr):
     """Code number idx of a packed bit stream whose word w is at ptr + w * stride (LSB first).
 
     Used along K for qweight (stride N) and along N for qzeros (stride 1); ptr, idx and mask
@@ -91,27 +91,27 @@ def _packed_codes(ptr, idx, stride, mask, n_words, BITS: tl.constexpr):
 
 
 @triton.jit
-def _group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr):
+def group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr):
     """Scales and true zeros of group(s) g (a scalar, or [R, 1] for per-row groups) x columns."""
     cols = offs_n[None, :]
     s = tl.load(s_ptr + g * N + cols, mask=n_mask[None, :], other=0.0)
-    z = (_packed_codes(qz_ptr + g * NW, cols, 1, n_mask[None, :], NW, BITS) + ZERO_OFFSET) & ((1 << BITS) - 1)
+    z = (packed_codes(qz_ptr + g * NW, cols, 1, n_mask[None, :], NW, BITS) + ZERO_OFFSET) & ((1 << BITS) - 1)
     return s, z
 
 
 @triton.jit
-def _group_row(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr):
+def group_row(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr):
     """Scales and true zeros of one group g as [1, BLOCK_N] rows, for tiles that lie in one group.
 
     Loaded as 1-D vectors and expanded afterwards: a [1, BLOCK_N] load would get a layout of its own
     that Triton then imposes on the tile (a layout conversion of every decoded slab, seen in SASS)."""
     s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)
-    z = (_packed_codes(qz_ptr + g * NW, offs_n, 1, n_mask, NW, BITS) + ZERO_OFFSET) & ((1 << BITS) - 1)
+    z = (packed_codes(qz_ptr + g * NW, offs_n, 1, n_mask, NW, BITS) + ZERO_OFFSET) & ((1 << BITS) - 1)
     return s[None, :], z[None, :]
 
 
 @triton.jit
-def _decode(q, z, s, IS_FP16: tl.constexpr, INTERPRETER: tl.constexpr):
+def dequant(q, z, s, IS_FP16: tl.constexpr, INTERPRETER: tl.constexpr):
     """w = s * (q - z) rounded once to the activation dtype, exactly as the torch reference.
 
     Integers become floats by the exponent trick instead of I2F (a quarter-rate conversion that
@@ -119,18 +119,18 @@ def _decode(q, z, s, IS_FP16: tl.constexpr, INTERPRETER: tl.constexpr):
     0x6400) gives the fp16 number 1024 + c, and (1024 + q) - (1024 + z) = q - z exactly. bf16
     activations use the fp32 version (2^23 = 0x4B000000) so the product is rounded only once."""
     if IS_FP16:
-        qf = _f16_bits(q | 0x6400)
-        zf = _f16_bits(z | 0x6400)
+        qf = f16_bits(q | 0x6400)
+        zf = f16_bits(z | 0x6400)
         w = (qf - zf) * s                           # exact difference, one fp16 rounding
     else:
         qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
         zf = (z | 0x4B000000).to(tl.float32, bitcast=True)
-        w = _round((qf - zf) * s.to(tl.float32), tl.bfloat16, INTERPRETER)
+        w = round_to((qf - zf) * s.to(tl.float32), tl.bfloat16, INTERPRETER)
     return w
 
 
 @triton.jit
-def _round(v, dtype: tl.constexpr, INTERPRETER: tl.constexpr):
+def round_to(v, dtype: tl.constexpr, INTERPRETER: tl.constexpr):
     """fp32 -> dtype, round to nearest even. The interpreter's fp32 -> bf16 cast truncates instead,
     so there we round by hand (finite inputs only), to agree bit for bit with the GPU."""
     if INTERPRETER and dtype == tl.bfloat16:
@@ -141,6 +141,6 @@ def _round(v, dtype: tl.constexpr, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def _f16_bits(v):
+def f16_bits(v):
     """int32 holding an fp16 bit pattern in its low half -> that fp16 value."""
     return v.to(tl.int16).to(tl.float16, bitcast=True)

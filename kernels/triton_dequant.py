@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.device import on_device
-from quantkit.kernels.triton_decode import _decode, _group_params, _group_row, _in_range, _packed_codes
+from quantkit.kernels.triton_decode import dequant, group_params, group_row, in_range, packed_codes
 from quantkit.kernels.triton_gptq import fits_groups
 from quantkit.kernels.triton_gptq_ops import check_packed, group_layout
 
@@ -32,21 +32,21 @@ def _dequant_kernel(qw_ptr, qz_ptr, s_ptr, g_ptr, w_ptr, N, K, KW, NW, GS,
     pid_n = tl.program_id(0)   # fastest: neighbouring programs write neighbouring columns of the same rows
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = _in_range(offs_n, N, EVEN_N)
+    n_mask = in_range(offs_n, N, EVEN_N)
     if UNIFORM:  # the whole tile lies in one group
-        s, z = _group_row(s_ptr, qz_ptr, (pid_k * BLOCK_K) // GS, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
+        s, z = group_row(s_ptr, qz_ptr, (pid_k * BLOCK_K) // GS, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
     else:
         s, z = 0.0, 0
     if BITS == 3:  # codes straddle words: the whole tile at once, each row gathering its word(s)
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        q = _packed_codes(qw_ptr + offs_n[None, :], offs_k[:, None], N, n_mask[None, :], KW, BITS)
+        q = packed_codes(qw_ptr + offs_n[None, :], offs_k[:, None], N, n_mask[None, :], KW, BITS)
         _store_rows(w_ptr, q, offs_k, offs_n, n_mask, s, z, s_ptr, qz_ptr, g_ptr, N, K, NW,
                     BITS, ZERO_OFFSET, UNIFORM, IS_FP16, EVEN_K, INTERPRETER)
     else:          # one load per word, then one slab of rows per code position j
         PW: tl.constexpr = 32 // BITS
         offs_kw = pid_k * (BLOCK_K // PW) + tl.arange(0, BLOCK_K // PW)
         words = tl.load(qw_ptr + offs_kw[:, None] * N + offs_n[None, :],
-                        mask=_in_range(offs_kw, KW, EVEN_K)[:, None] & n_mask[None, :], other=0)
+                        mask=in_range(offs_kw, KW, EVEN_K)[:, None] & n_mask[None, :], other=0)
         for j in tl.static_range(PW):
             _store_rows(w_ptr, (words >> (j * BITS)) & ((1 << BITS) - 1), offs_kw * PW + j, offs_n, n_mask, s, z,
                         s_ptr, qz_ptr, g_ptr, N, K, NW, BITS, ZERO_OFFSET, UNIFORM, IS_FP16, EVEN_K, INTERPRETER)
@@ -57,11 +57,11 @@ def _store_rows(w_ptr, q, offs_k, offs_n, n_mask, s, z, s_ptr, qz_ptr, g_ptr, N,
                 ZERO_OFFSET: tl.constexpr, UNIFORM: tl.constexpr, IS_FP16: tl.constexpr, EVEN_K: tl.constexpr,
                 INTERPRETER: tl.constexpr):
     """Decode codes q [len(offs_k), BLOCK_N] of rows offs_k and store them as rows of W^T."""
-    k_mask = _in_range(offs_k, K, EVEN_K)
+    k_mask = in_range(offs_k, K, EVEN_K)
     if not UNIFORM:
         g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)[:, None]
-        s, z = _group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
-    w = _decode(q, z, s, IS_FP16, INTERPRETER)
+        s, z = group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
+    w = dequant(q, z, s, IS_FP16, INTERPRETER)
     tl.store(w_ptr + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :], w, mask=k_mask[:, None] & n_mask[None, :])
 
 

@@ -7,11 +7,11 @@ the packed words' own register layout, with no reshape and no cross-thread reduc
 import triton
 import triton.language as tl
 
-from quantkit.kernels.triton_decode import _f16_bits, _group_params, _in_range
+from quantkit.kernels.triton_decode import f16_bits, group_params, in_range
 
 
 @triton.jit
-def _gemv_tile(acc, words, x_row, k0, K, s, z, g_ptr, s_ptr, qz_ptr, offs_n, n_mask, N, NW,
+def gemv_tile(acc, words, x_row, k0, K, s, z, g_ptr, s_ptr, qz_ptr, offs_n, n_mask, N, NW,
                BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, UNIFORM: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_K: tl.constexpr):
     """M = 1: acc[word, n] += sum over the codes j of each word of (q - z) * s * x, fp32 FMAs.
@@ -43,11 +43,11 @@ def _gemv_code(part, j: tl.constexpr, words, hi, x_row, k0, K, s, z, g_ptr, s_pt
     SH: tl.constexpr = j * BITS if LOW else j * BITS - 12
     FIELD: tl.constexpr = ((1 << BITS) - 1) << SH
     offs_k = k0 + tl.arange(0, BLOCK_K // PW) * PW + j
-    k_mask = _in_range(offs_k, K, EVEN_K)
+    k_mask = in_range(offs_k, K, EVEN_K)
     x = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[:, None] * (1.0 / (1 << SH))
     if not UNIFORM:
         g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)[:, None]
-        s, z = _group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
+        s, z = group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
     if LOW:
         qf = ((words & FIELD) | 0x4B000000).to(tl.float32, bitcast=True)
     else:
@@ -61,7 +61,7 @@ def _gemv_code(part, j: tl.constexpr, words, hi, x_row, k0, K, s, z, g_ptr, s_pt
 
 
 @triton.jit
-def _gemv_tile_half2(acc, words, x_row, k0, K, s, z, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+def gemv_tile_half2(acc, words, x_row, k0, K, s, z, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      INTERPRETER: tl.constexpr):
     """M = 1, 4-bit, one group per tile, fp16 x: two weights per instruction in packed fp16 math.
 
@@ -69,7 +69,7 @@ def _gemv_tile_half2(acc, words, x_row, k0, K, s, z, BLOCK_K: tl.constexpr, EVEN
     halves under the fp16 exponent of 1024: ((w >> 4j) & 0x000F000F) | 0x64006400 is the fp16 pair
     (1024 + q_j, 1024 + q_j+4). One HADD2 removes 1024 + z exactly and one HFMA2 multiplies by the
     x pair (x_k, x_k+4) and accumulates: 4 instructions per 2 weights, about 4 per weight with x,
-    zeros and the fp32 widening, against 5.4-6.2 for the fp32 FMA path (_gemv_tile; sm_90 SASS,
+    zeros and the fp32 widening, against 5.4-6.2 for the fp32 FMA path (gemv_tile; sm_90 SASS,
     docs/BENCHMARKS.md). The pairs travel as int32 (Triton has no packed-half type); only
     _fma_f16x2 reads them as numbers.
     Range and rounding: x is scaled by 2^-6 first, so a word's partial sum, at most
@@ -78,7 +78,7 @@ def _gemv_tile_half2(acc, words, x_row, k0, K, s, z, BLOCK_K: tl.constexpr, EVEN
     the four-term partial of each half is within about 4u of exact; partials are widened to fp32
     per word, summed and scaled in fp32."""
     offs_k = k0 + tl.arange(0, BLOCK_K // 8) * 8             # first k of each row of words
-    minus_z = -_f16_bits(z | 0x6400)                         # [1, C]: removes 1024 + z
+    minus_z = -f16_bits(z | 0x6400)                         # [1, C]: removes 1024 + z
     part = tl.zeros(words.shape, dtype=tl.int32)             # the fp16 pair (0, 0)
     for j in tl.static_range(4):
         codes = ((words >> (4 * j)) & 0x000F000F) | 0x64006400
@@ -90,8 +90,8 @@ def _gemv_tile_half2(acc, words, x_row, k0, K, s, z, BLOCK_K: tl.constexpr, EVEN
 @triton.jit
 def _x_pair(x_row, k, K, EVEN_K: tl.constexpr):
     """[rows, 1] int32 holding the fp16 pair (x_k, x_k+4) * 2^-6 (exact unless subnormal)."""
-    lo = tl.load(x_row + k, mask=_in_range(k, K, EVEN_K), other=0.0) * 0.015625
-    hi = tl.load(x_row + k + 4, mask=_in_range(k + 4, K, EVEN_K), other=0.0) * 0.015625
+    lo = tl.load(x_row + k, mask=in_range(k, K, EVEN_K), other=0.0) * 0.015625
+    hi = tl.load(x_row + k + 4, mask=in_range(k + 4, K, EVEN_K), other=0.0) * 0.015625
     return _pack_f16x2(lo, hi)[:, None]
 
 
@@ -120,4 +120,4 @@ def _pack_f16x2(lo, hi):
 
 @triton.jit
 def _unpack_f16x2(v):
-    return _f16_bits(v), _f16_bits(v >> 16)
+    return f16_bits(v), f16_bits(v >> 16)

@@ -5,7 +5,7 @@ Layout and decoding helpers: triton_decode.py (bits 2, 3, 4, 8). The M = 1 inner
 One kernel, three launch shapes (Marlin / Triton-tutorial style: kernel + thin wrapper in
 triton_gptq_ops.py + pure-torch reference in reference.py):
   * M = 1 (memory-bound GEMV): BLOCK_M = 1, fp32 FMAs in the packed words' own register layout
-    (see _gemv_tile: about three instructions per weight, W used exactly, never rounded).
+    (see gemv_tile: about three instructions per weight, W used exactly, never rounded).
     Bits 2, 4, 8 only: 3-bit words do not hold whole codes, so M = 1 takes the next shape. The
     autotuner may also run M = 1 on that shape's by-code tiles (M1_CONFIGS).
   * 2 <= M <= 16 (memory-bound decode): BLOCK_M = 16 tl.dot (mma.sync) on the decoded tile.
@@ -34,9 +34,9 @@ Measured on H100 and what limits each path: docs/BENCHMARKS.md.
 import triton
 import triton.language as tl
 
-from quantkit.kernels.triton_decode import (_decode, _group_params, _group_row, _in_range, _load_words, _round,
-                                            _tile_codes, _x_by_code)
-from quantkit.kernels.triton_gemv import _gemv_tile, _gemv_tile_half2
+from quantkit.kernels.triton_decode import (dequant, group_params, group_row, in_range, load_words, round_to,
+                                            tile_codes, x_by_code)
+from quantkit.kernels.triton_gemv import gemv_tile, gemv_tile_half2
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def _gptq_matmul_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
-    n_mask = _in_range(offs_n, N, EVEN_N)
+    n_mask = in_range(offs_n, N, EVEN_N)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
 
     # This program's K slice: a whole number of BLOCK_K tiles, so tiles never straddle slices.
@@ -81,32 +81,32 @@ def _gptq_matmul_kernel(
     # Masking x (not W) handles K past in_features: the zero-padded codes meet x = 0.
     for k0 in range(k_begin, k_end, BLOCK_K):
         if BLOCK_M == 1 or BY_CODE:  # one int32 load per word; its codes are shifted out in registers
-            words = _load_words(qw_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, EVEN_K)
+            words = load_words(qw_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, EVEN_K)
         if UNIFORM:  # the whole tile lies in one group
-            s, z = _group_row(s_ptr, qz_ptr, k0 // GS, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
+            s, z = group_row(s_ptr, qz_ptr, k0 // GS, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
         else:        # per-k groups: loaded inside the tile functions
             s, z = 0.0, 0
         if BLOCK_M == 1 and HALF2 and BITS == 4 and UNIFORM and IS_FP16:   # packed fp16 math (triton_gemv)
-            acc2 = _gemv_tile_half2(acc2, words, x_ptr + pid_m.to(tl.int64) * stride_xm, k0, K, s, z, BLOCK_K,
+            acc2 = gemv_tile_half2(acc2, words, x_ptr + pid_m.to(tl.int64) * stride_xm, k0, K, s, z, BLOCK_K,
                                     EVEN_K, INTERPRETER)
         elif BLOCK_M == 1:
-            acc2 = _gemv_tile(acc2, words, x_ptr + pid_m.to(tl.int64) * stride_xm, k0, K, s, z, g_ptr, s_ptr,
+            acc2 = gemv_tile(acc2, words, x_ptr + pid_m.to(tl.int64) * stride_xm, k0, K, s, z, g_ptr, s_ptr,
                               qz_ptr, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET, UNIFORM, BLOCK_K, EVEN_K)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = _in_range(offs_k, K, EVEN_K)
+            k_mask = in_range(offs_k, K, EVEN_K)
             if BY_CODE:
                 x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                xs = _x_by_code(x, BITS, BLOCK_M, BLOCK_K)
+                xs = x_by_code(x, BITS, BLOCK_M, BLOCK_K)
                 for c in tl.static_range(32 // BITS):
-                    w = _decode((words >> (BITS * c)) & ((1 << BITS) - 1), z, s, IS_FP16, INTERPRETER)
+                    w = dequant((words >> (BITS * c)) & ((1 << BITS) - 1), z, s, IS_FP16, INTERPRETER)
                     acc = _dot(xs[c], w, acc, INTERPRETER)
             else:
-                q = _tile_codes(qw_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS, BLOCK_K, BLOCK_N, EVEN_K)
+                q = tile_codes(qw_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS, BLOCK_K, BLOCK_N, EVEN_K)
                 if not UNIFORM:
                     g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)[:, None]
-                    s, z = _group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
-                w = _decode(q, z, s, IS_FP16, INTERPRETER)
+                    s, z = group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, NW, BITS, ZERO_OFFSET)
+                w = dequant(q, z, s, IS_FP16, INTERPRETER)
                 # x after the decode, as before the by-code tiles: loaded first, it spills a 128 x 128 x 128
                 # 8-bit tile on sm_80 (scripts/sass_stats.py --check)
                 x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -144,7 +144,7 @@ def _store_output(y_ptr, b_ptr, acc, out_offs, offs_n, n_mask, out_mask, HAS_BIA
                   INTERPRETER: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + out_offs, _round(acc, y_ptr.dtype.element_ty, INTERPRETER), mask=out_mask)
+    tl.store(y_ptr + out_offs, round_to(acc, y_ptr.dtype.element_ty, INTERPRETER), mask=out_mask)
 
 
 def split_k(m, n, k, block_m, block_n, block_k, num_sms, waves):

@@ -81,7 +81,7 @@ def check_packed(qweight, qzeros, scales, g_idx, bits, k, zero_offset, bias=None
         raise ValueError(f"zero_offset must be 0 (gptq_v2) or 1 (gptq v1), got {zero_offset}")
 
 
-def _check(x, qweight, qzeros, scales, g_idx, bits, k, bias, zero_offset):
+def check_layer(x, qweight, qzeros, scales, g_idx, bits, k, bias, zero_offset):
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, in_features={k}], got {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16):
@@ -127,7 +127,7 @@ def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, in_features, bias=None,
     M <= 16 takes the decode launch (split-K), larger M the tiled GEMM. `config` pins the
     meta-parameters (BLOCK_N, BLOCK_K, WAVES, GROUP_M, optional BLOCK_M, num_warps, num_stages)
     instead of autotuning; CPU tensors (TRITON_INTERPRET=1) always use a pinned config."""
-    _check(x, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
+    check_layer(x, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
     m, k = x.shape
     groups, n = scales.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)

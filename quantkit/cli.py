@@ -4,9 +4,11 @@ import sys
 
 import click
 
-from quantkit.checkpoint.gptq import WRITE_FORMATS
+from quantkit.algorithms.registry import method_help, method_names
+from quantkit.checkpoint.codecs import format_help, write_formats
 from quantkit.core.errors import QuantkitError
-from quantkit.run.config import METHODS, QuantConfig, read_recipe
+from quantkit.run.config import QuantConfig, read_recipe
+from quantkit.schemes.base import quantizer_help
 
 
 class _Group(click.Group):
@@ -49,21 +51,13 @@ TRUST_HELP = ("Run the model's own Python code (auto_map in its config.json) for
 
 # Options that map 1:1 onto QuantConfig fields; the recipe fills the ones not given on the command line.
 _CONFIG_OPTIONS = [
-    click.option("--method", type=click.Choice(METHODS), default="rtn",
-                 help="rtn: round to nearest; gptq: Hessian-aware error feedback; awq: activation-aware scales "
-                      "folded into the model, then RTN; awq+gptq: AWQ scales, then GPTQ; turboquant: Hadamard "
-                      "rotation + Lloyd-Max codebook per block, data-free; turboquant+gptq: the same codebook "
-                      "inside GPTQ's error feedback (rotated basis); e8: Hadamard rotation + an E8 lattice codebook "
-                      "(8 weights per point: QuIP#'s E8P ball at 2 bits, E8P + a residual stage at 3 and 4, the "
-                      "box-truncated E8 at 1), data-free; e8+gptq: the same with block LDLQ."),
+    click.option("--method", type=click.Choice(method_names()), default="rtn", help=method_help() + "."),
     click.option("--quantizer", default=None,
-                 help="What rounds the weights. Default: the method's (int for rtn/gptq/awq; turboquant and e8 for "
-                      "theirs). int: a per-group integer grid with scale and zero, the only one GPTQ-layout readers "
-                      "run; turboquant: a 2^bits-level codebook times one fp16 scale per group; e8: E8 lattice "
-                      "points times one fp16 scale per group (e8p at 2-4 bits, e8box at 1; e8p and e8box name "
-                      "one of them). Anything but unrotated int is written in the quantkit format."),
-    click.option("--bits", type=int, default=4,
-                 help="Bits per weight code: 2, 3, 4 or 8 (int); 1 to 5 (turboquant); 1 to 4 (e8, e8box); 2 to 4 (e8p)."),
+                 help="What rounds the weights. Default: the method's (int for rtn/gptq/awq; the method's own "
+                      "codebook for the others). " + quantizer_help() + ". Anything but unrotated int is written in "
+                      "the quantkit format."),
+    click.option("--bits", type=int, default=4, help="Bits per weight code; which widths a quantizer takes: "
+                                                     "see --quantizer."),
     click.option("--group-size", type=int, default=128,
                  help="Input columns sharing one scale (and zero); -1 = one group per row. A last shorter group is "
                       "fine. turboquant: the block d, a power of two >= 8; e8: a multiple of 8 (both cost 16/group "
@@ -90,11 +84,8 @@ _CONFIG_OPTIONS = [
                       "report's inputs change). Also the faster way: the stages cost one block forward in all."),
     click.option("--awq-grid", type=int, default=20, help="AWQ: number of alpha values tried on [0, 1)."),
     click.option("--awq-clip/--no-awq-clip", default=True, help="AWQ: search a per-group clipping range too."),
-    click.option("--checkpoint-format", type=click.Choice(WRITE_FORMATS), default="gptq",
-                 help="gptq (v1, zero-1 stored; what vLLM/TGI/transformers read), gptq_v2 (true zeros), awq "
-                      "(AutoAWQ GEMM: 4-bit, group size dividing every layer) or compressed-tensors "
-                      "(llm-compressor's pack-quantized). awq and compressed-tensors refuse rotated and codebook "
-                      "layers (gptq writes those in the quantkit format)."),
+    click.option("--checkpoint-format", type=click.Choice(write_formats()), default="gptq",
+                 help=format_help() + ". gptq and gptq_v2 write rotated and codebook layers in the quantkit format."),
     click.option("--rotate", type=click.Choice(["none", "hadamard"]), default=None,
                  help="hadamard: quantize each linear as W Πᵀ with a seeded randomized Hadamard rotation Π along "
                       "its inputs (GPTQ then rounds against Π H Πᵀ); the layer computes Ŵ (Π x). Default: hadamard "
@@ -214,7 +205,7 @@ def _mention_idle_gpus(device: str) -> None:
 @main.command()
 @click.argument("src")
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
-@click.option("--checkpoint-format", type=click.Choice(WRITE_FORMATS), required=True, help="The layout to write.")
+@click.option("--checkpoint-format", type=click.Choice(write_formats()), required=True, help="The layout to write.")
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT if it holds a checkpoint quantkit wrote (never a folder with other files).")
 def convert(src, out, checkpoint_format, overwrite):
@@ -310,7 +301,7 @@ def inspect(path, as_json):
               help="Keep the quantized checkpoint here (default: a temporary folder, deleted afterwards).")
 @click.option("--bits", type=int, default=4, help="Bits per weight.")
 @click.option("--group-size", type=int, default=32, help="Group size (the bundled model is 64 wide).")
-@click.option("--method", type=click.Choice(METHODS), default="rtn", help="Quantization method.")
+@click.option("--method", type=click.Choice(method_names()), default="rtn", help="Quantization method.")
 @click.option("--tokens", type=click.IntRange(min=512), default=16384,
               help="Self-generated evaluation/calibration tokens (at least one 512-token window).")
 @click.option("--overwrite", is_flag=True,

@@ -26,10 +26,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from quantkit.calibration.data import check_dataset, eval_ids
+from quantkit.checkpoint.files import REPORT_NAME, read_report
 from quantkit.core.errors import QuantkitError
-from quantkit.eval import (check_eval_options, check_seqlen, is_quantized_folder, model_device, model_logits,
+from quantkit.eval import (check_eval_options, check_seqlen, is_quantized_folder, load_any, model_device, model_logits,
                            split_windows)
 from quantkit.models.arch import check_window
+from quantkit.models.hub import load_tokenizer
 
 
 def mean_stderr(values: np.ndarray) -> dict:
@@ -223,8 +226,6 @@ def check_prompt_lengths(config, tokenizer, prompts, max_new_tokens: int) -> Non
 def recorded_base(quant) -> str:
     """The model `quantkit quantize` made QUANT from, as its report names it (a local source is recorded as an
     absolute path), for `eval compare` without --base."""
-    from quantkit.checkpoint.files import REPORT_NAME, read_report
-
     if not Path(quant).is_dir():
         raise QuantkitError(f"{quant} is not a local folder, so no quantkit report names its base model: pass --base "
                             "MODEL (or check the path)")
@@ -247,10 +248,6 @@ def compare_paths(quant: str, base: str, dataset: str, seqlen: int, max_tokens=N
     """`quantkit eval compare`: the figures of compare_models (or compare_low_memory) on `dataset`, plus the
     greedy continuations of each prompt by both models."""
     from transformers import AutoConfig
-
-    from quantkit.calibration.data import check_dataset, eval_ids
-    from quantkit.eval import load_any
-    from quantkit.models.hub import load_tokenizer
 
     check_seqlen(seqlen)
     check_dataset(dataset)   # before the tokenizers, configs and weights: a typo is named at once

@@ -13,6 +13,15 @@ from pathlib import Path
 
 import torch
 
+from quantkit.api import quantize
+from quantkit.eval import perplexity
+from quantkit.models.arch import arch_for, context_length
+from quantkit.models.hub import load_fp_model
+from quantkit.run.config import QuantConfig
+from quantkit.run.load import load_quantized
+from quantkit.run.output import claim_output
+from quantkit.run.precheck import layer_specs, quantizable_linears, skip_override, unit_misfits
+
 SEQLEN = 512  # windows for a model whose config names no context (stories260k's is 512)
 
 
@@ -33,14 +42,6 @@ def sample_text_ids(model, n_tokens: int, seed: int, seqlen: int) -> torch.Tenso
 
 
 def run_demo(out, bits, group_size, method, n_tokens, overwrite=False) -> str:
-    from quantkit.api import quantize
-    from quantkit.eval import perplexity
-    from quantkit.models.arch import context_length
-    from quantkit.models.hub import load_fp_model
-    from quantkit.run.config import QuantConfig
-    from quantkit.run.load import load_quantized
-    from quantkit.run.output import claim_output
-
     src = bundled_model_path()
     if out is not None:
         claim_output(out, overwrite, sources=[src])  # before the sampling: refuse a bad -o at once
@@ -77,9 +78,6 @@ def run_demo(out, bits, group_size, method, n_tokens, overwrite=False) -> str:
 def _skip_misfits(config, fp_model):
     """(config, note lines): the bundled model's down_proj has 172 inputs, which E8's 8-column units do not
     divide; the demo keeps such layers in floating point, as the error of `quantize` tells a user to, and says so."""
-    from quantkit.models.arch import arch_for
-    from quantkit.run.precheck import layer_specs, quantizable_linears, skip_override, unit_misfits
-
     misfits = unit_misfits(*layer_specs(fp_model, quantizable_linears(fp_model, arch_for(fp_model)), config))
     if not misfits:
         return config, []

@@ -9,9 +9,16 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from quantkit.calibration.data import check_dataset, eval_ids
+from quantkit.calibration.sequential import move_loaded
+from quantkit.checkpoint.files import has_quantization_config
 from quantkit.core.errors import QuantkitError
 from quantkit.core.matmul import onednn_linears
-from quantkit.models.arch import check_window
+from quantkit.models import offload
+from quantkit.models.arch import arch_for, check_window
+from quantkit.models.hub import load_fp_model, load_tokenizer, resolve_device
+from quantkit.models.stream import InMemoryModel, open_model
+from quantkit.run.load import load_quantized
 
 # Positions per cross-entropy call: bounds the float32 copy of the logits to
 # _LOSS_CHUNK x vocab floats (e.g. 1024 x 152k x 4 B ≈ 0.6 GB for Qwen) however long the window.
@@ -121,8 +128,6 @@ def _batch_nll_sum(logits: torch.Tensor, batch: torch.Tensor) -> float:
 
 
 def is_quantized_folder(path) -> bool:
-    from quantkit.checkpoint.files import has_quantization_config
-
     return has_quantization_config(path)
 
 
@@ -130,9 +135,6 @@ def load_any(path, device="auto", dtype=None, stream=False, trust_remote_code=Fa
     """(model, tokenizer) for a quantized folder or a floating-point model (folder or hub id).
     stream: keep the decoder blocks on disk and read each as it runs (quantkit.models.offload).
     trust_remote_code: run a floating-point model's own code (config.json auto_map); off by default."""
-    from quantkit.models.hub import load_fp_model, load_tokenizer, resolve_device
-    from quantkit.run.load import load_quantized
-
     device = resolve_device(device)
     if is_quantized_folder(path):
         model = load_quantized(path, device_map=device, dtype=dtype, stream=stream)
@@ -147,11 +149,6 @@ def load_any(path, device="auto", dtype=None, stream=False, trust_remote_code=Fa
 def _stream_fp_model(path, device, dtype, trust_remote_code):
     """A floating-point model with its blocks read from the safetensors shards as they run; a source that cannot
     be streamed (hub id, .bin weights) is loaded whole, with a note (quantkit.models.stream.open_model)."""
-    from quantkit.calibration.sequential import move_loaded
-    from quantkit.models import offload
-    from quantkit.models.arch import arch_for
-    from quantkit.models.stream import InMemoryModel, open_model
-
     source, tokenizer, _ = open_model(path, dtype, trust_remote_code)
     model = source.model
     if not isinstance(source, InMemoryModel):
@@ -164,8 +161,6 @@ def _stream_fp_model(path, device, dtype, trust_remote_code):
 
 def evaluate_path(path, dataset, seqlen, max_tokens=None, device="auto", dtype=None, progress=True,
                   stream=False, trust_remote_code=False) -> dict:
-    from quantkit.calibration.data import check_dataset, eval_ids
-
     check_seqlen(seqlen)
     check_dataset(dataset)   # a wrong --dataset is named at once, not after a large model has loaded
     model, tokenizer = load_any(path, device, dtype, stream, trust_remote_code)

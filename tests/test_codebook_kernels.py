@@ -20,8 +20,8 @@ if not torch.cuda.is_available() and not PREIMPORTED:
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 from quantkit.core import bitpack  # noqa: E402
-from quantkit.kernels.codebook import codebook_linear, decode_codebook  # noqa: E402
-from quantkit.kernels import rotation  # noqa: E402
+from quantkit.kernels.codebook import codebook_linear, decode_codebook, decode_table  # noqa: E402
+from quantkit.kernels.device import triton_available  # noqa: E402
 from quantkit.schemes.e8 import E8Box  # noqa: E402
 from quantkit.schemes.e8p import E8P  # noqa: E402
 from quantkit.algorithms.rtn import rtn  # noqa: E402
@@ -29,27 +29,22 @@ from quantkit.schemes.turboquant import TurboQuant  # noqa: E402
 from quantkit.nn.decoded_linear import DecodedLinear  # noqa: E402
 from triton_cases import device_params, rerun_with_interpreter  # noqa: E402
 
-DEVICES = device_params("not importable" if rotation.triton is None else None, INTERPRET, PREIMPORTED)
+DEVICES = device_params(None if triton_available() else "not importable", INTERPRET, PREIMPORTED)
 
 
 def layer(n, k, quantizer, d, seed):
     """Packed tensors of a TurboQuant, E8 or E8P layer [n, k] quantized from random weights."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
     res = rtn(w, quantizer, d)
-    bits = quantizer.code_bits
-    kd = quantizer.kernel_decode
-    table = (torch.tensor(kd["e8p_table"], dtype=torch.int32) if "e8p_table" in kd
-             else torch.tensor(kd.get("table", [0.0])))
-    return {"codes": bitpack.pack(res.codes.t(), bits, dim=0), "scales": res.params["scale"].t().half().contiguous(),
-            "g_idx": res.g_idx.to(torch.int32), "codebook": table, "lattice_offset": kd.get("lattice_offset"),
-            "e8p_ratio": kd.get("e8p_ratio"), "bits": bits, "in_features": k, "decoded": res.decoded()}
+    return {"codes": bitpack.pack(res.codes.t(), quantizer.code_bits, dim=0),
+            "scales": res.params["scale"].t().half().contiguous(), "g_idx": res.g_idx.to(torch.int32),
+            "table": decode_table(quantizer.kernel_decode), "decoded": res.decoded()}
 
 
 @pytest.mark.parametrize("quantizer", [TurboQuant(5, 32), E8Box(3), E8P(2), E8P(3), E8P(4)])
 def test_reference_decodes_the_quantizer_result(quantizer):
     t = layer(24, 104, quantizer, 32, 0)
-    w = decode_codebook(t["codes"], t["scales"], t["g_idx"], t["codebook"], t["bits"], t["in_features"],
-                        t["lattice_offset"], t["e8p_ratio"])
+    w = decode_codebook(t["codes"], t["scales"], t["g_idx"], quantizer, 104)
     assert torch.equal(w, t["decoded"].t())
 
 
@@ -66,12 +61,9 @@ def test_triton_matches_reference(device, dtype, m, n, k, quantizer, d):
     t = layer(n, k, quantizer, d, seed=m + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     bias = torch.randn(n).to(dtype)
-    bits = t["bits"]
-    args = [t[key].to(device) for key in ("codes", "scales", "g_idx", "codebook")] + [bits, k]
-    y = codebook_linear(x.to(device), *args, bias=bias.to(device), lattice_offset=t["lattice_offset"],
-                        e8p_ratio=t["e8p_ratio"], backend="triton").cpu()
-    ref = codebook_linear(x, *[a.cpu() if torch.is_tensor(a) else a for a in args], bias=bias,
-                          lattice_offset=t["lattice_offset"], e8p_ratio=t["e8p_ratio"], backend="torch")
+    args = [t[key].to(device) for key in ("codes", "scales", "g_idx", "table")] + [quantizer, k]
+    y = codebook_linear(x.to(device), *args, bias=bias.to(device), backend="triton").cpu()
+    ref = codebook_linear(x, *[a.cpu() if torch.is_tensor(a) else a for a in args], bias=bias, backend="torch")
     scale = (x.float().abs() @ t["decoded"].t().abs()).max().item() + bias.abs().max().item()
     tol = (2.0**-11 if dtype == torch.float16 else 1e-5) * scale
     assert y.dtype == dtype and (y.float() - ref.float()).abs().max().item() <= tol

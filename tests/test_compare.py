@@ -13,7 +13,7 @@ from quantkit.cli import main
 from quantkit.compare import (check_same_tokenizer, compare_low_memory, compare_models, first_divergence,
                               position_stats, summarize)
 from quantkit.core.errors import QuantkitError
-from quantkit.algorithms.gptq import fidelity
+from quantkit.algorithms.hessian import fidelity
 from quantkit.models.hub import load_fp_model
 from quantkit.run.report import flag_outliers
 

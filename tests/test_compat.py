@@ -11,16 +11,21 @@ from quantkit.api import load_quantized, quantize
 from quantkit.cli import main
 from quantkit.run.config import QuantConfig
 from quantkit.core.errors import QuantkitError
-from quantkit.checkpoint import compat, gptq
+from quantkit.checkpoint import compat, gptq, validate
+from quantkit.run.precheck import writer_codec
 
 LLAMA_QKV = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj")
 FUSED = {"model.layers.0.self_attn.qkv_proj": LLAMA_QKV}
 
 
+SIBLINGS = {n: tuple(m for m in LLAMA_QKV if m != n) for n in LLAMA_QKV}
+
+
 def _check(config, specs=None, shapes=None):
-    specs = specs or {n: config.spec_for(n) for n in LLAMA_QKV}
+    """What quantize reports for the codec the settings pick (quantkit.run.precheck.writer_codec)."""
+    specs = specs or {n: config.spec_for(n, SIBLINGS[n]) for n in LLAMA_QKV}
     shapes = shapes or {n: (512, 512) for n in specs}
-    return compat.check(config, specs, shapes, FUSED)
+    return writer_codec(config, specs).compat_problems(config, specs, shapes, FUSED)
 
 
 def _readers(problems):
@@ -56,13 +61,11 @@ def test_short_last_group_names_the_layer_and_a_group_size_that_divides():
 
 def test_overrides_spread_over_fused_groups_unless_split():
     config = QuantConfig(bits=4, group_size=128, modules=[{"pattern": r"q_proj$", "bits": 8}])
-    config.bind_fused_groups({n: tuple(m for m in LLAMA_QKV if m != n) for n in LLAMA_QKV})
-    assert {config.spec_for(n).bits for n in LLAMA_QKV} == {8}
+    assert {config.spec_for(n, SIBLINGS[n]).bits for n in LLAMA_QKV} == {8}
     assert config.spec_for("model.layers.0.mlp.down_proj").bits == 4
     assert _readers(_check(config)) == ["transformers"]  # overrides: GPTQConfig has no dynamic
     split = QuantConfig(bits=4, group_size=128, modules=[{"pattern": r"q_proj$", "bits": 8, "split_fused": True}])
-    split.bind_fused_groups({n: tuple(m for m in LLAMA_QKV if m != n) for n in LLAMA_QKV})
-    assert [split.spec_for(n).bits for n in LLAMA_QKV] == [8, 4, 4]
+    assert [split.spec_for(n, SIBLINGS[n]).bits for n in LLAMA_QKV] == [8, 4, 4]
     problems = _check(split)
     assert _readers(problems) == ["transformers", "vllm"]
     assert any("qkv_proj" in p.reason and "split_fused" in p.fix for p in problems)
@@ -108,16 +111,16 @@ def test_dynamic_keys_match_hf_and_vllm_fused_names():
         assert re.match(pattern, name)
     assert not re.match(pattern, "model.layers.0.self_attn.o_proj")
     assert not re.match(pattern, "model.layers.10.self_attn.q_proj")
-    assert gptq.module_settings(qc, LLAMA_QKV[1]) == (8, 32, True)
-    assert gptq.module_settings(qc, "model.layers.0.mlp.down_proj") == (4, 32, True)
+    assert validate.module_settings(qc, LLAMA_QKV[1]) == (8, 32, True)
+    assert validate.module_settings(qc, "model.layers.0.mlp.down_proj") == (4, 32, True)
     # static-group act-order keeps g_idx = k // group_size: readers must not take the act-order path
     assert qc["desc_act"] is False and qc["static_groups"] is True
 
 
 def test_dynamic_first_match_wins_like_the_readers():
     qc = {"bits": 4, "group_size": 128, "dynamic": {r"+:.*q_proj": {"bits": 8}, r".*proj": {"bits": 2}}}
-    assert gptq.module_settings(qc, "m.q_proj") == (8, 128, True)
-    assert gptq.module_settings(qc, "m.k_proj") == (2, 128, True)   # a key without a sign is a positive match
+    assert validate.module_settings(qc, "m.q_proj") == (8, 128, True)
+    assert validate.module_settings(qc, "m.k_proj") == (2, 128, True)   # a key without a sign is a positive match
 
 
 def test_quantize_fused_override_loads_and_warns(model_factory, tmp_path, capsys):

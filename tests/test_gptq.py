@@ -7,7 +7,8 @@ import torch
 
 from quantkit.core.errors import QuantkitError
 from quantkit.schemes import grid as qgrid
-from quantkit.algorithms.gptq import GPTQ, output_error
+from quantkit.algorithms.gptq import GPTQ
+from quantkit.algorithms.hessian import output_error
 from quantkit.schemes.grid import Grid
 from quantkit.algorithms.rtn import rtn
 
@@ -142,7 +143,7 @@ def test_inverse_cholesky_in_place_equals_textbook_and_leaves_h(permuted):
 
 
 def test_fidelity_from_two_products_equals_direct_traces():
-    from quantkit.algorithms.gptq import fidelity
+    from quantkit.algorithms.hessian import fidelity
 
     W, sample = make_layer(4, out=16, inn=32, dtype=torch.float64)
     X = sample(300)
@@ -469,18 +470,18 @@ def test_layers_sharing_a_hessian_factor_it_once_with_the_same_codes(monkeypatch
     first.add_batch(X)
     for s in siblings:
         s.share_statistics(first)
-    factor = first._factor
+    factor = first.factor
     for g, want in zip([first, *siblings], expected):
         got = g.quantize(Grid(4), group_size=32, act_order=True)
         assert torch.equal(got.codes, want.codes) and torch.equal(got.params["scale"], want.params["scale"])
         g.free()
     assert len(calls) == 1
     assert factor.users == 0 and factor.value is None
-    assert all(g._factor.users == 1 and g._factor.value is None for g in [first, *siblings])  # fresh, own
+    assert all(g.factor.users == 1 and g.factor.value is None for g in [first, *siblings])  # fresh, own
     alone_layer = GPTQ(weights[0])
     alone_layer.add_batch(X)
     alone_layer.quantize(Grid(4), group_size=32)
-    assert alone_layer._factor.value is None  # nobody else reads it: not held past its GPTQ
+    assert alone_layer.factor.value is None  # nobody else reads it: not held past its GPTQ
     calls.clear()
     # other settings, or a Hessian changed in place, factor again
     a, b = GPTQ(weights[1]), GPTQ(weights[2])

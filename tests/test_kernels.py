@@ -43,6 +43,7 @@ from quantkit.checkpoint import gptq
 from quantkit.kernels import gptq_linear  # noqa: E402
 from quantkit.kernels.reference import dequantize_weight, gptq_linear_torch  # noqa: E402
 from quantkit.nn.quant_linear import QuantLinear  # noqa: E402
+from tiny_models import dequantize_gptq
 from triton_cases import device_params, rerun_with_interpreter  # noqa: E402
 
 try:
@@ -171,7 +172,7 @@ def test_pinned_paths(device, path, bits, dtype):
 
 # The mma.sync tiles (BLOCK_M 16: 1 <= M <= 16; 32: GEMM) that take one tl.dot per code position (4- and
 # 8-bit, one group per tile, BLOCK_K / codes per word >= 16): K past the last full tile, one group or g128,
-# split-K on and off, ragged M and N. Swapping two of the x slices in triton_decode._x_by_code fails every
+# split-K on and off, ragged M and N. Swapping two of the x slices in triton_decode.x_by_code fails every
 # case of that width.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("m,k,bits,block_k,gs,sym,zo,bias,dtype,waves", [
@@ -399,7 +400,7 @@ def test_reference_decoders_agree(bits):
     assert torch.equal(bitpack.unpack(layer["qweight"], bits, k), bitpack.unpack_stream(layer["qweight"], bits, k))
     w = dequantize_weight(layer["qweight"], layer["qzeros"], layer["scales"], layer["g_idx"], bits, k, 1,
                           dtype=torch.float32)
-    expect = gptq.dequantize(layer, bits, k, n, "gptq").t()
+    expect = dequantize_gptq(layer, bits, k, "gptq").t()
     assert torch.equal(w, expect)
 
 

@@ -10,7 +10,7 @@ from quantkit.run.config import QuantConfig
 from quantkit.algorithms.gptq import GPTQ
 from quantkit.algorithms.method import Method
 from quantkit.models.arch import arch_for
-from quantkit.calibration.sequential import run_sequential
+from tiny_models import run_sequential
 from test_awq import ids, tiny_model
 
 needs_onednn = pytest.mark.skipif(not matmul._onednn_available(), reason="oneDNN is used on CPUs with AVX-512 only")

@@ -12,7 +12,8 @@ from quantkit.run.config import QuantConfig
 from quantkit.core.errors import QuantkitError
 from quantkit.algorithms.method import Method
 from quantkit.run.load import load_quantized
-from quantkit.algorithms.gptq import GPTQ, output_error
+from quantkit.algorithms.gptq import GPTQ
+from quantkit.algorithms.hessian import output_error
 from quantkit.schemes.base import QUANTIZERS, register_quantizer
 from quantkit.schemes.rotation import Rotation
 from quantkit.algorithms.rtn import rtn

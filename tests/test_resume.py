@@ -11,6 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from quantkit import api
+from quantkit.run.block_writer import BlockWriter
 from quantkit.cli import main
 from quantkit.run.config import QuantConfig
 from quantkit.core.errors import StoppedFromOutside
@@ -198,7 +199,7 @@ def test_resume_without_a_partial_run_starts_from_block_0(world):
 def test_replay_rebuilds_each_block_bit_for_bit(world, tmp_path, monkeypatch, method, extra):
     """Every block read back from its part (what --resume forwards) equals the block the run computed with."""
     compared = []
-    save = api._Job.save_block
+    save = BlockWriter.save_block
 
     def save_and_replay(self, tmp, i, block, results):
         live = {k: v.clone() for k, v in block.state_dict().items()}
@@ -209,7 +210,7 @@ def test_replay_rebuilds_each_block_bit_for_bit(world, tmp_path, monkeypatch, me
             assert v.dtype == replayed[k].dtype and torch.equal(v, replayed[k]), (i, k)
         compared.append(i)
 
-    monkeypatch.setattr(api._Job, "save_block", save_and_replay)
+    monkeypatch.setattr(BlockWriter, "save_block", save_and_replay)
     small = (world[0], make_model_folder("llama-tied-bias", tmp_path, dtype=torch.float16))  # 2 blocks, tied
     result = cli(*args_for(small, tmp_path / "out", method, *extra))
     assert result.exit_code == 0, result.output

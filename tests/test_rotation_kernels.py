@@ -23,13 +23,14 @@ if not torch.cuda.is_available() and not PREIMPORTED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-from quantkit.kernels import rotation  # noqa: E402
+from quantkit.kernels.device import triton_available  # noqa: E402
 from triton_cases import device_params, rerun_with_interpreter  # noqa: E402
 from quantkit.schemes.hadamard import fwht, hadamard_block, random_signs, rotate, unrotate
-from quantkit.kernels.rotation import rotate_activations, rotate_triton
+from quantkit.kernels.rotation import rotate_activations
+from quantkit.kernels.triton_rotation import rotate_triton
 
 
-DEVICES = device_params("not importable" if rotation.triton is None else None, INTERPRET, PREIMPORTED)
+DEVICES = device_params(None if triton_available() else "not importable", INTERPRET, PREIMPORTED)
 
 
 def sylvester(b, dtype=torch.float64):

@@ -103,7 +103,7 @@ def test_sym_negative_extreme_keeps_the_full_code(bits):
 
 def squared_errors(w, scale, bits, importance=torch.tensor(1.0)):
     zero = torch.full_like(scale, 2.0 ** (bits - 1))
-    decoded = qgrid.fake_quantize(w, scale[:, None], zero[:, None], 2**bits - 1)
+    decoded = qgrid.dequantize(qgrid.quantize(w, scale[:, None], zero[:, None], 2**bits - 1), scale[:, None], zero[:, None])
     return ((w.double() - decoded.double()) ** 2 * importance.double()).sum(dim=1)
 
 

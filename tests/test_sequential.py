@@ -11,7 +11,8 @@ from quantkit.algorithms.gptq import GPTQ
 from quantkit.algorithms.method import Method
 from quantkit.models.arch import arch_for, block_linears, get_submodule
 from quantkit.calibration.replay import ReplayedOutputs
-from quantkit.calibration.sequential import _observe_stage, input_hooks, run_sequential
+from quantkit.calibration.sequential import _observe_stage, input_hooks
+from tiny_models import run_sequential
 from test_awq import _block_runner, ids, tiny_model
 
 QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]

@@ -2,7 +2,9 @@
 import torch
 from safetensors.torch import save_file
 
-from quantkit.api import quantize, quantizable_linears
+from quantkit.api import quantize
+from tiny_models import model_tensors
+from quantkit.run.precheck import quantizable_linears
 from quantkit.run.config import QuantConfig
 from quantkit.checkpoint import files as checkpoint, codecs, shards
 from quantkit.algorithms.method import Method
@@ -34,7 +36,7 @@ def in_memory_checkpoint(src, folder, config):
     state = {k: v.to(torch.float32) for k, v in drop_shared(model.state_dict()).items()}
     codec = codecs.codec_for(results, config.checkpoint_format)
     folder.mkdir()
-    checkpoint.write_tensors(folder, codecs.model_tensors(state, results, codec, config),
+    checkpoint.write_tensors(folder, model_tensors(state, results, codec, config),
                              checkpoint.parse_size(config.max_shard_size))
 
 

@@ -19,7 +19,8 @@ from quantkit.core.errors import QuantkitError
 from quantkit.core import bitpack
 from quantkit.run.load import load_quantized
 from quantkit.schemes.lloyd_max import codebook_mse, lloyd_max, sphere_density
-from quantkit.algorithms.gptq import GPTQ, output_error
+from quantkit.algorithms.gptq import GPTQ
+from quantkit.algorithms.hessian import output_error
 from quantkit.algorithms.rtn import rtn
 from quantkit.schemes.turboquant import TurboQuant
 from quantkit.nn.decoded_linear import DecodedLinear

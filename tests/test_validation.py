@@ -228,9 +228,9 @@ def no_loading(*args, **kwargs):
 
 
 def test_a_wrong_calibration_dataset_is_named_before_the_model_loads(tmp_path, source, monkeypatch):
-    import quantkit.api
+    import quantkit.run.pipeline
 
-    monkeypatch.setattr(quantkit.api, "open_model", no_loading)
+    monkeypatch.setattr(quantkit.run.pipeline, "open_model", no_loading)
     quantize_refused(tmp_path, source, "--method", "gptq", "--dataset", source / "missing.txt",
                      words=["does not exist"])
     quantize_refused(tmp_path, source, "--method", "awq", "--dataset", "wikitext3", words=["unknown dataset"])

@@ -49,3 +49,36 @@ def make_model_folder(kind: str, root: Path, dtype=torch.float32, seed=0) -> Pat
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(folder)
     return folder
+
+
+def dequantize_gptq(t: dict, bits: int, in_features: int, checkpoint_format: str = "gptq") -> torch.Tensor:
+    """Full float32 weight [N, K] (nn.Linear orientation) of one layer's GPTQ-layout tensors."""
+    from quantkit.core.gptq_layout import V1_ZERO_OFFSET, decode
+
+    w_t = decode(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, in_features,
+                 V1_ZERO_OFFSET[checkpoint_format])
+    return w_t.t().contiguous()
+
+
+def run_sequential(model, arch, input_ids, method, device, true_sequential=True, store_device="cpu") -> dict:
+    """Quantize every block of an in-memory model in order; {full module name: QuantResult}."""
+    from quantkit.calibration.sequential import calibrated_blocks
+    from quantkit.models.stream import InMemoryModel
+
+    results = {}
+    for _, _, block_results in calibrated_blocks(InMemoryModel(model, ""), arch, input_ids, method, device,
+                                                 true_sequential, store_device):
+        results.update(block_results)
+    return results
+
+
+def model_tensors(state_dict: dict, results: dict, codec, config) -> dict:
+    """A whole checkpoint's tensors, as quantkit wrote them before streaming: the codec's for quantized modules,
+    everything else as it is."""
+    out = {name: t for name, t in state_dict.items()
+           if not (name.rpartition(".")[0] in results and name.rpartition(".")[2] in ("weight", "bias"))}
+    for module, res in results.items():
+        bias = state_dict.get(f"{module}.bias")
+        for suffix, t in codec.layer_tensors(res, config, bias.dtype if bias is not None else None).items():
+            out[f"{module}.{suffix}"] = t
+    return out

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from quantkit.algorithms.registry import MethodSpec, register_method
 from quantkit.core import matmul
 from quantkit.core.groups import group_index, group_width, n_groups
 from quantkit.models.arch import get_weight, is_linear
@@ -59,7 +60,7 @@ def fake_quant(w: torch.Tensor, quantizer, group_size: int, bounds: Optional[tor
     return qz.fake_quantize(w, quantizer, group_size, bounds)
 
 
-def _subsample(x: torch.Tensor, n: int) -> torch.Tensor:
+def subsample(x: torch.Tensor, n: int) -> torch.Tensor:
     """At most n evenly spaced rows of x (deterministic)."""
     if x.shape[0] <= n:
         return x
@@ -86,7 +87,7 @@ def search_scales(weights: Sequence[torch.Tensor], x: torch.Tensor, quantizer, g
     if not weights:
         raise ValueError("search_scales needs at least one weight")
     x_mean = x.abs().mean(dim=0, dtype=torch.float32)
-    xs = _subsample(x, SEARCH_TOKENS).float()
+    xs = subsample(x, SEARCH_TOKENS).float()
     ws = [w.detach().float().to(x.device) for w in weights]
     for w in ws:
         if w.shape[1] != x.shape[1]:
@@ -114,7 +115,7 @@ def search_scales(weights: Sequence[torch.Tensor], x: torch.Tensor, quantizer, g
     return _scales(x_mean, best / n_grid), best / n_grid, errors
 
 
-def _in_features(m: nn.Module) -> int:
+def in_features_of(m: nn.Module) -> int:
     return get_weight(m).shape[1]
 
 
@@ -123,7 +124,7 @@ def fold_reason(prev_op: nn.Module, linears: Sequence[nn.Module], n: Optional[in
     bad = [type(m).__name__ for m in linears if not is_linear(m)]
     if bad:
         return f"not linear layers: {bad}"
-    widths = {_in_features(m) for m in linears}
+    widths = {in_features_of(m) for m in linears}
     if len(widths) != 1:
         return f"linears read inputs of different widths {sorted(widths)}"
     width = widths.pop()
@@ -175,7 +176,7 @@ def fold_scales(prev_op: nn.Module, linears: Sequence[nn.Module], s: torch.Tenso
     return None
 
 
-def _group_bounds(w: torch.Tensor, grid: Grid, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_bounds(w: torch.Tensor, grid: Grid, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Unclipped range per (row, group), as grid.fit sees it: [min(w, 0), max(w, 0)], or ±absmax."""
     rows, cols = w.shape
     size, ng = group_width(cols, group_size), n_groups(cols, group_size)
@@ -201,12 +202,12 @@ def clip_search(weight: torch.Tensor, x: torch.Tensor, grid: Grid, group_size: i
     rows, cols = w.shape
     size, ng = group_width(cols, group_size), n_groups(cols, group_size)
     pad = ng * size - cols
-    xs = torch.nn.functional.pad(_subsample(x, CLIP_TOKENS).float(), (0, pad))
+    xs = torch.nn.functional.pad(subsample(x, CLIP_TOKENS).float(), (0, pad))
     xg = xs.view(-1, ng, size).transpose(0, 1)                      # [ng, tokens, size]
     # mean over tokens of (x_g · d_g)² = d_g G_g d_gᵀ with G_g = x_gᵀ x_g / tokens: size² instead of
     # tokens work per (row, group) and step
     gram = torch.bmm(xg.transpose(1, 2), xg) / xg.shape[1]         # [ng, size, size]
-    lo0, hi0 = _group_bounds(w, grid, group_size)
+    lo0, hi0 = group_bounds(w, grid, group_size)
     best_lo, best_hi = lo0.clone(), hi0.clone()
     err0 = torch.empty(rows, ng, device=w.device)
     best_err = torch.empty(rows, ng, device=w.device)
@@ -246,3 +247,8 @@ def no_clip(name: str) -> bool:
     """Whether the linear `name` (relative or full) is a query/key projection that AWQ never clips."""
     leaf = name.rsplit(".", 1)[-1]
     return any(k in leaf for k in NO_CLIP)
+
+
+register_method(MethodSpec("awq", gptq=False, awq=True,
+                           summary="activation-aware scales folded into the model, then RTN"))
+register_method(MethodSpec("awq+gptq", gptq=True, awq=True, summary="AWQ scales, then GPTQ"))

@@ -9,8 +9,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from quantkit.algorithms.awq import (CLIP_TOKENS, SEARCH_TOKENS, _group_bounds, _in_features, _subsample, apply_clip,
-                                     clip_search, fold_reason, fold_scales, no_clip, search_scales)
+from quantkit.algorithms.awq import (CLIP_TOKENS, SEARCH_TOKENS, apply_clip, clip_search, fold_reason, fold_scales,
+                                     group_bounds, in_features_of, no_clip, search_scales, subsample)
 from quantkit.models.arch import first_tensor, get_weight, require_scale_groups
 from quantkit.schemes.grid import Grid
 
@@ -44,7 +44,7 @@ def _trial_fold(runner, prev_op, linears, norm_offset, x0, y0) -> Optional[str]:
     params = _params([prev_op, *linears])
     saved = [p.data.clone() for p in params]
     gen = torch.Generator().manual_seed(0)
-    s = 2.0 ** torch.randint(-2, 3, (_in_features(linears[0]),), generator=gen).float()
+    s = 2.0 ** torch.randint(-2, 3, (in_features_of(linears[0]),), generator=gen).float()
     try:
         fold_scales(prev_op, linears, s, norm_offset)
         _, y1 = _forward_first(runner)
@@ -64,18 +64,20 @@ def _label(prev: Optional[str], names: Sequence[str]) -> str:
 
 
 @torch.no_grad()
-def awq_prepare_block(runner, block: nn.Module, prefix: str, arch, config) -> dict:
+def awq_prepare_block(runner, block: nn.Module, prefix: str, arch, config, spec_of=None) -> dict:
     """Search and fold AWQ scales for every scale group of `block`, then clip; weights change in place.
 
     runner: quantkit.calibration.sequential.BlockRunner for this block (calibration inputs + kwargs).
-    prefix: the block's full name ("model.layers.3"); config.spec_for(f"{prefix}.{name}") picks the
+    prefix: the block's full name ("model.layers.3"); spec_of(f"{prefix}.{name}") (its LayerSpec; by default
+    config.spec_for) picks the
     quantizer (the group's first quantized linear decides for the group) and skips linears.
     Returns {group label: {"alpha", "error_rtn" (alpha = 0), "error_awq", "skipped": reason or None,
     "clip": {linear: {"error_noclip", "error_clip", "mean_ratio"}}}}. Linears that belong to no scale
     group are still clipped, under the label "(no scale group)->name".
     """
     require_scale_groups(arch)
-    specs = {name: config.spec_for(f"{prefix}.{name}")
+    spec_of = spec_of or config.spec_for
+    specs = {name: spec_of(f"{prefix}.{name}")
              for name in [n for stage in arch.sequential for n in stage] + [n for _, ls in arch.scale_groups for n in ls]}
     report, plans = _plan(block, arch, specs)
     clip_names = _clip_targets(arch, specs, report) if config.awq_clip else []
@@ -87,7 +89,7 @@ def awq_prepare_block(runner, block: nn.Module, prefix: str, arch, config) -> di
     xs = runner.capture(sorted(set(capture_of.values())), search_samples(runner.inputs)) if capture_of else {}
     scales = _search_and_fold(runner, block, arch, config, specs, plans, xs, report)
     for n in clip_names:
-        x = _subsample(xs[capture_of[n]], CLIP_TOKENS).float()
+        x = subsample(xs[capture_of[n]], CLIP_TOKENS).float()
         if n in scales:
             x = x / scales[n].to(x.device)      # the linear now reads x / s (and holds W s)
         label = next((_label(p, ns) for p, ns in arch.scale_groups if n in ns), _label(None, [n]))
@@ -101,7 +103,7 @@ def search_samples(inputs) -> list[int]:
     The searches' errors always came from SEARCH_TOKENS tokens; mean|x| now comes from the same samples instead of
     all of them, so the fp forward that captures their inputs (a third of AWQ's time with 64 x 512 samples) runs on
     those samples only. On SmolLM2 the change is within what the calibration draw itself moves (docs/notes/quality-log.md,
-    "AWQ's search samples")."""
+    "Calibration speed: the MLP's tail replayed, the transposed GPTQ loop, AWQ staged")."""
     n = len(inputs)
     k = min(n, -(-SEARCH_TOKENS // max(1, inputs[0].shape[:-1].numel())))
     return torch.linspace(0, n - 1, k).round().long().tolist()
@@ -164,7 +166,7 @@ def _search_and_fold(runner, block, arch, config, specs, plans, xs, report) -> d
 
 def _clip(module, x, spec, n_grid) -> dict:
     grid = spec.quantizer()
-    lo0, hi0 = _group_bounds(get_weight(module), grid, spec.group_size)
+    lo0, hi0 = group_bounds(get_weight(module), grid, spec.group_size)
     bounds, e0, e1 = clip_search(get_weight(module), x, grid, spec.group_size, n_grid=n_grid, return_errors=True)
     apply_clip(module, bounds, spec.group_size)
     span0 = hi0 - lo0

@@ -6,7 +6,7 @@ Usage, one object per nn.Linear (weight [out, in]):
     for x in calibration_inputs_of_this_linear:   # x [..., in]
         g.add_batch(x)
     res = g.quantize(Grid(4, sym=True), group_size=128)   # any quantizer: quantkit.schemes.base
-    err = output_error(linear.weight, res.dequantize(), g.H)
+    err = output_error(linear.weight, res.dequantize(), g.H)   # quantkit.algorithms.hessian
     g.free()
 
 The algorithm (`GPTQ.quantize`):
@@ -36,8 +36,9 @@ from typing import Optional
 
 import torch
 
+from quantkit.algorithms.hessian import HessianObserver
+from quantkit.algorithms.registry import MethodSpec, register_method
 from quantkit.algorithms.rtn import check_args
-from quantkit.core import matmul
 from quantkit.core.errors import QuantkitError
 from quantkit.core.finite import all_finite
 from quantkit.core.groups import group_index, group_width, n_groups
@@ -46,91 +47,8 @@ from quantkit.core.result import QuantResult
 MAX_DAMP = 1.0  # largest damping fraction tried before giving up
 
 
-class GPTQ:
-    """Hessian accumulator and quantizer for one linear layer's weight [out, in].
-
-    Works on the weight's device. The internal dtype is float32 (float64 when the weight is
-    float64, which tests use for exact comparisons).
-    """
-
-    def __init__(self, weight: torch.Tensor):
-        if weight.dim() != 2:
-            raise QuantkitError(f"GPTQ expects a 2-D weight [out, in], got shape {tuple(weight.shape)}")
-        dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        # No copy when the weight already has the working dtype: GPTQ never writes to it (quantize works on a
-        # clone, rotate makes a new tensor), and on a wide layer a copy is 4 bytes per weight of peak memory.
-        self.weight = weight.detach().to(dtype=dtype)
-        self.rows, self.columns = self.weight.shape
-        self.H = torch.zeros(self.columns, self.columns, dtype=dtype, device=self.weight.device)
-        self.nsamples = 0
-        self.dequant: Optional[torch.Tensor] = None  # set by quantize(keep_dequant=True)
-        self._factor = _SharedFactor()
-
-    @property
-    def H(self) -> Optional[torch.Tensor]:
-        """The Hessian [in, in]; add_batch updates only its upper block triangle, mirrored here when read."""
-        if self._lower_stale:
-            for a, b in _tiles(self.columns):
-                self._H[b:, a:b] = self._H[a:b, b:].t()
-            self._lower_stale = False
-        return self._H
-
-    @H.setter
-    def H(self, value: Optional[torch.Tensor]) -> None:
-        self._H, self._lower_stale = value, False
-
-    def add_batch(self, x: torch.Tensor) -> None:
-        """Accumulate H = 2/N * sum x x^T over the tokens of x [..., in] (a running average)."""
-        if self._H is None:
-            raise RuntimeError("GPTQ.add_batch after free()")
-        if x.shape[-1] != self.columns:
-            raise ValueError(f"input has {x.shape[-1]} features, the layer expects {self.columns}")
-        x = x.detach().reshape(-1, self.columns).to(device=self._H.device, dtype=self._H.dtype)
-        m = x.shape[0]
-        if m == 0:
-            return
-        n = self.nsamples + m
-        # H <- H * old/new + 2/new * x^T x, one row band of tiles at a time from the diagonal on: H is symmetric,
-        # so the products below the diagonal tiles are skipped (the Hessians were a quarter of GPTQ calibration's
-        # time on CPU; this saves a third of them, measured on SmolLM2's 576 and 1536 inputs). xt's rows are the
-        # inputs' features; for oneDNN (quantkit.core.matmul) copied once, so that every band's operands are contiguous
-        # row slices (a GPU's BLAS reads the transposed view as it is)
-        xt = x.t().contiguous() if matmul.uses_onednn(x) else x.t()
-        for a, b in _tiles(self.columns):
-            matmul.addmm_nt_(self._H[a:b, a:], xt[a:b], xt[a:], beta=self.nsamples / n, alpha=2.0 / n)
-        self._lower_stale = True
-        self.nsamples = n
-        self._factor.forget()
-
-    def share_statistics(self, other: "GPTQ") -> None:
-        """Use `other`'s Hessian (a linear fed the very same inputs, e.g. k_proj beside q_proj): accumulated
-        once, read by both (quantize() restores every change it makes to H)."""
-        if other.columns != self.columns:
-            raise ValueError(f"cannot share a Hessian of {other.columns} inputs with a layer of {self.columns}")
-        self.H, self.nsamples = other.H, other.nsamples
-        self._use_factor(other._factor)
-
-    def _use_factor(self, shared: Optional["_SharedFactor"] = None) -> None:
-        """From now on read `shared` (the factor of the layer whose Hessian this one reads), or one of its own."""
-        self._factor.users -= 1
-        if shared is None:
-            self._factor = _SharedFactor()
-        else:
-            shared.users += 1
-            self._factor = shared
-
-    def free(self) -> None:
-        """Drop the Hessian and the weight copy; the object cannot quantize afterwards."""
-        self.H = None
-        self.weight = None
-        self.dequant = None
-        self._use_factor()
-
-    def rotate(self, rotation) -> None:
-        """Move to the rotated basis: W <- W Πᵀ, H <- Π H Πᵀ (the layer will compute Ŵ (Π x))."""
-        self.weight = rotation.rotate_weight(self.weight)
-        self.H = rotation.rotate_hessian(self.H)
-        self._use_factor()  # a Hessian of its own now
+class GPTQ(HessianObserver):
+    """The Hessian of one linear layer's inputs (add_batch), and GPTQ's rounding of its weight against it."""
 
     def quantize(self, quantizer, group_size: int = 128, block_size: int = 128, damp: float = 0.01,
                  act_order: bool = False, static_groups: bool = True,
@@ -150,7 +68,7 @@ class GPTQ:
         diag = self.H.diagonal().clone()
         dead = diag == 0
         diag_fixed = torch.where(dead, torch.ones_like(diag), diag)
-        # The working copy, one row per column (see _feedback_loop); always a copy, also of a transposed weight
+        # The working copy, one row per column (see _FeedbackLoop); always a copy, also of a transposed weight
         Wt = self.weight.t().clone(memory_format=torch.contiguous_format)
         Wt[dead] = 0
 
@@ -160,29 +78,22 @@ class GPTQ:
         if perm is not None:
             Wt = Wt[perm]
         col_group = ((perm // size).tolist() if static and perm is not None else [c // size for c in range(cols)])
-        Hinv, damp_used, retries = self._factor.get(self.H, (damp, act_order, width),
+        Hinv, damp_used, retries = self.factor.get(self.H, (damp, act_order, width),
                                                     lambda: self._inverse(diag, diag_fixed, perm, damp))
         refit_importance = None if static else (diag_fixed if perm is None else diag_fixed[perm])
-        Qt, Wqt = _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, -(-block_size // width) * width,
-                                 refit_importance, n_groups=n_groups(cols, group_size), keep_dequant=keep_dequant)
+        loop = _FeedbackLoop(Wt, Hinv, quantizer, params, col_group, size, refit_importance, n_groups(cols, group_size),
+                             keep_dequant)
+        Qt, Wqt = loop.run(-(-block_size // width) * width)
         del Hinv, Wt
 
         g_idx = group_index(cols, group_size).to(Qt.device)
         if perm is not None:
-            invperm = torch.argsort(perm)
-            Qt = Qt[invperm]
-            Wqt = Wqt[invperm] if Wqt is not None else None
-            if not static:
-                g_idx = (invperm // size).to(torch.int32)
+            Qt, Wqt, g_idx = _original_order(perm, Qt, Wqt, g_idx if static else None, size)
         Q = Qt.t().contiguous()
-        Wq = Wqt.t().contiguous() if Wqt is not None else None
-        self.dequant = Wq
+        self.dequant = Wqt.t().contiguous() if Wqt is not None else None
         if Q.is_cuda:
             torch.cuda.synchronize(Q.device)
-        message = None
-        if retries:
-            message = (f"GPTQ: Hessian not positive definite with damp={damp:g}; "
-                       f"used damp={damp_used:g} after {retries} retr{'y' if retries == 1 else 'ies'}")
+        message = _damping_message(damp, damp_used, retries)
         return QuantResult(
             codes=Q.to(torch.int32), params=params, g_idx=g_idx, quantizer=quantizer, group_size=group_size,
             bias=bias, stats={"damp": damp_used, "retries": retries, "dead": int(dead.sum()), "message": message},
@@ -211,40 +122,6 @@ class GPTQ:
                                 "finite): the model overflows on this data; try --dtype float32")
 
 
-class _SharedFactor:
-    """The inverse Hessian's factor (with its damping and retries) of the layers sharing one Hessian (q/k/v): the
-    first to quantize computes it, the others reuse it (the same H, damping, and act-order permutation give the same
-    matrix, bit for bit). Kept only while another user remains, so a layer alone never holds it past its GPTQ."""
-
-    def __init__(self):
-        self.users = 1          # GPTQ objects reading this Hessian that have not been freed
-        self.hessian = None     # the tensor the value was computed from (compared by identity)
-        self.settings = None    # (damp, act_order, unit width) it was computed with
-        self.value = None
-
-    def get(self, hessian, settings, compute):
-        value = self.value if (self.hessian is hessian and self.settings == settings) else compute()
-        keep = self.users > 1
-        self.hessian, self.settings, self.value = (hessian, settings, value) if keep else (None, None, None)
-        return value
-
-    def forget(self) -> None:
-        """The Hessian changed in place (more samples)."""
-        self.hessian = self.settings = self.value = None
-
-
-# Rows per band of add_batch's products. Of the widths tried (128 to 768, 512-token batches, two CPU threads,
-# AMD Zen 4), 192 was the best or within 3 % of it on 1536, 2048 and 4096 inputs (0.59-0.66x the full product's
-# time) and 8 % off on 576 (0.78x against 128's 0.72x).
-HESSIAN_TILE = 192
-
-
-def _tiles(columns: int) -> list[tuple[int, int]]:
-    """[start, end) of add_batch's row bands."""
-    edges = list(range(0, columns, HESSIAN_TILE)) + [columns]
-    return list(zip(edges[:-1], edges[1:]))
-
-
 def _fit_static(Wt, quantizer, group_size, importance) -> dict:
     """Every group's parameters from the original weights (Wt transposed, [cols, rows]), in original column order
     (static groups), each column's rounding error weighted by its `importance` (H's diagonal) where the quantizer
@@ -261,13 +138,29 @@ def _fit_static(Wt, quantizer, group_size, importance) -> dict:
     return params
 
 
+def _damping_message(damp, damp_used, retries):
+    """A line for the user when the damping had to be raised, else None."""
+    if not retries:
+        return None
+    return (f"GPTQ: Hessian not positive definite with damp={damp:g}; "
+            f"used damp={damp_used:g} after {retries} retr{'y' if retries == 1 else 'ies'}")
+
+
+def _original_order(perm, Qt, Wqt, g_idx, size):
+    """Codes and dequantized weights (transposed) back in the original column order; g_idx kept when given (static
+    groups), else each column's group in quantization order (act-order without static groups)."""
+    invperm = torch.argsort(perm)
+    Wqt = Wqt[invperm] if Wqt is not None else None
+    return Qt[invperm], Wqt, g_idx if g_idx is not None else (invperm // size).to(torch.int32)
+
+
 def _unit_order(diag: torch.Tensor, width: int) -> torch.Tensor:
     """Act-order: columns by descending Hessian diagonal, whole units kept together (summed diagonal)."""
     units = torch.argsort(diag.view(-1, width).sum(dim=1), descending=True, stable=True)
     return (units[:, None] * width + torch.arange(width, device=diag.device)).reshape(-1)
 
 
-def _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, block_size, refit_importance, n_groups, keep_dequant):
+class _FeedbackLoop:
     """Round the weights unit by unit in (permuted) column order, each unit's error fed to the columns after it.
 
     Wt is the weight transposed, [cols, rows] (in the order to quantize): each column is a contiguous row, and the
@@ -281,55 +174,81 @@ def _feedback_loop(Wt, Hinv, quantizer, params, col_group, size, block_size, ref
     units it is the block LDLQ of QuIP#. With `refit_importance` (H's diagonal in Wt's order) groups are refitted: a
     group's parameters are fitted when its first column is reached, on the error-updated columns (those in this
     block are in W1; those past it still miss this block's pending lazy update); otherwise `params` holds every
-    group's already. Returns (codes, dequantized weights or None), transposed like Wt.
+    group's already. run() returns (codes, dequantized weights or None), transposed like Wt.
     """
-    cols, rows = Wt.shape
-    width = quantizer.width
-    on_host = Wt.device.type == "cpu" and getattr(quantizer, "rounds_numpy", False)
-    view = torch.Tensor.numpy if on_host else (lambda t: t)  # what the per-column steps index and compute on
-    Qt = torch.zeros(cols, rows, dtype=torch.int32, device=Wt.device)  # codes are integers (exact in int32)
-    Wqt = torch.zeros_like(Wt) if keep_dequant else None
-    Q_, Wq_ = view(Qt), (view(Wqt) if Wqt is not None else None)
-    unit_params = {}  # group -> its parameters as the quantizer takes them, sliced once (act-order revisits groups)
-    for i1 in range(0, cols, block_size):
-        i2 = min(i1 + block_size, cols)
+
+    def __init__(self, Wt, Hinv, quantizer, params, col_group, size, refit_importance, n_groups, keep_dequant):
+        self.Wt, self.Hinv, self.quantizer, self.params = Wt, Hinv, quantizer, params
+        self.col_group, self.size, self.refit_importance, self.n_groups = col_group, size, refit_importance, n_groups
+        cols, rows = Wt.shape
+        on_host = Wt.device.type == "cpu" and getattr(quantizer, "rounds_numpy", False)
+        self.view = torch.Tensor.numpy if on_host else (lambda t: t)  # what the per-column steps index and compute on
+        self.Qt = torch.zeros(cols, rows, dtype=torch.int32, device=Wt.device)  # codes are integers (exact in int32)
+        self.Wqt = torch.zeros_like(Wt) if keep_dequant else None
+        self.Q_, self.Wq_ = self.view(self.Qt), (self.view(self.Wqt) if self.Wqt is not None else None)
+        self.unit_params = {}  # group -> its parameters as the quantizer takes them, sliced once (act-order revisits)
+
+    def run(self, block_size: int):
+        """Every block in turn, then one lazy update of the columns after it; returns (codes, dequantized or None)."""
+        cols = self.Wt.shape[0]
+        for i1 in range(0, cols, block_size):
+            i2 = min(i1 + block_size, cols)
+            Err1 = self._block(i1, i2)
+            self.Wt[i2:].addmm_(self.Hinv[i1:i2, i2:].t(), Err1, alpha=-1)  # in place: no [rest, rows] temporary
+        return self.Qt, self.Wqt
+
+    def _block(self, i1: int, i2: int):
+        """Columns i1..i2, each unit's error fed to the block's later columns; returns the block's errors."""
+        Wt, Hinv, width = self.Wt, self.Hinv, self.quantizer.width
         W1 = Wt[i1:i2].clone()
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
-        W1_, Err1_ = view(W1), view(Err1)
+        W1_, Err1_ = self.view(W1), self.view(Err1)
         pivots = Hinv1.diagonal().tolist()  # U_ii as Python floats: the same division, one read per block
         for i in range(0, i2 - i1, width):
-            c, u = i1 + i, slice(i, i + width)
-            g = col_group[c]
-            if refit_importance is not None and c % size == 0:
-                end = min(c + size, cols)
+            c = i1 + i
+            g = self.col_group[c]
+            if self.refit_importance is not None and c % self.size == 0:
+                end = min(c + self.size, Wt.shape[0])
                 cur = W1[i:min(end, i2) - i1]
-                if end > i2:
+                if end > i2:  # the group's columns past this block still miss its pending lazy update
                     cur = torch.cat([cur, Wt[i2:end] - Hinv[i1:c, i2:end].t() @ Err1[:i]])
-                for key, value in quantizer.fit(cur.t().contiguous(), importance=refit_importance[c:end]).items():
-                    params.setdefault(key, torch.zeros(rows, n_groups, dtype=torch.float32, device=Wt.device))[:, g] = value
-                unit_params.pop(g, None)
-            if g not in unit_params:
-                unit_params[g] = {k: view(v[:, g].contiguous()) for k, v in params.items()}
+                self._refit(g, cur, self.refit_importance[c:end])
+            if g not in self.unit_params:
+                self.unit_params[g] = {k: self.view(v[:, g].contiguous()) for k, v in self.params.items()}
             if width == 1:
                 w = W1_[i]
-                q, wq = quantizer.round(w[:, None], unit_params[g])
-                Q_[c] = q[:, 0]
-                if Wq_ is not None:
-                    Wq_[c] = wq[:, 0]
+                q, wq = self.quantizer.round(w[:, None], self.unit_params[g])
+                self.Q_[c] = q[:, 0]
+                if self.Wq_ is not None:
+                    self.Wq_[c] = wq[:, 0]
                 Err1_[i] = (w - wq[:, 0]) / pivots[i]
                 W1[i:] -= torch.outer(Hinv1[i, i:], Err1[i])  # torch's kernels beat NumPy's on this large product
             else:
-                w = W1[u].t().contiguous()  # [rows, width], laid out as the quantizers' reductions expect
-                q, wq = quantizer.round(w, unit_params[g])
-                Qt[c:c + width] = q.t()
-                if Wqt is not None:
-                    Wqt[c:c + width] = wq.t()
-                err = torch.linalg.solve_triangular(Hinv1[u, u], w - wq, upper=True, left=False)
-                W1[i:] -= (err @ Hinv1[u, i:]).t()
-                Err1[u] = err.t()
-        Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1)  # in place: no [rest, rows] temporary
-    return Qt, Wqt
+                self._round_unit(g, c, i, W1, Hinv1, Err1)
+        return Err1
+
+    def _refit(self, g: int, cur, importance) -> None:
+        """Group g's parameters fitted on its error-updated columns cur [size, rows] (transposed)."""
+        rows = cur.shape[1]
+        for key, value in self.quantizer.fit(cur.t().contiguous(), importance=importance).items():
+            self.params.setdefault(key, torch.zeros(rows, self.n_groups, dtype=torch.float32,
+                                                    device=cur.device))[:, g] = value
+        self.unit_params.pop(g, None)
+
+    def _round_unit(self, g: int, c: int, i: int, W1, Hinv1, Err1) -> None:
+        """The unit of width > 1 columns at column c (block offset i): its codes, and its error
+        E = (W_u - Q_u) U_uu⁻¹ fed to the block's later columns and kept in Err1 for the lazy update."""
+        width = self.quantizer.width
+        u = slice(i, i + width)
+        w = W1[u].t().contiguous()  # [rows, width], laid out as the quantizers' reductions expect
+        q, wq = self.quantizer.round(w, self.unit_params[g])
+        self.Qt[c:c + width] = q.t()
+        if self.Wqt is not None:
+            self.Wqt[c:c + width] = wq.t()
+        err = torch.linalg.solve_triangular(Hinv1[u, u], w - wq, upper=True, left=False)
+        W1[i:] -= (err @ Hinv1[u, i:]).t()
+        Err1[u] = err.t()
 
 
 def _inverse_cholesky(H: torch.Tensor, diag: torch.Tensor, perm: Optional[torch.Tensor], damp: float):
@@ -364,39 +283,4 @@ def _inverse_cholesky(H: torch.Tensor, diag: torch.Tensor, perm: Optional[torch.
         f"(more samples, no degenerate inputs) or use --method rtn for this layer")
 
 
-def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
-    """Relative output error ||(W - W_hat) X||^2 / ||W X||^2, from H = 2/N X X^T.
-
-    = trace((W - W_hat) H (W - W_hat)^T) / trace(W H W^T); 0.0 when both are zero.
-    """
-    return fidelity(W, W_hat, H)["error"]
-
-
-def fidelity(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> dict:
-    """How well W_hat x reproduces W x over the calibration inputs, from H = 2/N X Xᵀ alone.
-
-    error:   ||(W - W_hat) X||² / ||W X||² (output_error)
-    cosine:  <W X, W_hat X> / (||W X|| ||W_hat X||) over all tokens and outputs, = tr(W H Ŵᵀ) / sqrt(tr(W H Wᵀ) tr(Ŵ H Ŵᵀ))
-    sqnr_db: 10 log10(||W X||² / ||(W - W_hat) X||²) = -10 log10(error), None when either is zero
-    (the layer's bias, which quantization leaves alone, is not part of these outputs).
-
-    Two products with H (W H and Ŵ H), each [out, in]: every trace above is an elementwise sum over them,
-    and (W - Ŵ) H is their difference (on a wide layer these products cost more than GPTQ itself)."""
-    W = W.detach().to(device=H.device, dtype=H.dtype)
-    W_hat = W_hat.detach().to(device=H.device, dtype=H.dtype)
-    WH = matmul.linear(W, H)  # W Hᵀ = W H: H is symmetric
-    signal = float((WH * W).sum())
-    cross = float((WH * W_hat).sum())
-    What_H = matmul.linear(W_hat, H)
-    quantized = float((What_H * W_hat).sum())
-    WH -= What_H  # (W - Ŵ) H, in place
-    del What_H
-    noise = float((WH * (W - W_hat)).sum())
-    if signal <= 0:
-        error = 0.0 if noise == 0 else math.inf
-    else:
-        error = noise / signal
-    norms = signal * quantized
-    cosine = cross / math.sqrt(norms) if norms > 0 else (1.0 if error == 0 else 0.0)
-    sqnr = -10 * math.log10(error) if 0 < error < math.inf else None  # None: no noise at all, or no signal
-    return {"error": error, "cosine": cosine, "sqnr_db": sqnr}
+register_method(MethodSpec("gptq", gptq=True, summary="Hessian-aware error feedback"))

@@ -11,23 +11,32 @@ import time
 
 from tqdm.auto import tqdm
 
-from quantkit.algorithms.gptq import GPTQ, fidelity
+from quantkit.algorithms.awq_block import awq_prepare_block
+from quantkit.algorithms.gptq import GPTQ
+from quantkit.algorithms.hessian import fidelity
+from quantkit.algorithms.registry import method_spec
 from quantkit.algorithms.rtn import rtn
 from quantkit.models.arch import Arch, get_weight
-from quantkit.run.config import QuantConfig
 from quantkit.schemes.rotation import Rotation
 
 
 class Method:
-    """Every method is one class with two switches (AWQ scaling first; GPTQ or RTN rounding), the quantizer
-    and rotation coming from the config: turboquant and e8 are RTN, turboquant+gptq and e8+gptq GPTQ, with
-    their codebook behind a Hadamard rotation."""
+    """Every method is one class with two switches (AWQ scaling first; GPTQ or RTN rounding: the method's
+    MethodSpec), the quantizer and rotation coming from the config: turboquant and e8 are RTN, turboquant+gptq and
+    e8+gptq GPTQ, with their codebook behind a Hadamard rotation.
 
-    def __init__(self, config: QuantConfig, arch: Arch):
-        self.config, self.arch = config, arch
-        self.use_awq = config.method in ("awq", "awq+gptq")
-        self.use_gptq = config.method == "gptq" or config.method.endswith("+gptq")
+    config: the run's options (quantkit.run.config.QuantConfig); specs: {linear: its LayerSpec, None when left in
+    float} (quantkit.run.precheck.layer_specs), or None to read each linear's from the config alone."""
+
+    def __init__(self, config, arch: Arch, specs: dict | None = None):
+        self.config, self.arch, self.specs = config, arch, specs
+        spec = method_spec(config.method)
+        self.use_awq, self.use_gptq = spec.awq, spec.gptq
         self.awq_report: dict = {}
+
+    def spec(self, full_name: str):
+        """The LayerSpec of a linear, or None when it stays in floating point."""
+        return self.config.spec_for(full_name) if self.specs is None else self.specs.get(full_name)
 
     @property
     def act_order(self) -> bool:
@@ -36,13 +45,11 @@ class Method:
 
     def prepare_block(self, runner, block, prefix):
         if self.use_awq:
-            from quantkit.algorithms.awq_block import awq_prepare_block
-
-            report = awq_prepare_block(runner, block, prefix, self.arch, self.config)
+            report = awq_prepare_block(runner, block, prefix, self.arch, self.config, self.spec)
             self.awq_report.update({f"{prefix}.{k}": v for k, v in report.items()})
 
     def names(self, prefix, stage):
-        return [n for n in stage if self.config.spec_for(f"{prefix}.{n}") is not None]
+        return [n for n in stage if self.spec(f"{prefix}.{n}") is not None]
 
     def observer(self, full_name, weight):
         return GPTQ(weight)
@@ -52,9 +59,9 @@ class Method:
 
         stats: the method's own (GPTQ: damp, retries, dead, message) plus method, seconds (this call,
         rotation included) and, with data, the fidelity of its outputs on the calibration inputs (error,
-        cosine, sqnr_db; see gptq.fidelity)."""
+        cosine, sqnr_db; see hessian.fidelity)."""
         t0 = time.perf_counter()
-        spec = self.config.spec_for(full_name)
+        spec = self.spec(full_name)
         quantizer = spec.quantizer()
         bias = getattr(module, "bias", None)
         weight = observer.weight if observer is not None else get_weight(module)

@@ -3,6 +3,7 @@ from typing import Optional
 
 import torch
 
+from quantkit.algorithms.registry import MethodSpec, register_method
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import check_shape, group_index, group_width, n_groups
 from quantkit.core.result import QuantResult
@@ -38,3 +39,6 @@ def rtn(weight: torch.Tensor, quantizer, group_size: int = 128,
             params.setdefault(key, torch.empty(rows, n_groups(cols, group_size), device=w.device))[:, g] = value
     return QuantResult(codes=codes, params=params, g_idx=group_index(cols, group_size).to(w.device),
                        quantizer=quantizer, group_size=group_size, bias=bias)
+
+
+register_method(MethodSpec("rtn", gptq=False, summary="round to nearest"))

@@ -18,11 +18,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from quantkit.calibration.distributed import SINGLE
 from quantkit.calibration.replay import ReplayedOutputs, free_bytes, to_device
 from quantkit.core.errors import QuantkitError
 from quantkit.core.finite import all_finite
 from quantkit.core.matmul import onednn_linears
-from quantkit.models.arch import Arch, first_tensor, get_submodule, get_weight, set_weight  # noqa: F401 (re-exported)
+from quantkit.models.arch import (Arch, block_linears, first_tensor, get_submodule,  # noqa: F401 (re-exported)
+                                  get_weight, set_weight)
 
 
 class _StopForward(Exception):
@@ -194,17 +196,6 @@ def check_activations(x: torch.Tensor, where: str) -> torch.Tensor:
     return x
 
 
-def run_sequential(model, arch: Arch, input_ids, method, device, true_sequential=True, store_device="cpu"):
-    """Quantize every block of an in-memory model in order; returns {full module name: QuantResult}."""
-    from quantkit.models.stream import InMemoryModel
-
-    results = {}
-    for _, _, block_results in calibrated_blocks(InMemoryModel(model, ""), arch, input_ids, method, device,
-                                                 true_sequential, store_device):
-        results.update(block_results)
-    return results
-
-
 def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequential=True, store_device="cpu",
                       start=0, replay=None, on_result=None, group=None):
     """Quantize the blocks of `source` (quantkit.models.stream) in order, yielding (index, block, its results)
@@ -222,8 +213,6 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
     group (quantkit.calibration.distributed.Group, under torchrun): this process calibrates on its share of the samples, the
     statistics are summed over the processes and the linears of each stage quantized a share per process.
     """
-    from quantkit.calibration.distributed import SINGLE
-
     group = group or SINGLE
     model = source.model
     blocks = get_submodule(model, arch.blocks)
@@ -343,13 +332,11 @@ def data_free_blocks(source, arch: Arch, method, start=0, on_result=None):
     """RTN-style methods: each block's linears rounded one at a time, yielded, released; no activations.
     Only one quantized linear's weight is loaded at a time (the block's other tensors stay loaded for the writer);
     on_result as in calibrated_blocks."""
-    from quantkit.models.arch import block_linears
-
     blocks = get_submodule(source.model, arch.blocks)
     for i in tqdm(range(start, len(blocks)), desc=method.config.method, unit="block", initial=start,
                   total=len(blocks)):
         prefix = f"{arch.blocks}.{i}"
-        names = [f"{prefix}.{n}" for n in block_linears(arch) if method.config.spec_for(f"{prefix}.{n}") is not None]
+        names = [f"{prefix}.{n}" for n in block_linears(arch) if method.spec(f"{prefix}.{n}") is not None]
         weights = [f"{n}.weight" for n in names]
         block = source.load(prefix, skip=weights)
         results = {}

@@ -18,6 +18,7 @@ back when every zero of a layer is 8, which decodes identically either way.
 import torch
 
 from quantkit.checkpoint import repack
+from quantkit.checkpoint.codecs import Codec, register_codec
 from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
 from quantkit.core.result import QuantResult
@@ -87,11 +88,12 @@ def from_tensors(tensors: dict, name: str, group_size: int, where: str) -> Quant
                        bias=tensors.get(f"{name}.bias"))
 
 
-class AWQCodec:
+@register_codec
+class AWQCodec(Codec):
     """Unrotated 4-bit integer grids <-> AutoAWQ's GEMM layout."""
 
     quant_method = "awq"
-    checkpoint_formats = ("awq",)
+    checkpoint_formats = {"awq": "AutoAWQ GEMM: 4-bit, a group size dividing every layer, no rotation or codebook"}
 
     @staticmethod
     def accepts(res: QuantResult) -> bool:
@@ -144,7 +146,29 @@ class AWQCodec:
 
     @staticmethod
     def build_module(layer, qc: dict, dtype):
-        from quantkit.nn.quant_linear import QuantLinear
+        return repack.runtime_module(layer, dtype)
 
-        return QuantLinear(layer.in_features, layer.out_features, layer.bits, layer.group_size, layer.bias,
-                           repack.RUNTIME_FORMAT, dtype=dtype, device="meta")
+    @staticmethod
+    def layer_result(tensors: dict, name: str, settings: dict, fmt: str) -> QuantResult:
+        return from_tensors(tensors, name, settings["group_size"], "the run being resumed")
+
+    @staticmethod
+    def precheck(config, specs: dict, shapes: dict) -> None:
+        repack.check_integer_settings(config, "awq")
+        kinds = sorted({(s.bits, s.group_size) for s in specs.values() if s is not None})
+        if len(kinds) > 1:
+            raise QuantkitError(f"--checkpoint-format awq has one bits/group_size for every layer, and the recipe "
+                                f"gives {kinds}: drop its bits/group_size overrides, or use --checkpoint-format "
+                                "compressed-tensors")
+        for name, spec in specs.items():
+            k, n = shapes[name]
+            if spec is None:
+                continue
+            if spec.bits != BITS:
+                raise QuantkitError(f"--checkpoint-format awq stores 4-bit codes only ({name} has {spec.bits}): "
+                                    "use --bits 4, or --checkpoint-format compressed-tensors")
+            if spec.group_size == -1 or k % spec.group_size or n % 8:
+                raise QuantkitError(f"--checkpoint-format awq needs a group size dividing every layer's inputs and "
+                                    f"outputs in multiples of 8 ({name}: {k} inputs, {n} outputs, group size "
+                                    f"{spec.group_size}): pick such a --group-size, or use --checkpoint-format "
+                                    "compressed-tensors")

@@ -31,18 +31,12 @@ class Problem:
     fix: str
 
 
-def check(config, specs: dict, shapes: dict, fused: dict) -> list[Problem]:
-    """Problems of the run's settings per reader.
+def gptq_problems(config, specs: dict, shapes: dict, fused: dict) -> list[Problem]:
+    """Problems of a GPTQ-layout run's settings per reader (what GPTQCodec.compat_problems reports).
 
     specs {linear: LayerSpec, or None when left in float}; shapes {linear: (in_features, out_features)};
-    fused {serving name: its linears} (quantkit.models.arch.fused_groups). The rules are those of the GPTQ
-    layout; awq and compressed-tensors refuse what they cannot store themselves (checkpoint/codecs.py precheck)."""
-    if config.checkpoint_format in ("awq", "compressed-tensors"):
-        return []
-    if config.quantizer != "int" or config.rotate != "none":
-        why = f"quant_method 'quantkit' ({'rotated' if config.rotate != 'none' else config.quantizer} layers)"
-        fix = "only quantkit.load_quantized reads it; use --quantizer int --rotate none for a GPTQ checkpoint"
-        return [Problem(r, why, fix) for r in READERS]
+    fused {serving name: its linears} (quantkit.models.arch.fused_groups). Each codec states its readers' rules
+    (quantkit.checkpoint.codecs); awq and compressed-tensors refuse what they cannot store in their precheck."""
     quantized = {n: s for n, s in specs.items() if s is not None}
     return (_vllm_types(quantized) + _group_sizes(quantized, shapes) + _short_groups(quantized, shapes)
             + _split_groups(specs, fused) + _overrides(config, specs))

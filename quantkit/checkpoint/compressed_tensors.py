@@ -18,6 +18,7 @@ import re
 import torch
 
 from quantkit.checkpoint import repack
+from quantkit.checkpoint.codecs import Codec, register_codec
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import n_groups
 from quantkit.core.result import QuantResult
@@ -165,11 +166,12 @@ def check_group(key: str, group, where: str) -> None:
         raise QuantkitError(f"{where} symmetric must be true or false")
 
 
-class CompressedTensorsCodec:
+@register_codec
+class CompressedTensorsCodec(Codec):
     """Unrotated integer grids <-> compressed-tensors pack-quantized."""
 
     quant_method = "compressed-tensors"
-    checkpoint_formats = ("compressed-tensors",)
+    checkpoint_formats = {"compressed-tensors": "llm-compressor's pack-quantized; no rotation or codebook"}
     refusal = staticmethod(refusal)
 
     @staticmethod
@@ -208,7 +210,13 @@ class CompressedTensorsCodec:
 
     @staticmethod
     def build_module(layer, qc: dict, dtype):
-        from quantkit.nn.quant_linear import QuantLinear
+        return repack.runtime_module(layer, dtype)
 
-        return QuantLinear(layer.in_features, layer.out_features, layer.bits, layer.group_size, layer.bias,
-                           repack.RUNTIME_FORMAT, dtype=dtype, device="meta")
+    @staticmethod
+    def layer_result(tensors: dict, name: str, settings: dict, fmt: str) -> QuantResult:
+        args = weights_args(settings["bits"], settings["group_size"], settings["sym"])
+        return from_tensors(tensors, name, args, "the run being resumed")
+
+    @staticmethod
+    def precheck(config, specs: dict, shapes: dict) -> None:
+        repack.check_integer_settings(config, "compressed-tensors")

@@ -5,7 +5,8 @@ quantization config, and whose one shard may be named after model_file_base_name
   config.json                 the model config + "quantization_config" (see quantization_config())
   quantize_config.json        the same quantization_config alone (AutoGPTQ/GPTQModel convention)
   model.safetensors           or model-0000i-of-0000N.safetensors + model.safetensors.index.json
-                              metadata {"format": "pt"}; quantized linears as GPTQ-layout tensors
+                              metadata {"format": "pt"}; quantized linears as their codec's tensors
+                              (quantkit.checkpoint.codecs: the GPTQ layout by default)
   tokenizer files, generation_config.json
   quantkit_recipe.yaml        the effective options, to repeat the run (quantkit quantize --recipe)
   quantkit_report.json        per-layer method, bits, error, damping, time (quantkit inspect shows it)
@@ -16,13 +17,12 @@ import os
 import re
 from pathlib import Path
 
-import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from quantkit.checkpoint import codecs, gptq
+from quantkit.checkpoint import codecs
 from quantkit.core.errors import QuantkitError
-from quantkit.core.folders import INDEX_NAME, SINGLE_NAME
+from quantkit.core.folders import INDEX_NAME, SINGLE_NAME, index_map
 
 REPORT_NAME = "quantkit_report.json"
 QUANTIZE_CONFIG = "quantize_config.json"
@@ -124,9 +124,9 @@ def read_config(folder) -> dict:
     config["quantization_config"] = qc
     if not isinstance(qc, dict):
         raise QuantkitError(f"{path} quantization_config must be a JSON object: the checkpoint is damaged")
-    codecs.codec_named(qc, str(path)).check_config(qc, str(path))
-    if qc["quant_method"] == "gptq":
-        _check_recipe_agrees(folder, qc)
+    codec = codecs.codec_named(qc, str(path))
+    codec.check_config(qc, str(path))
+    codec.check_folder(folder, qc)
     return config
 
 
@@ -145,19 +145,6 @@ def has_quantization_config(folder) -> bool:
     folder = Path(folder)
     cfg = folder / "config.json"
     return cfg.is_file() and ("quantization_config" in read_json(cfg) or (folder / QUANTIZE_CONFIG).is_file())
-
-
-def _check_recipe_agrees(folder: Path, qc: dict) -> None:
-    """The zero-point convention cannot be read off asymmetric tensors; quantkit's own recipe records it."""
-    recipe = folder / RECIPE_NAME
-    try:
-        written = yaml.safe_load(recipe.read_text()).get("checkpoint_format") if recipe.is_file() else None
-    except (yaml.YAMLError, AttributeError, UnicodeDecodeError):
-        written = None
-    declared = gptq.checkpoint_format(qc)
-    if written is not None and written != declared:
-        raise QuantkitError(f"{folder}/config.json says checkpoint_format {declared!r} but the checkpoint was written "
-                            f"as {written!r} ({RECIPE_NAME}): restore checkpoint_format {written!r} in config.json")
 
 
 def read_checkpoint(folder):
@@ -186,50 +173,6 @@ def shard_files(folder: Path) -> list[Path]:
     if missing:
         raise QuantkitError(f"{folder} is missing {', '.join(missing)}: the checkpoint is incomplete, quantize again")
     return files
-
-
-def index_map(folder: Path, fix: str) -> dict:
-    """{tensor: shard file} from a folder's model.safetensors.index.json, checked against the shards' own
-    headers (no tensor data is read): the index is a JSON weight_map of tensor names to file names in the
-    folder, every file it names exists and opens, each tensor is in the file the index names, and no shard
-    holds a tensor the index does not list (a reader would silently miss it). Every problem is a
-    QuantkitError naming the tensor and the files; `fix` says what to do."""
-    index = folder / INDEX_NAME
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise QuantkitError(f"{index} is damaged ({type(e).__name__}: {e}): {fix}") from e
-    if not isinstance(weight_map, dict) or not weight_map or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise QuantkitError(f"{index}: weight_map must map tensor names to shard file names: {fix}")
-    files = sorted(set(weight_map.values()))
-    for f in files:
-        if Path(f).name != f or not f.endswith(".safetensors"):
-            raise QuantkitError(f"{index} names {f!r}, not a .safetensors file in {folder}: {fix}")
-    missing = [f for f in files if not (folder / f).is_file()]
-    if missing:
-        first = next(n for n, f in weight_map.items() if f == missing[0])
-        raise QuantkitError(f"{index} puts {first} (and more) in {missing[0]}, which is missing"
-                            f"{f' (as are {len(missing) - 1} more shards)' if len(missing) > 1 else ''}: {fix}")
-    held = {}
-    for f in files:
-        try:
-            with safe_open(folder / f, framework="pt") as sf:
-                for name in sf.keys():
-                    held.setdefault(name, []).append(f)
-        except (SafetensorError, OSError) as e:
-            raise QuantkitError(f"{folder / f} is truncated or corrupted ({e}): {fix}") from e
-    for name, f in weight_map.items():
-        if name not in held:
-            raise QuantkitError(f"{index} puts tensor {name} in {f}, but no shard holds it: {fix}")
-        if f not in held[name]:
-            raise QuantkitError(f"{index} puts tensor {name} in {f}, but it is in {held[name][0]}: {fix}")
-    for name, where in held.items():
-        if len(where) > 1:
-            raise QuantkitError(f"tensor {name} is in both {where[0]} and {where[1]} of {folder}: {fix}")
-        if name not in weight_map:
-            raise QuantkitError(f"{folder / where[0]} holds tensor {name}, which {INDEX_NAME} does not list: {fix}")
-    return weight_map
 
 
 def tensor_files(folder) -> dict:

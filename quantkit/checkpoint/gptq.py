@@ -14,15 +14,18 @@ zero-filled (what GPTQModel, transformers/optimum and vLLM allocate, 3-bit inclu
 import re
 
 import torch
+import yaml
 
+from quantkit.checkpoint import compat
+from quantkit.checkpoint.codecs import Codec, register_codec
+from quantkit.checkpoint.files import RECIPE_NAME
+from quantkit.checkpoint.validate import check_gptq_config, check_packed_layers, checkpoint_format
 from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
+from quantkit.core.gptq_layout import V1_ZERO_OFFSET
 from quantkit.core.result import QuantResult
+from quantkit.nn.quant_linear import QuantLinear
 from quantkit.schemes.grid import Grid
-
-V1_ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
-CHECKPOINT_FORMATS = tuple(V1_ZERO_OFFSET)
-WRITE_FORMATS = (*CHECKPOINT_FORMATS, "awq", "compressed-tensors")  # --checkpoint-format (checkpoint/codecs.py)
 
 
 def to_tensors(res: QuantResult, checkpoint_format: str = "gptq", bias_dtype=None) -> dict:
@@ -43,17 +46,6 @@ def to_tensors(res: QuantResult, checkpoint_format: str = "gptq", bias_dtype=Non
     return out
 
 
-def decode(qweight, qzeros, scales, g_idx, bits: int, in_features: int, zero_offset: int = 1) -> torch.Tensor:
-    """float32 W^T [in_features, out_features] from GPTQ-layout tensors (zero_offset 1 for v1, 0 for v2).
-
-    w = scales[g] * (q - z[g]) in float32 is exact: an fp16 scale times an integer below 2^8 fits in
-    fp32's mantissa; the mask undoes v1's wrap of a stored zero - 1."""
-    q = bitpack.unpack(qweight, bits, in_features, dim=0)
-    z = (bitpack.unpack(qzeros, bits, scales.shape[1], dim=1) + zero_offset) & (2**bits - 1)
-    g = g_idx.long()
-    return (q - z.index_select(0, g)).float().mul_(scales.float().index_select(0, g))
-
-
 def to_result(tensors: dict, name: str, settings: dict, fmt: str) -> QuantResult:
     """The integer codes, scales and zeros of one GPTQ-layout layer, exactly (the inverse of to_tensors):
     what `quantkit convert` re-encodes in another layout."""
@@ -65,15 +57,6 @@ def to_result(tensors: dict, name: str, settings: dict, fmt: str) -> QuantResult
                        params={"scale": scales.float().t().contiguous(), "zero": zeros.t().contiguous()},
                        g_idx=tensors[f"{name}.g_idx"].to(torch.int32), quantizer=Grid(bits, settings["sym"]),
                        group_size=settings["group_size"], bias=tensors.get(f"{name}.bias"))
-
-
-def dequantize(t: dict, bits, in_features, out_features, checkpoint_format="gptq"):
-    """Full float32 weight [N, K] (nn.Linear orientation) from one layer's GPTQ-layout tensors."""
-    w_t = decode(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, in_features,
-                 V1_ZERO_OFFSET[checkpoint_format])
-    if w_t.shape[1] != out_features:
-        raise ValueError(f"scales hold {w_t.shape[1]} outputs, not {out_features}")
-    return w_t.t().contiguous()
 
 
 def quantization_config(bits, group_size, sym, act_order, checkpoint_format, results: dict, all_linears,
@@ -147,38 +130,15 @@ def _group_pattern(serving: str, members) -> str:
     return f"^(?:{'|'.join(re.escape(n) for n in names)})$"
 
 
-def checkpoint_format(qc: dict) -> str:
-    """The zero-point convention of a GPTQ config: "checkpoint_format" (GPTQModel, quantkit), else "format"
-    (transformers' GPTQConfig.to_dict), else "gptq" (AutoGPTQ wrote neither). Checked by validate."""
-    return qc.get("checkpoint_format") or qc.get("format") or "gptq"
-
-
-def parse_dynamic_key(key: str) -> tuple[str, str]:
-    """("+" or "-", regex) of a "dynamic" key; GPTQModel reads a key without a sign as "+"."""
-    if key[:2] in ("+:", "-:"):
-        return key[0], key[2:]
-    return "+", key
-
-
-def module_settings(qc: dict, name: str) -> tuple[int, int, bool]:
-    """(bits, group_size, sym) of module `name` under a quantization_config (with "dynamic").
-
-    The first key that matches decides, as in GPTQModel (quantization/config.py _resolve_dynamic_override) and
-    vLLM (quantization/utils/gptq_utils.py get_dynamic_override); re.match, i.e. anchored at the start only."""
-    settings = {"bits": qc["bits"], "group_size": qc["group_size"], "sym": qc.get("sym", True)}
-    for key, override in (qc.get("dynamic") or {}).items():
-        sign, pattern = parse_dynamic_key(key)
-        if re.match(pattern, name):
-            if sign == "+":
-                settings.update({k: override[k] for k in settings if k in override})
-            break
-    return settings["bits"], settings["group_size"], settings["sym"]
-
-
-class GPTQCodec:
+@register_codec
+class GPTQCodec(Codec):
     """Integer-grid results without rotation <-> the GPTQ layout (quant_method "gptq", v1 or v2)."""
 
     quant_method = "gptq"
+    checkpoint_formats = {"gptq": "v1, zero-1 stored; what vLLM/TGI/transformers read",
+                          "gptq_v2": "true zeros (GPTQModel's v2)"}
+    fallback = "quantkit"  # rotated and codebook layers
+    writes_quantize_config = True
 
     @staticmethod
     def accepts(res: QuantResult) -> bool:
@@ -195,19 +155,37 @@ class GPTQCodec:
 
     @staticmethod
     def check_config(qc: dict, where: str) -> None:
-        from quantkit.checkpoint.validate import check_gptq_config
-
         check_gptq_config(qc, where)
 
     @staticmethod
     def read_layers(qc: dict, tensors: dict, where: str) -> list:
-        from quantkit.checkpoint.validate import check_packed_layers
-
         return check_packed_layers(tensors, qc, where)
 
     @staticmethod
     def build_module(layer, qc: dict, dtype):
-        from quantkit.nn.quant_linear import QuantLinear
-
         return QuantLinear(layer.in_features, layer.out_features, layer.bits, layer.group_size, layer.bias,
                            checkpoint_format(qc), dtype=dtype, device="meta")
+
+    @staticmethod
+    def layer_result(tensors: dict, name: str, settings: dict, fmt: str) -> QuantResult:
+        return to_result(tensors, name, settings, fmt)
+
+    @staticmethod
+    def compat_problems(config, specs: dict, shapes: dict, fused: dict) -> list:
+        return compat.gptq_problems(config, specs, shapes, fused)
+
+    @staticmethod
+    def check_folder(folder, qc: dict) -> None:
+        """The zero-point convention cannot be read off asymmetric tensors; quantkit's own recipe records it."""
+        recipe = folder / RECIPE_NAME
+        try:
+            written = yaml.safe_load(recipe.read_text()).get("checkpoint_format") if recipe.is_file() else None
+        except (yaml.YAMLError, AttributeError, UnicodeDecodeError):
+            written = None
+        declared = checkpoint_format(qc)
+        if written is not None and written != declared:
+            raise QuantkitError(f"{folder}/config.json says checkpoint_format {declared!r} but the checkpoint was "
+                                f"written as {written!r} ({RECIPE_NAME}): restore checkpoint_format {written!r} in "
+                                "config.json")
+
+    int_zero_format = staticmethod(checkpoint_format)

@@ -25,21 +25,28 @@ Tensors of a layer <name> with K inputs, N outputs, G groups:
 """
 import torch
 
-from quantkit.checkpoint.gptq import to_tensors
+from quantkit.checkpoint import compat
+from quantkit.checkpoint.codecs import Codec, register_codec
+from quantkit.checkpoint.gptq import to_result, to_tensors
 from quantkit.checkpoint.validate import LayerInfo, check_gptq_layer, check_settings
 from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import n_groups
 from quantkit.core.result import QuantResult
-from quantkit.nn.decoded_linear import param_dtype
-from quantkit.schemes.base import make_quantizer
+from quantkit.nn.decoded_linear import DecodedLinear
+from quantkit.nn.quant_linear import QuantLinear
+from quantkit.schemes.base import make_quantizer, param_dtype
 from quantkit.schemes.grid import check_group_size, is_int
 
 FORMAT_VERSION = 1
 INT_FORMAT = "gptq_v2"  # integer layers store true zeros
 
 
-class QuantkitCodec:
+@register_codec
+class QuantkitCodec(Codec):
+    """Any quantizer, rotated or not <-> the quantkit format (written when --checkpoint-format gptq cannot hold a
+    layer; no --checkpoint-format names it)."""
+
     quant_method = "quantkit"
 
     @staticmethod
@@ -48,7 +55,7 @@ class QuantkitCodec:
 
     @staticmethod
     def quantization_config(config, results: dict, all_linears, act_order: bool, extra=None, fused=None) -> dict:
-        layers = {name: _layer_settings(results[name]) for name in all_linears if name in results}
+        layers = {name: layer_settings(results[name]) for name in all_linears if name in results}
         qc = {"quant_method": "quantkit", "format_version": FORMAT_VERSION, "desc_act": act_order, "layers": layers}
         qc.update(extra or {})
         return qc
@@ -90,24 +97,42 @@ class QuantkitCodec:
 
     @staticmethod
     def build_module(layer: LayerInfo, qc: dict, dtype):
-        from quantkit.nn.decoded_linear import DecodedLinear
-        from quantkit.nn.quant_linear import QuantLinear
-
         s = layer.settings
         block = s["rotation"]["block"] if s["rotation"] else None
         if s["quantizer"] == "int":
             return QuantLinear(layer.in_features, layer.out_features, s["bits"], s["group_size"], layer.bias,
                                INT_FORMAT, dtype=dtype, device="meta", rotation_block=block)
-        return DecodedLinear(layer.in_features, layer.out_features, _quantizer(s), s["group_size"],
+        return DecodedLinear(layer.in_features, layer.out_features, quantizer_of(s), s["group_size"],
                              n_groups(layer.in_features, s["group_size"]), layer.bias, dtype, "meta", block)
 
 
-def _layer_settings(res: QuantResult) -> dict:
+    @staticmethod
+    def layer_result(tensors: dict, name: str, settings: dict, fmt: str) -> QuantResult:
+        quantizer = quantizer_of(settings)
+        if quantizer.name == "int":
+            return to_result(tensors, name, settings, INT_FORMAT)
+        g_idx = tensors[f"{name}.g_idx"]
+        codes = bitpack.unpack(tensors[f"{name}.codes"], quantizer.code_bits, g_idx.numel(), dim=0)
+        return QuantResult(codes=codes.t().contiguous(), g_idx=g_idx, quantizer=quantizer,
+                           group_size=settings["group_size"],
+                           params={k: tensors[f"{name}.{k}"].float().t().contiguous() for k in quantizer.param_bits})
+
+    @staticmethod
+    def compat_problems(config, specs: dict, shapes: dict, fused: dict) -> list:
+        what = "rotated" if config.rotate != "none" else config.quantizer
+        return [compat.Problem(reader, f"quant_method 'quantkit' ({what} layers)",
+                               "only quantkit.load_quantized reads it; use --quantizer int --rotate none for a GPTQ "
+                               "checkpoint") for reader in compat.READERS]
+
+
+def layer_settings(res: QuantResult) -> dict:
+    """A layer's entry in quantization_config "layers": its quantizer, group size and rotation."""
     return {"quantizer": res.quantizer.name, **res.quantizer.settings(), "group_size": res.group_size,
             "rotation": res.rotation.settings() if res.rotation is not None else None}
 
 
-def _quantizer(settings: dict):
+def quantizer_of(settings: dict):
+    """The quantizer a layer's entry describes."""
     own = {k: v for k, v in settings.items() if k not in ("quantizer", "group_size", "rotation")}
     return make_quantizer(settings["quantizer"], **own)
 
@@ -118,7 +143,7 @@ def _check_layer_settings(settings, where: str) -> None:
     check_settings(settings, where)
     check_group_size(settings["group_size"], f"{where} group_size")
     try:
-        _quantizer(settings)
+        quantizer_of(settings)
     except TypeError as e:
         raise QuantkitError(f"{where} has settings its quantizer does not take ({e})") from e
     rotation = settings.get("rotation")
@@ -142,7 +167,7 @@ def _read_layer(name, settings, tensors, where) -> LayerInfo:
 
 
 def _check_generic_layer(name, tensors, settings, where) -> LayerInfo:
-    quantizer = _quantizer(settings)
+    quantizer = quantizer_of(settings)
     keys = ("codes", "g_idx", *quantizer.param_bits)
     missing = [s for s in keys if f"{name}.{s}" not in tensors]
     if missing:

@@ -11,6 +11,7 @@ from quantkit.checkpoint.gptq import to_result, to_tensors
 from quantkit.checkpoint.validate import LayerInfo
 from quantkit.core.errors import QuantkitError
 from quantkit.core.result import QuantResult
+from quantkit.nn.quant_linear import QuantLinear
 
 RUNTIME_FORMAT = "gptq_v2"
 GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
@@ -55,6 +56,12 @@ def install(tensors: dict, res: QuantResult, name: str, foreign: tuple) -> Layer
     return LayerInfo(name, in_features, out_features, settings, f"{name}.bias" in tensors)
 
 
+def runtime_module(layer: LayerInfo, dtype):
+    """The QuantLinear (on the meta device) that runs a layer installed by `install`."""
+    return QuantLinear(layer.in_features, layer.out_features, layer.bits, layer.group_size, layer.bias,
+                       RUNTIME_FORMAT, dtype=dtype, device="meta")
+
+
 def result_of(tensors: dict, layer: LayerInfo, fmt: str) -> QuantResult:
     """The QuantResult of a layer already in the GPTQ layout (`fmt` its zero convention)."""
     return to_result(tensors, layer.name, layer.settings, fmt)
@@ -77,3 +84,10 @@ def int_refusal(res: QuantResult, fmt: str) -> str | None:
         return (f"{fmt} cannot store an act-order g_idx (it must be k // group_size): keep gptq, or quantize "
                 "again with quantkit (its act-order uses static groups)")
     return None
+
+
+def check_integer_settings(config, fmt: str) -> None:
+    """The settings of an unrotated integer layout (awq, compressed-tensors): its precheck's shared part."""
+    if config.quantizer != "int" or config.rotate != "none":
+        raise QuantkitError(f"--checkpoint-format {fmt} stores unrotated integer grids only: use --quantizer int "
+                            "--rotate none, or --checkpoint-format gptq (written in the quantkit format)")

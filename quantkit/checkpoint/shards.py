@@ -3,8 +3,8 @@
 Why parts first and shards at the end: a safetensors file starts with a header listing every tensor's offset,
 and the shard names carry the shard count ("-of-00004"), so neither can be written before the last block is
 known. Each finished block is saved at once as `part-NNNNN.safetensors` in the staging folder (that is also
-what --resume reads back); `assemble` then plans the shards over the tensors in the order the in-memory
-writer used (non-quantized tensors in state-dict order, then the packed layers in block order), so a streamed
+what --resume reads back); `assemble` then plans the shards over the tensors in checkpoint order (non-quantized
+tensors in state-dict order, then the packed layers in block order: quantkit.run.block_writer), so a streamed
 checkpoint is byte-identical to one written from a full state dict, and copies each tensor's bytes from its
 part file in chunks: memory stays at one chunk whatever the model size.
 

@@ -14,15 +14,42 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.checkpoint.gptq import (CHECKPOINT_FORMATS, V1_ZERO_OFFSET, checkpoint_format, module_settings,
-                                      parse_dynamic_key)
 from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
+from quantkit.core.gptq_layout import CHECKPOINT_FORMATS, V1_ZERO_OFFSET
 from quantkit.core.groups import n_groups
 from quantkit.schemes.grid import check_bits, check_group_size
 
 PACKED = ("qweight", "qzeros", "scales", "g_idx")
 DTYPES = {"qweight": torch.int32, "qzeros": torch.int32, "scales": torch.float16, "g_idx": torch.int32}
+
+
+def checkpoint_format(qc: dict) -> str:
+    """The zero-point convention of a GPTQ config: "checkpoint_format" (GPTQModel, quantkit), else "format"
+    (transformers' GPTQConfig.to_dict), else "gptq" (AutoGPTQ wrote neither). Checked by validate."""
+    return qc.get("checkpoint_format") or qc.get("format") or "gptq"
+
+
+def parse_dynamic_key(key: str) -> tuple[str, str]:
+    """("+" or "-", regex) of a "dynamic" key; GPTQModel reads a key without a sign as "+"."""
+    if key[:2] in ("+:", "-:"):
+        return key[0], key[2:]
+    return "+", key
+
+
+def module_settings(qc: dict, name: str) -> tuple[int, int, bool]:
+    """(bits, group_size, sym) of module `name` under a quantization_config (with "dynamic").
+
+    The first key that matches decides, as in GPTQModel (quantization/config.py _resolve_dynamic_override) and
+    vLLM (quantization/utils/gptq_utils.py get_dynamic_override); re.match, i.e. anchored at the start only."""
+    settings = {"bits": qc["bits"], "group_size": qc["group_size"], "sym": qc.get("sym", True)}
+    for key, override in (qc.get("dynamic") or {}).items():
+        sign, pattern = parse_dynamic_key(key)
+        if re.match(pattern, name):
+            if sign == "+":
+                settings.update({k: override[k] for k in settings if k in override})
+            break
+    return settings["bits"], settings["group_size"], settings["sym"]
 
 
 @dataclass(frozen=True)

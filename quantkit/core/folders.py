@@ -1,4 +1,10 @@
 """Hugging Face safetensors folder conventions shared by the source reader and the checkpoint writer."""
+import json
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from quantkit.core.errors import QuantkitError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -14,3 +20,47 @@ def drop_shared(tensors: dict) -> dict:
         seen.add(key)
         kept[name] = t
     return kept
+
+
+def index_map(folder: Path, fix: str) -> dict:
+    """{tensor: shard file} from a folder's model.safetensors.index.json, checked against the shards' own
+    headers (no tensor data is read): the index is a JSON weight_map of tensor names to file names in the
+    folder, every file it names exists and opens, each tensor is in the file the index names, and no shard
+    holds a tensor the index does not list (a reader would silently miss it). Every problem is a
+    QuantkitError naming the tensor and the files; `fix` says what to do."""
+    index = folder / INDEX_NAME
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise QuantkitError(f"{index} is damaged ({type(e).__name__}: {e}): {fix}") from e
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise QuantkitError(f"{index}: weight_map must map tensor names to shard file names: {fix}")
+    files = sorted(set(weight_map.values()))
+    for f in files:
+        if Path(f).name != f or not f.endswith(".safetensors"):
+            raise QuantkitError(f"{index} names {f!r}, not a .safetensors file in {folder}: {fix}")
+    missing = [f for f in files if not (folder / f).is_file()]
+    if missing:
+        first = next(n for n, f in weight_map.items() if f == missing[0])
+        raise QuantkitError(f"{index} puts {first} (and more) in {missing[0]}, which is missing"
+                            f"{f' (as are {len(missing) - 1} more shards)' if len(missing) > 1 else ''}: {fix}")
+    held = {}
+    for f in files:
+        try:
+            with safe_open(folder / f, framework="pt") as sf:
+                for name in sf.keys():
+                    held.setdefault(name, []).append(f)
+        except (SafetensorError, OSError) as e:
+            raise QuantkitError(f"{folder / f} is truncated or corrupted ({e}): {fix}") from e
+    for name, f in weight_map.items():
+        if name not in held:
+            raise QuantkitError(f"{index} puts tensor {name} in {f}, but no shard holds it: {fix}")
+        if f not in held[name]:
+            raise QuantkitError(f"{index} puts tensor {name} in {f}, but it is in {held[name][0]}: {fix}")
+    for name, where in held.items():
+        if len(where) > 1:
+            raise QuantkitError(f"tensor {name} is in both {where[0]} and {where[1]} of {folder}: {fix}")
+        if name not in weight_map:
+            raise QuantkitError(f"{folder / where[0]} holds tensor {name}, which {INDEX_NAME} does not list: {fix}")
+    return weight_map

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from quantkit.core.errors import QuantkitError
+from quantkit.models.stream import return_freed_memory
 
 
 class _Slot:
@@ -95,8 +96,6 @@ def _load(slots, read, device, module, args):
 
 
 def _drop(slots, *hook_args):
-    from quantkit.models.stream import return_freed_memory
-
     for s in slots:
         s.drop()
     return_freed_memory()  # glibc would keep the freed block's heap pages: resident memory would grow per block

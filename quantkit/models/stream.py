@@ -16,16 +16,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantkit.checkpoint import files as checkpoint
 from quantkit.core.errors import QuantkitError
 from quantkit.core.finite import all_finite
-from quantkit.core.folders import INDEX_NAME, SINGLE_NAME
+from quantkit.core.folders import INDEX_NAME, SINGLE_NAME, drop_shared, index_map
 from quantkit.models import hub as loader
 
 
 class StreamedModel:
     """model: the skeleton (parameters on meta); names: checkpoint tensor names in state-dict order, tied
-    duplicates dropped (what the in-memory writer kept)."""
+    duplicates dropped (safetensors refuses shared storage, quantkit.core.folders.drop_shared)."""
 
     def __init__(self, folder: Path, config, compute_dtype, files: dict, source_name: str, trust_remote_code=False):
         from accelerate import init_empty_weights
@@ -98,7 +97,7 @@ class StreamedModel:
 
     def load_names(self, names) -> None:
         for name, t in self.read(names, self.dtype).items():
-            _assign(self.model, name, t)
+            assign_tensor(self.model, name, t)
 
     def release(self, prefix: str) -> None:
         self.release_names(self.under(prefix))
@@ -106,7 +105,7 @@ class StreamedModel:
     def release_names(self, names) -> None:
         for name in names:
             t = _get(self.model, name)
-            _assign(self.model, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+            assign_tensor(self.model, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
     def load_outside(self, blocks_path: str, device="cpu"):
         """Pre-hooks that load each module outside the blocks on first use; returns a function undoing all."""
@@ -118,7 +117,7 @@ class StreamedModel:
 
             def hook(m, args, own=own):
                 for name, t in self.read([n for n in own if _get(self.model, n).is_meta], self.dtype).items():
-                    _assign(self.model, name, t.to(device))
+                    assign_tensor(self.model, name, t.to(device))
                     loaded.append(name)
             handles.append(module.register_forward_pre_hook(hook))
 
@@ -127,7 +126,7 @@ class StreamedModel:
                 h.remove()
             for name in loaded:
                 t = _get(self.model, name)
-                _assign(self.model, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+                assign_tensor(self.model, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
         return undo
 
 
@@ -135,8 +134,6 @@ class InMemoryModel(StreamedModel):
     """The whole model loaded (sources that cannot be streamed): load/release are no-ops."""
 
     def __init__(self, model, source_name: str):
-        from quantkit.core.folders import drop_shared
-
         self.model, self.source_name, self.dtype = model, source_name, model.dtype
         self.names = list(drop_shared(model.state_dict()))
         self._state = model.state_dict()
@@ -195,7 +192,8 @@ def _get(model, name):
     return getattr(model.get_submodule(mod), leaf)
 
 
-def _assign(model, name, t):
+def assign_tensor(model, name, t):
+    """Put tensor t in place of the parameter or buffer `name` of model (a parameter stays one, frozen)."""
     mod, _, leaf = name.rpartition(".")
     module = model.get_submodule(mod)
     if leaf in module._parameters:
@@ -210,7 +208,7 @@ def _shard_map(folder: Path) -> dict | None:
 
     fix = "download or copy the model again"
     if (folder / INDEX_NAME).is_file():
-        return checkpoint.index_map(folder, fix)
+        return index_map(folder, fix)
     shards = sorted(folder.glob("*.safetensors"))
     if not (folder / SINGLE_NAME).is_file() and len(shards) > 1:
         raise QuantkitError(f"model '{folder}' has {len(shards)} safetensors shards ({shards[0].name}, ...) but no "

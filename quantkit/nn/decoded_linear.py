@@ -4,9 +4,9 @@ Buffers mirror the checkpoint (quantkit.checkpoint.quantkit_format): `codes` (th
 along the input dim at its code_bits), one [n_groups, out] tensor per parameter (fp16 when the
 quantizer stores it in 16 bits, else float32), g_idx, bias, and rot_signs when rotated.
 
-Quantizers that name a kernel decode (`kernel_decode`: TurboQuant's table, w = scale * codebook[code], E8's
-lattice offset, or E8P's int32 tables and residual ratio) run the codebook dequant-GEMM (quantkit.kernels.codebook): a Triton kernel that decodes in
-registers on CUDA. Everywhere else, and
+Quantizers that describe a kernel decode (`kernel_decode`, quantkit.schemes.base.KernelDecode: TurboQuant's
+table, w = scale * codebook[code], E8's lattice offset, or E8P's int32 tables and residual ratio) run the codebook
+dequant-GEMM (quantkit.kernels.codebook): a Triton kernel that decodes in registers on CUDA. Everywhere else, and
 for any other quantizer, forward decodes the weight once through the quantizer and keeps it (a dense
 fp32 copy per layer, like QuantLinear's CPU path; `cache_dequantized = False` decodes on every call).
 """
@@ -16,12 +16,9 @@ from torch import nn
 from quantkit.core import bitpack
 from quantkit.core.groups import per_column
 from quantkit.core.matmul import linear
+from quantkit.kernels.codebook import codebook_linear, decode_table
 from quantkit.nn.quant_linear import add_rotation, rotate_input
-
-
-def param_dtype(quantizer, key: str) -> torch.dtype:
-    """How a quantizer's per-group parameter is stored: fp16 when it spends 16 bits on it, else float32."""
-    return torch.float16 if quantizer.param_bits[key] == 16 else torch.float32
+from quantkit.schemes.base import param_dtype
 
 
 class DecodedLinear(nn.Module):
@@ -39,15 +36,10 @@ class DecodedLinear(nn.Module):
                                                   device=device))
         self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
-        # How the kernel decodes (None: no kernel): a table of levels, or the E8 lattice offset. The table is part
-        # of the quantizer's settings, not of the state dict.
+        # How the kernel decodes (None: no kernel, decode through the quantizer). The table is part of the quantizer's
+        # settings, not of the state dict.
         self.kernel = getattr(quantizer, "kernel_decode", None)
-        table = (self.kernel or {}).get("table")
-        e8p_table = (self.kernel or {}).get("e8p_table")
-        if e8p_table is not None:
-            table = torch.tensor(e8p_table, dtype=torch.int32, device=None if device == "meta" else device)
-        elif table is not None:
-            table = torch.tensor(table, dtype=torch.float32, device=None if device == "meta" else device)
+        table = decode_table(self.kernel, None if device == "meta" else device) if self.kernel is not None else None
         self.register_buffer("codebook", table, persistent=False)
         add_rotation(self, in_features, rotation_block, device)
 
@@ -72,11 +64,8 @@ class DecodedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = rotate_input(self, x)
         if self.kernel is not None and (x.is_cuda or not self.cache_dequantized):
-            from quantkit.kernels.codebook import codebook_linear
-
-            return codebook_linear(x, self.codes, self.scale, self.g_idx, self.codebook, self.quantizer.code_bits,
-                                   self.in_features, self.bias, lattice_offset=self.kernel.get("lattice_offset"),
-                                   e8p_ratio=self.kernel.get("e8p_ratio"))
+            return codebook_linear(x, self.codes, self.scale, self.g_idx, self.codebook, self.quantizer,
+                                   self.in_features, self.bias)
         return linear(x, self.weight().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
 
     def _apply(self, fn, *args, **kwargs):

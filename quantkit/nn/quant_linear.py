@@ -9,10 +9,12 @@ Triton kernels on CUDA and a pure-torch path elsewhere; on CPU the decoded weigh
 import torch
 from torch import nn
 
-from quantkit.checkpoint.gptq import V1_ZERO_OFFSET
 from quantkit.core import bitpack
+from quantkit.core.gptq_layout import V1_ZERO_OFFSET
 from quantkit.core.groups import n_groups
 from quantkit.kernels.dispatch import gptq_linear_op
+from quantkit.kernels.reference import dequantize_weight, linear_dequantized
+from quantkit.kernels.rotation import rotate_activations
 
 
 def add_rotation(module: nn.Module, in_features: int, block, device) -> None:
@@ -26,8 +28,6 @@ def rotate_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Π x for a rotated layer (the weight was stored as W Πᵀ), x unchanged otherwise."""
     if module.rotation_block is None:
         return x
-    from quantkit.kernels.rotation import rotate_activations
-
     return rotate_activations(x, module.rot_signs, module.rotation_block)
 
 
@@ -67,8 +67,6 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = rotate_input(self, x)
         if x.device.type == "cpu" and self.cache_dequantized and not torch.compiler.is_compiling():
-            from quantkit.kernels.reference import linear_dequantized
-
             return linear_dequantized(x, self._cached_weight(x.dtype), self.bias)
         return gptq_linear_op(x, self.qweight, self.qzeros, self.scales, self.g_idx, self.bits,
                               self.in_features, self.bias, self._zero_offset())
@@ -78,8 +76,6 @@ class QuantLinear(nn.Module):
 
     def _cached_weight(self, dtype):
         """Decoded W^T rounded to `dtype` exactly as the reference does (kept as fp32 for fp16)."""
-        from quantkit.kernels.reference import dequantize_weight
-
         bufs = (self.qweight, self.qzeros, self.scales, self.g_idx)
         key = (dtype,) + tuple((t.data_ptr(), t._version) for t in bufs)
         cache = self.__dict__.get("_weight_cache")

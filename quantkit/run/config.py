@@ -26,19 +26,13 @@ from typing import Optional
 
 import yaml
 
-from quantkit.checkpoint.gptq import WRITE_FORMATS
+from quantkit.algorithms.registry import method_spec
+from quantkit.checkpoint import codecs
 from quantkit.core.errors import QuantkitError
 from quantkit.schemes.base import quantizer_for, quantizer_names
 from quantkit.schemes.grid import check_bits, check_group_size, is_int
 
-METHODS = ("rtn", "gptq", "awq", "awq+gptq", "turboquant", "turboquant+gptq", "e8", "e8+gptq")
-DATA_FREE = ("rtn", "turboquant", "e8")
 ROTATIONS = ("none", "hadamard")
-# What a method implies when --quantizer / --rotate are not given: TurboQuant and E8 are a Hadamard rotation
-# followed by their own codebook ("name+gptq": the same inside GPTQ's error feedback).
-METHOD_DEFAULTS = {f"{name}{gptq}": {"quantizer": name, "rotate": "hadamard"}
-                   for name in ("turboquant", "e8") for gptq in ("", "+gptq")}
-PLAIN_DEFAULTS = {"quantizer": "int", "rotate": "none"}
 OVERRIDE_TYPES = {"pattern": str, "bits": int, "group_size": int, "sym": bool, "skip": bool, "split_fused": bool}
 COMPAT_TARGETS = ("none", "any", "vllm", "transformers", "gptqmodel")
 _TYPE_WORDS = {bool: "true or false, without quotes", int: "a whole number, without quotes",
@@ -93,11 +87,11 @@ class QuantConfig:
     def __post_init__(self):
         if isinstance(self.dataset, os.PathLike):
             self.dataset = str(self.dataset)
-        if self.method not in METHODS:
-            raise QuantkitError(f"unknown method {self.method!r}: choose one of {', '.join(METHODS)}")
-        for key, value in METHOD_DEFAULTS.get(self.method, PLAIN_DEFAULTS).items():
-            if getattr(self, key) is None:
-                setattr(self, key, value)
+        spec = method_spec(self.method)  # an unknown method is refused with the choices
+        if self.quantizer is None:  # what the method implies when --quantizer / --rotate are not given
+            self.quantizer = spec.quantizer or "int"
+        if self.rotate is None:
+            self.rotate = spec.rotate
         for f in dataclasses.fields(self):
             if f.name == "max_shard_size" and is_int(self.max_shard_size):
                 continue  # a byte count is as good as "4GB"
@@ -111,7 +105,7 @@ class QuantConfig:
             raise QuantkitError(f"--damp {self.damp} is out of range: use a fraction in (0, 1], e.g. 0.01")
         if self.quantizer not in quantizer_names():
             raise QuantkitError(f"unknown quantizer '{self.quantizer}': choose one of {', '.join(quantizer_names())}")
-        implied = METHOD_DEFAULTS.get(self.method, {}).get("quantizer")
+        implied = spec.quantizer
         if implied and self.quantizer != implied:
             raise QuantkitError(f"--method {self.method} rounds with the {implied} quantizer, not {self.quantizer}: "
                                 f"drop --quantizer (or use --method {'gptq' if self.method.endswith('gptq') else 'rtn'} "
@@ -123,9 +117,7 @@ class QuantConfig:
                                 "scales are searched in the unrotated basis")
         if self.compat not in COMPAT_TARGETS:
             raise QuantkitError(f"unknown --compat '{self.compat}': use one of {', '.join(COMPAT_TARGETS)}")
-        if self.checkpoint_format not in WRITE_FORMATS:
-            raise QuantkitError(f"unknown checkpoint format '{self.checkpoint_format}': use one of "
-                                f"{', '.join(WRITE_FORMATS)}")
+        codecs.codec_of_format(self.checkpoint_format)  # an unknown name is refused with the choices
         self.modules = [self._check_override(o, i) for i, o in enumerate(self.modules)]
         self._check_quantizers()
 
@@ -161,31 +153,30 @@ class QuantConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method not in DATA_FREE
+        return method_spec(self.method).needs_calibration
 
-    def bind_fused_groups(self, siblings: dict) -> None:
-        """{full linear name: the other linears of its fused group} (quantkit.models.arch.fused_siblings), so that
-        spec_for applies an override to whole groups. Not a field: it describes the model, not the run."""
-        self._siblings = dict(siblings)
-
-    def _matches(self, o: dict, name: str) -> bool:
-        names = (name,) if o.get("split_fused") else (name, *getattr(self, "_siblings", {}).get(name, ()))
+    @staticmethod
+    def _matches(o: dict, name: str, siblings) -> bool:
+        names = (name,) if o.get("split_fused") else (name, *siblings)
         return any(re.search(o["pattern"], n) for n in names)
 
-    def spec_for(self, name: str) -> Optional[LayerSpec]:
-        """The settings for module `name`, or None when an override skips it."""
+    def spec_for(self, name: str, siblings=()) -> Optional[LayerSpec]:
+        """The settings for module `name`, or None when an override skips it. siblings: the other linears of its
+        fused group (quantkit.models.arch.fused_siblings), which an override of any of them covers too."""
         spec = {"bits": self.bits, "group_size": self.group_size, "sym": self.sym}
         for o in self.modules:
-            if self._matches(o, name):
+            if self._matches(o, name, siblings):
                 if o.get("skip"):
                     return None
                 spec.update({k: o[k] for k in ("bits", "group_size", "sym") if k in o})
         return LayerSpec(**spec, quantizer_name=self.quantizer)
 
-    def unmatched_overrides(self, names) -> list[str]:
-        """The recipe's overrides whose pattern matches none of `names` (a misspelled pattern changes nothing)."""
+    def unmatched_overrides(self, names, siblings=None) -> list[str]:
+        """The recipe's overrides whose pattern matches none of `names` (a misspelled pattern changes nothing);
+        siblings: {name: its fused group's other linears}."""
+        siblings = siblings or {}
         return [f"recipe modules[{i}] pattern {o['pattern']!r}" for i, o in enumerate(self.modules)
-                if not any(self._matches(o, n) for n in names)]
+                if not any(self._matches(o, n, siblings.get(n, ())) for n in names)]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from quantkit.checkpoint import codecs
 from quantkit.checkpoint import files as checkpoint
-from quantkit.checkpoint import gptq, repack
+from quantkit.checkpoint import repack
 from quantkit.core.errors import QuantkitError
 from quantkit.core.folders import INDEX_NAME
 from quantkit.core.version import __version__
@@ -25,7 +25,7 @@ SKIP_FILES = {"config.json", "quantize_config.json", INDEX_NAME, checkpoint.RECI
 
 def source_results(tensors: dict, layers, codec, qc: dict, where: str) -> dict:
     """{name: QuantResult} of every quantized layer of a folder read by read_checkpoint."""
-    zero_format = gptq.checkpoint_format(qc) if codec is codecs.GPTQCodec else repack.RUNTIME_FORMAT
+    zero_format = codec.int_zero_format(qc)
     results = {}
     for layer in layers:
         s = layer.settings
@@ -55,9 +55,7 @@ def _target_config(results: dict, fmt: str):
 
 def convert(src, out, checkpoint_format: str, overwrite: bool = False) -> dict:
     """Write the quantized folder `src` into `out` in `checkpoint_format`; returns the report."""
-    if checkpoint_format not in gptq.WRITE_FORMATS:
-        raise QuantkitError(f"unknown checkpoint format '{checkpoint_format}': "
-                            f"use one of {', '.join(gptq.WRITE_FORMATS)}")
+    codecs.codec_of_format(checkpoint_format)  # an unknown name is refused before anything is read
     output.claim_output(out, overwrite, sources=[src])
     src = Path(src)
     config, tensors, layers, codec = checkpoint.read_checkpoint(src)
@@ -84,7 +82,7 @@ def convert(src, out, checkpoint_format: str, overwrite: bool = False) -> dict:
     with output.staged_folder(out, overwrite, sources=[src]) as tmp:
         checkpoint.write_tensors(tmp, kept, checkpoint.parse_size("4GB"))
         checkpoint.write_json(tmp / "config.json", config)
-        if target is codecs.GPTQCodec:
+        if target.writes_quantize_config:
             checkpoint.write_json(tmp / "quantize_config.json", new_qc)
         for f in src.iterdir():  # tokenizer, generation config: everything that is not weights or configs
             if f.is_file() and f.name not in SKIP_FILES and f.suffix != ".safetensors":

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
+from quantkit.calibration.sequential import move_loaded
 from quantkit.checkpoint import files as checkpoint
 from quantkit.core.errors import QuantkitError
+from quantkit.models import offload, placement
 from quantkit.models.arch import arch_for, get_weight
 from quantkit.models.hub import parse_dtype, resolve_device
 
@@ -76,9 +78,6 @@ def load_quantized(path, device_map=None, dtype=None, stream=False):
         runs (quantkit.models.offload): memory ≈ the embedding + one block, for checkpoints larger than
         memory; every forward reads the blocks again, so it is slower (fine for evaluation, slow for generate).
     """
-    from quantkit.calibration.sequential import move_loaded
-    from quantkit.models import offload, placement
-
     folder = Path(path)
     device = _device(device_map)  # before the files are read: a mistyped device is named at once
     config, tensors, layers, codec = checkpoint.read_checkpoint(folder)

@@ -27,16 +27,25 @@ def check_compat(config, arch, names, specs, shapes) -> list[str]:
     error), then the readers that would refuse the checkpoint (quantkit.checkpoint.compat):
     a QuantkitError for the --compat target, a warning line on stderr for each other reader."""
     _check_units(specs, shapes)
-    codecs.precheck(config, specs, shapes)
-    found = compat.enforce(compat.check(config, specs, shapes, fused_groups(arch, names)), config.compat)
+    codec = writer_codec(config, specs)
+    codec.precheck(config, specs, shapes)
+    found = compat.enforce(codec.compat_problems(config, specs, shapes, fused_groups(arch, names)), config.compat)
     for line in found:
         print(f"warning: {line}", file=sys.stderr)
     return found
 
 
-def layer_specs(model, names, config) -> tuple[dict, dict]:
-    """({name: its LayerSpec, None when skipped}, {name: (in_features, out_features)}): what the pre-checks read."""
-    specs = {n: config.spec_for(n) for n in names}
+def writer_codec(config, specs: dict):
+    """The codec that will write the run's layers (specs from layer_specs), known before any is quantized."""
+    quantizers = {s.quantizer().name for s in specs.values() if s is not None}
+    return codecs.codec_for_settings(config.checkpoint_format, quantizers, config.rotate != "none")
+
+
+def layer_specs(model, names, config, siblings=None) -> tuple[dict, dict]:
+    """({name: its LayerSpec, None when skipped}, {name: (in_features, out_features)}): what the pre-checks and the
+    method read. siblings: {name: the other linears of its fused group} (quantkit.models.arch.fused_siblings)."""
+    siblings = siblings or {}
+    specs = {n: config.spec_for(n, siblings.get(n, ())) for n in names}
     shapes = {n: tuple(reversed(get_weight(model.get_submodule(n)).shape)) for n in names}
     return specs, shapes
 

@@ -6,6 +6,7 @@ codebooks, 8 for an E8 lattice) with parameters fitted per row and per group of 
     name        registry key, recorded in quantkit-format checkpoints ("int" for the integer grid)
     width       columns rounded as one unit; divides the group size and the layer's input width
     code_bits   bits per code per column (what a generic packer spends)
+    param_bits  {parameter: bits stored per row and group}, e.g. {"scale": 16} (16: stored as fp16, else fp32)
     settings()  the constructor arguments, e.g. {"bits": 4, "sym": True}: enough to rebuild it
     from_spec(bits, sym, group_size)   classmethod: the quantizer a layer's settings ask for (each takes
                 what applies to it: the integer grid bits and sym, TurboQuant bits and its block d)
@@ -14,46 +15,62 @@ codebooks, 8 for an E8 lattice) with parameters fitted per row and per group of 
                                                          (GPTQ's Hessian diagonal; a quantizer may ignore it)
     round(w, params)        -> (codes, dequantized)      w [rows, k * width], params {key: [rows]}
     dequantize(codes, p)    -> weights                   p gathered per column: {key: [rows, cols]}
+    kernel_decode           a KernelDecode, or None: how the codebook GEMM decodes its codes in registers
+                            (quantkit.kernels.codebook); without one a loaded layer decodes through dequantize
 
 RTN (quantkit.algorithms.rtn) is fit + round per group; GPTQ (quantkit.algorithms.gptq) rounds one unit
-at a time with error feedback; AWQ's scale search calls fake_quantize. A new quantizer is one class
-here-and-registered (`@register_quantizer`) plus, if it needs a fast kernel, a module in a codec.
+at a time with error feedback; AWQ's scale search calls fake_quantize. A new quantizer is one file in this
+package: a class decorated with `@register_quantizer` (quantkit.schemes imports every module here), and, if it is
+also a method of its own behind a Hadamard rotation (as turboquant and e8 are), `offer_method(name)`.
 """
+from dataclasses import dataclass
+
 import torch
 
-from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import group_width, n_groups
-from quantkit.schemes.e8 import E8Box
-from quantkit.schemes.e8p import E8P
-from quantkit.schemes.grid import Grid
-from quantkit.schemes.turboquant import TurboQuant
+from quantkit.core.registry import Registry
 
-QUANTIZERS = {}
-
-
-def register_quantizer(cls):
-    """Class decorator: make `cls` buildable by name (make_quantizer) and so loadable from a checkpoint."""
-    QUANTIZERS[cls.name] = cls
-    return cls
-
-
-register_quantizer(Grid)
-register_quantizer(TurboQuant)
-register_quantizer(E8Box)
-register_quantizer(E8P)
-
-
-def best_e8(bits: int, sym: bool, group_size: int):
-    """What `--quantizer e8` (the e8 methods' default) means: the E8 codebook with the least MSE at this width,
-    measured on unit Gaussians and rotated SmolLM2 rows (docs/QUALITY.md): E8P at 2, 3 and 4 bits, the
-    box-truncated E8 at 1 bit (E8P has no 1-bit form)."""
-    return (E8P if bits in (2, 3, 4) else E8Box).from_spec(bits, sym, group_size)
-
-
+QUANTIZERS = Registry("quantizer")
 # Names a run may give (--quantizer, a method's default) that pick a quantizer class by the settings instead of
-# naming one: "e8" the best E8 codebook per width, "e8box" the box-truncated E8 at any width. A checkpoint
-# records the class's own name: "e8" (the box, as before E8P existed) or "e8p".
-SPEC_NAMES = {"e8": best_e8, "e8box": E8Box.from_spec}
+# naming one, e.g. "e8": the best E8 codebook per width. A checkpoint records the class's own name.
+SPEC_NAMES = Registry("quantizer name")
+SPEC_SUMMARIES = {}
+# Quantizer names that are methods too: --method NAME rounds to nearest with that quantizer behind a Hadamard
+# rotation, NAME+gptq inside GPTQ's error feedback (quantkit.algorithms.method).
+METHOD_QUANTIZERS = {}  # {name: what the method does, for --method's help}
+
+register_quantizer = QUANTIZERS.decorator("name")
+
+
+def register_spec_name(name: str, factory, summary: str):
+    """`--quantizer name` builds factory(bits, sym, group_size); summary: one line of help."""
+    SPEC_NAMES.add(name, factory)
+    SPEC_SUMMARIES[name] = summary
+
+
+def offer_method(name: str, summary: str) -> None:
+    """Make --method name and name+gptq exist for the quantizer (or spec name) `name`; summary: what its
+    rounding is, for the help ("Lloyd-Max codebook per block")."""
+    METHOD_QUANTIZERS[name] = summary
+
+
+@dataclass(frozen=True)
+class KernelDecode:
+    """What the codebook dequant-GEMM (quantkit.kernels.codebook) needs to decode a quantizer's codes in
+    registers: w = scale * value(code), value by `variant`:
+      "table"    value = table[code], `table` the 2^bits float levels (TurboQuant)
+      "lattice"  every 8 consecutive codes along K are one box-truncated E8 point with this `offset`
+      "e8p"      every 8 codes are one E8P word, `table` its int32 tables, the residual stage divided by `ratio`
+    """
+    variant: str
+    table: tuple = ()
+    offset: float = 0.0
+    ratio: float = 1.0
+
+
+def param_dtype(quantizer, key: str) -> torch.dtype:
+    """How a quantizer's per-group parameter is stored: fp16 when it spends 16 bits on it, else float32."""
+    return torch.float16 if quantizer.param_bits[key] == 16 else torch.float32
 
 
 def quantizer_names() -> list:
@@ -61,22 +78,22 @@ def quantizer_names() -> list:
     return sorted(set(QUANTIZERS) | set(SPEC_NAMES))
 
 
-def _class(name: str):
-    if name not in QUANTIZERS:
-        raise QuantkitError(f"unknown quantizer {name!r}: this version knows {', '.join(sorted(QUANTIZERS))}")
-    return QUANTIZERS[name]
+def quantizer_help() -> str:
+    """One line per --quantizer name, from the registries."""
+    summaries = {**{name: getattr(cls, "summary", "") for name, cls in QUANTIZERS.items()}, **SPEC_SUMMARIES}
+    return "; ".join(f"{name}: {summaries[name]}" for name in quantizer_names())
 
 
 def make_quantizer(name: str, **settings):
     """A quantizer from its recorded settings (a checkpoint's layer entry)."""
-    return _class(name)(**settings)
+    return QUANTIZERS.get_entry(name)(**settings)
 
 
 def quantizer_for(name: str, bits: int, sym: bool, group_size: int):
     """The quantizer a layer's run settings ask for (--quantizer, --bits, --sym, --group-size)."""
     if name in SPEC_NAMES:
         return SPEC_NAMES[name](bits, sym, group_size)
-    return _class(name).from_spec(bits, sym, group_size)
+    return QUANTIZERS.get_entry(name).from_spec(bits, sym, group_size)
 
 
 def fake_quantize(w: torch.Tensor, quantizer, group_size: int, bounds=None) -> torch.Tensor:

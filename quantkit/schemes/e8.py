@@ -20,32 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.core.errors import QuantkitError
+from quantkit.schemes.base import KernelDecode, register_quantizer, register_spec_name
 from quantkit.schemes.grid import is_int
 from quantkit.schemes.scales import OneScalePerGroup
-
-
-def nearest_d8(y: torch.Tensor) -> torch.Tensor:
-    """The nearest point of D8 to each 8-vector of y [..., 8] (Conway–Sloane)."""
-    f = torch.round(y)
-    odd = (f.sum(dim=-1) % 2) != 0
-    err = y - f
-    worst = err.abs().argmax(dim=-1, keepdim=True)
-    step = torch.where(err.gather(-1, worst) >= 0, 1.0, -1.0).to(y.dtype)  # toward y
-    fixed = f.scatter_add(-1, worst, step)
-    return torch.where(odd[..., None], fixed, f)
-
-
-def nearest_e8(y: torch.Tensor) -> torch.Tensor:
-    """The nearest point of E8 = D8 ∪ (D8 + ½) to each 8-vector of y [..., 8]."""
-    a = nearest_d8(y)
-    b = nearest_d8(y - 0.5) + 0.5
-    closer_a = ((y - a) ** 2).sum(-1, keepdim=True) <= ((y - b) ** 2).sum(-1, keepdim=True)
-    return torch.where(closer_a, a, b)
-
-
-def box_levels(bits: int, offset: float) -> torch.Tensor:
-    """Values of one coordinate in coset 0 (coset 1 adds ½): lo + k + offset, k = 0 .. 2^bits − 1."""
-    return torch.arange(1 << bits, dtype=torch.float64) - 2 ** (bits - 1) + offset
 
 
 def nearest_box_coset(y: torch.Tensor, bits: int, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,23 +53,6 @@ def nearest_box(y: torch.Tensor, bits: int, offset: float) -> tuple[torch.Tensor
     return torch.where(second[..., None], k1, k0).long(), second.long(), torch.minimum(e0, e1)
 
 
-RELAXED_EXTRA_BITS = math.log2(1.5) / 8  # per weight: the relaxed set has 1.5 x 2^(8b) points
-
-
-def nearest_relaxed(y: torch.Tensor, bits: int, offset: float) -> torch.Tensor:
-    """The seed's "relaxed parity" variant, for measurement: the integer coset keeps Σk even, the half-integer
-    coset drops the parity rule (all of (Z + ½)⁸ in the box). 2^(8b-1) + 2^(8b) points: b + RELAXED_EXTRA_BITS
-    bits per weight at an exact (entropy-coded) rate. Returns the nearest point [..., 8] (float64)."""
-    k0, e0 = nearest_box_coset(y, bits, offset)
-    t = y - (offset + 0.5 - 2 ** (bits - 1))
-    k1 = torch.round(t).clamp_(0, (1 << bits) - 1)
-    e1 = ((t - k1) ** 2).sum(dim=-1)
-    second = (e1 < e0)[..., None]
-    point0 = box_point(k0, torch.zeros_like(e0, dtype=torch.long), bits, offset)
-    point1 = box_point(k1, torch.ones_like(e0, dtype=torch.long), bits, offset)
-    return torch.where(second, point1, point0)
-
-
 def box_point(k: torch.Tensor, coset: torch.Tensor, bits: int, offset: float) -> torch.Tensor:
     """The lattice point of codes k [..., 8] in coset [...]: lo + k + offset + coset / 2."""
     return k.to(torch.float64) - 2 ** (bits - 1) + offset + 0.5 * coset[..., None].to(torch.float64)
@@ -118,6 +78,7 @@ def unpack_codes(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 NATURAL_SPREAD = {1: 0.625, 2: 1.0, 3: 1.7, 4: 3.0}
 
 
+@register_quantizer
 @dataclass(frozen=True)
 class E8Box(OneScalePerGroup):
     """The box-truncated E8 lattice as a quantizer: 8 columns at a time, one fp16 scale per row and group,
@@ -127,6 +88,7 @@ class E8Box(OneScalePerGroup):
     offset: float = 0.25
 
     name = "e8"
+    summary = "the box-truncated E8 lattice, 8 weights per point, one fp16 scale per group; bits 1-4"
     width = 8
     spread_by_bits = NATURAL_SPREAD
 
@@ -147,9 +109,9 @@ class E8Box(OneScalePerGroup):
         return {"bits": self.bits, "offset": self.offset}
 
     @property
-    def kernel_decode(self) -> dict:
+    def kernel_decode(self) -> KernelDecode:
         """How the dequant-GEMM decodes codes (quantkit.kernels.codebook): as lattice points with this offset."""
-        return {"lattice_offset": self.offset}
+        return KernelDecode("lattice", offset=self.offset)
 
     def round(self, w: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, dequantized) of w [rows, 8 k] with per-row scales [rows]."""
@@ -168,3 +130,7 @@ class E8Box(OneScalePerGroup):
         rows, cols = codes.shape
         k, coset = unpack_codes(codes.reshape(rows, cols // 8, 8))
         return params["scale"].float() * box_point(k, coset, self.bits, self.offset).float().reshape(rows, cols)
+
+
+# --quantizer e8box: the box-truncated E8 at any width (a checkpoint records its class name, "e8", as before E8P)
+register_spec_name("e8box", E8Box.from_spec, "the box-truncated E8 lattice at any width (recorded as e8)")

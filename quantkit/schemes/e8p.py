@@ -43,6 +43,8 @@ from typing import Optional
 import torch
 
 from quantkit.core.errors import QuantkitError
+from quantkit.schemes.base import KernelDecode, offer_method, register_quantizer, register_spec_name
+from quantkit.schemes.e8 import E8Box
 from quantkit.schemes.grid import is_int
 from quantkit.schemes.scales import OneScalePerGroup
 
@@ -172,33 +174,12 @@ def _nearest_s(y: torch.Tensor, tab: "_Tables", want: str):
         us, perm = torch.sort(u, dim=-1)
     su = us.sum(-1)
     c0 = (us * us).sum(-1) - su + 2
-    d = 2 - 2 * us[:, 4:].flip(-1)                                           # 2 − 2u for u8, u7, u6, u5
-    a_costs = c0[:, None] + torch.cat([torch.zeros_like(c0[:, None]), d.cumsum(-1)], dim=-1)   # k = 0..4
-    b0 = c0 + 6 - 4 * us[:, 7]
-    cost = torch.cat([a_costs, b0[:, None], (b0 + d[:, 1])[:, None]], dim=-1)  # [n, 7]
-    pen = 2 * us[:, :1]
-    odd_k = tab.multiset_odd_f                                                # [7]
-    wrong = even[:, None] * odd_k + (1 - even[:, None]) * (1 - odd_k)          # parity of negatives ≠ Σa's
-    cost = cost + wrong * pen
+    cost, wrong, pen = _ball_costs(us, c0, even, tab)
     if want == "err":
         best, which = cost.amin(dim=-1), None
     else:
         best, which = cost.min(dim=-1)
-    c12 = c0 + 10 - 2 * su
-    # Lower bound over the 29: Σ_T u ≥ the sum of the three smallest u (the best of all 56 arrangements).
-    bound = c12 + 2 * us[:, :3].sum(-1) + even * pen[:, 0]                    # Σa = 9: wrong when even
-    cand = (bound < best).nonzero().squeeze(-1)
-    wi = rows = j = pen_at = None
-    if cand.numel():
-        uc = u[cand]
-        prod = tab.norm12[None] * uc[:, None, :]                              # [c, 29, 8]
-        pen_val, pen_at = prod.min(dim=-1)
-        c_cost = (c12[cand, None] + 2 * (uc @ tab.norm12_halves)) + even[cand, None] * 4 * pen_val
-        c_best, c_which = c_cost.min(dim=-1)
-        wi = (c_best < best[cand]).nonzero().squeeze(-1)
-        rows, j = cand[wi], c_which[wi]
-        best = best.clone()
-        best[rows] = c_best[wi]
+    best, rows, j, flip_at12 = _norm12_improvements(u, us, su, c0, even, pen, best, tab)
     if want == "err":
         return best, None
     a = torch.empty_like(u).scatter_(-1, perm, tab.multisets[which])
@@ -211,9 +192,43 @@ def _nearest_s(y: torch.Tensor, tab: "_Tables", want: str):
             idx[rows] = 227 + j
         flip[rows, 0] = even[rows] > 0
         flip_at = flip_at.clone()
-        flip_at[rows, 0] = pen_at[wi, j]
+        flip_at[rows, 0] = flip_at12
     neg.scatter_(-1, flip_at, neg.gather(-1, flip_at) ^ flip)
     return best, (a, neg, idx)
+
+
+def _ball_costs(us, c0, even, tab):
+    """The squared errors [n, 7] of the 7 ball multisets for sorted |y| us [n, 8] (a wrong parity already paid by
+    its cheapest sign flip), which of them have the wrong parity [n, 7], and that flip's cost 2 u1 [n, 1]."""
+    d = 2 - 2 * us[:, 4:].flip(-1)                                           # 2 − 2u for u8, u7, u6, u5
+    a_costs = c0[:, None] + torch.cat([torch.zeros_like(c0[:, None]), d.cumsum(-1)], dim=-1)   # k = 0..4
+    b0 = c0 + 6 - 4 * us[:, 7]
+    cost = torch.cat([a_costs, b0[:, None], (b0 + d[:, 1])[:, None]], dim=-1)  # [n, 7]
+    pen = 2 * us[:, :1]
+    odd_k = tab.multiset_odd_f                                                # [7]
+    wrong = even[:, None] * odd_k + (1 - even[:, None]) * (1 - odd_k)          # parity of negatives ≠ Σa's
+    return cost + wrong * pen, wrong, pen
+
+
+def _norm12_improvements(u, us, su, c0, even, pen, best, tab):
+    """The rows where one of the 29 norm-12 patterns beats the ball: (best errors [n] updated, those rows, their
+    pattern, the coordinate whose sign their parity flips); rows is None when no row is even a candidate."""
+    c12 = c0 + 10 - 2 * su
+    # Lower bound over the 29: Σ_T u ≥ the sum of the three smallest u (the best of all 56 arrangements).
+    bound = c12 + 2 * us[:, :3].sum(-1) + even * pen[:, 0]                    # Σa = 9: wrong when even
+    cand = (bound < best).nonzero().squeeze(-1)
+    if not cand.numel():
+        return best, None, None, None
+    uc = u[cand]
+    prod = tab.norm12[None] * uc[:, None, :]                                  # [c, 29, 8]
+    pen_val, pen_at = prod.min(dim=-1)
+    c_cost = (c12[cand, None] + 2 * (uc @ tab.norm12_halves)) + even[cand, None] * 4 * pen_val
+    c_best, c_which = c_cost.min(dim=-1)
+    wi = (c_best < best[cand]).nonzero().squeeze(-1)
+    rows, j = cand[wi], c_which[wi]
+    best = best.clone()
+    best[rows] = c_best[wi]
+    return best, rows, j, pen_at[wi, j]
 
 
 def e8p_nearest(y: torch.Tensor, want: str = "code"):
@@ -292,7 +307,7 @@ def encode(y: torch.Tensor, bits: int, ratio: Optional[float]):
 def decode(word: torch.Tensor, bits: int, ratio: Optional[float], tables=None) -> torch.Tensor:
     """Points [..., 8] of code words [...] (the inverse of encode), float32 as the kernel computes them: both
     stages are exact in float32, then p1 + p2 / ratio in float32 arithmetic. tables: the kernel's int32 tables
-    (E8P.kernel_decode["e8p_table"]: ABS, then for 3 bits the residual points); the built-in ones by default."""
+    (E8P.kernel_decode.table: ABS, then for 3 bits the residual points); the built-in ones by default."""
     dtype = torch.float32
     word = word.long()
     abs_table = ABS_TABLE if tables is None else tables[:256]
@@ -328,6 +343,7 @@ def _check_table(table, default, what):
     return default
 
 
+@register_quantizer
 @dataclass(frozen=True)
 class E8P(OneScalePerGroup):
     """E8P as a quantizer: 8 columns at a time, one fp16 scale per row and group, w_hat = scale * point, at 2 bits
@@ -338,6 +354,7 @@ class E8P(OneScalePerGroup):
     residual_table: Optional[tuple] = None
 
     name = "e8p"
+    summary = "QuIP#'s E8P ball codebook (+ a residual stage at 3 and 4 bits), one fp16 scale per group; bits 2-4"
     width = 8
     spread_by_bits = NATURAL_SPREAD
 
@@ -375,12 +392,12 @@ class E8P(OneScalePerGroup):
         return out
 
     @property
-    def kernel_decode(self) -> dict:
+    def kernel_decode(self) -> KernelDecode:
         """How the dequant-GEMM decodes codes (quantkit.kernels.codebook): int32 tables (ABS, then for 3 bits the
         residual points) and the stage-2 ratio (1.0 at 2 bits, unused)."""
         tables = list(self.abs_table) + list(self.residual_table or ())
-        return {"e8p_table": [v - (1 << 32) if v >= 1 << 31 else v for v in tables],   # as int32 (two's complement)
-                "e8p_ratio": self.ratio or 1.0}
+        as_int32 = tuple(v - (1 << 32) if v >= 1 << 31 else v for v in tables)  # two's complement
+        return KernelDecode("e8p", table=as_int32, ratio=self.ratio or 1.0)
 
     def round(self, w: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, dequantized) of w [rows, 8 k] with per-row scales [rows]."""
@@ -404,3 +421,15 @@ class E8P(OneScalePerGroup):
         rows, cols = codes.shape
         word = join_word(codes.reshape(rows, cols // 8, 8), self.bits)
         return params["scale"].float() * decode(word, self.bits, self.ratio).reshape(rows, cols)
+
+
+def best_e8(bits: int, sym: bool, group_size: int):
+    """What `--quantizer e8` (the e8 methods' default) means: the E8 codebook with the least MSE at this width,
+    measured on unit Gaussians and rotated SmolLM2 rows (docs/QUALITY.md): E8P at 2, 3 and 4 bits, the
+    box-truncated E8 at 1 bit (E8P has no 1-bit form)."""
+    return (E8P if bits in (2, 3, 4) else E8Box).from_spec(bits, sym, group_size)
+
+
+register_spec_name("e8", best_e8, "the E8 codebook with the least MSE at the width: e8p at 2-4 bits, e8box at 1")
+offer_method("e8", "an E8 lattice codebook (8 weights per point: QuIP#'s E8P ball at 2 bits, E8P + a "
+             "residual stage at 3 and 4, the box-truncated E8 at 1)")

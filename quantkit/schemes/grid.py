@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from quantkit.core.errors import QuantkitError
+from quantkit.schemes.base import register_quantizer
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 
@@ -38,6 +39,7 @@ def check_group_size(group_size, where="--group-size"):
         raise QuantkitError(f"{where} {group_size!r} is invalid: use -1 (one group per row) or a positive size such as 128")
 
 
+@register_quantizer
 @dataclass(frozen=True)
 class Grid:
     """The scalar integer grid as a quantizer (see quantkit.schemes.base): one column at a time,
@@ -46,6 +48,8 @@ class Grid:
     sym: bool = True
 
     name = "int"
+    summary = ("a per-group integer grid with scale and zero, the only one GPTQ-layout readers run; "
+               f"bits {', '.join(map(str, SUPPORTED_BITS))}")
     width = 1
     rounds_numpy = True  # round() also takes NumPy arrays (GPTQ's column loop on CPU), same arithmetic
 
@@ -140,7 +144,7 @@ def _better_scale(w, scale_a, scale_b, zero, maxq, importance=None) -> torch.Ten
     flipped with it would make checkpoints differ between machines (the elementwise float32 steps do not)."""
     def error(scale):
         s, z = scale[:, None], zero[:, None]
-        e = (w / s).round_().add_(z).clamp_(0, maxq).sub_(z).mul_(s).sub_(w).square_()  # fake_quantize, in place
+        e = (w / s).round_().add_(z).clamp_(0, maxq).sub_(z).mul_(s).sub_(w).square_()  # quantize then dequantize, in place
         return (e if importance is None else e.mul_(importance.to(e))).sum(dim=-1, dtype=torch.float64)
 
     return torch.where(error(scale_b) < error(scale_a), scale_b, scale_a)
@@ -167,6 +171,3 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     return scale * (q - zero)
 
-
-def fake_quantize(w: torch.Tensor, scale, zero, maxq: int) -> torch.Tensor:
-    return dequantize(quantize(w, scale, zero, maxq), scale, zero)

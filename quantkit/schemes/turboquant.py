@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from quantkit.core.errors import QuantkitError
+from quantkit.schemes.base import KernelDecode, offer_method, register_quantizer
 from quantkit.schemes.grid import is_int
 from quantkit.schemes.lloyd_max import lloyd_max, nearest
 from quantkit.schemes.scales import OneScalePerGroup, fp16_scale, searched_scale
@@ -30,6 +31,7 @@ SUPPORTED_BITS = (1, 2, 3, 4, 5)
 SCALES = ("norm", "ratio", "mse")
 
 
+@register_quantizer
 @dataclass(frozen=True)
 class TurboQuant(OneScalePerGroup):
     bits: int
@@ -38,6 +40,8 @@ class TurboQuant(OneScalePerGroup):
     codebook: Optional[tuple] = None
 
     name = "turboquant"
+    summary = (f"a 2^bits-level Lloyd-Max codebook times one fp16 scale per block (--group-size, a power of two "
+               f">= 8); bits {SUPPORTED_BITS[0]}-{SUPPORTED_BITS[-1]}")
     width = 1
 
     def __post_init__(self):
@@ -63,9 +67,9 @@ class TurboQuant(OneScalePerGroup):
         return {"bits": self.bits, "dim": self.dim, "scale": self.scale, "codebook": list(self.codebook)}
 
     @property
-    def kernel_decode(self) -> dict:
+    def kernel_decode(self) -> KernelDecode:
         """How the dequant-GEMM decodes a code (quantkit.kernels.codebook): a lookup in the levels."""
-        return {"table": self.codebook}
+        return KernelDecode("table", table=self.codebook)
 
     def levels(self, like: torch.Tensor) -> torch.Tensor:
         """The codebook as a tensor on like's device and dtype (cached: GPTQ asks once per column)."""
@@ -106,3 +110,6 @@ def _check_codebook(levels, bits) -> tuple:
     if not bool(torch.isfinite(t).all()) or not bool((t[1:] > t[:-1]).all()):
         raise QuantkitError("a turboquant codebook must hold finite, strictly ascending levels")
     return tuple(t.tolist())
+
+
+offer_method("turboquant", "a Lloyd-Max codebook per block")

@@ -1,0 +1,244 @@
+"""The quantize pipeline: source model -> pre-checks -> block loop -> staged parts -> checkpoint folder.
+
+quantize() (quantkit.api re-exports it) splits the work between the process that writes (the only one, or rank 0
+under torchrun) and the others, which calibrate on their share of the samples. The writer plans the run before any
+heavy work (prepare: every refusal the settings alone decide), quantizes block by block into a staging folder
+(quantkit.run.block_writer), and assembles the shards and configs at the end; the staging folder is renamed into
+place only when everything is written (quantkit.run.output).
+"""
+import contextlib
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantkit.algorithms.method import Method
+from quantkit.calibration import distributed
+from quantkit.calibration.data import calibration_ids as load_calibration
+from quantkit.calibration.data import check_dataset
+from quantkit.calibration.sequential import calibrated_blocks, data_free_blocks
+from quantkit.checkpoint import files, shards
+from quantkit.core.errors import QuantkitError
+from quantkit.core.version import __version__
+from quantkit.models.arch import (arch_for, check_window, fused_groups, fused_siblings, get_submodule,
+                                  require_scale_groups)
+from quantkit.models.hub import resolve_device
+from quantkit.models.stream import open_model, return_freed_memory
+from quantkit.run import output
+from quantkit.run import resume as resume_state
+from quantkit.run.block_writer import BlockWriter
+from quantkit.run.config import QuantConfig, write_recipe
+from quantkit.run.precheck import check_compat, layer_specs, quantizable_linears, writer_codec
+from quantkit.run.report import flag_outliers
+
+
+def quantize(model: str, out, config: QuantConfig | None = None, device: str = "auto", dtype: str = "auto",
+             overwrite: bool = False, calibration_ids=None, resume: bool = False, resumable: bool = True,
+             trust_remote_code: bool = False) -> dict:
+    """Quantize `model` (hub id or folder) into the checkpoint folder `out`; returns the report.
+
+    The fp model is never held whole (quantkit.models.stream): one decoder block at a time is read from the
+    source's safetensors shards, quantized, packed into the staging folder and released.
+    calibration_ids: optional LongTensor [nsamples, seqlen] used instead of loading config.dataset.
+    resume: continue the interrupted run of `out` (quantkit.run.resume) after its last finished block; the
+    checkpoint is the one an uninterrupted run writes. Without it, an interrupted run of `out` is an error.
+    resumable: keep the finished blocks when the run is stopped from outside (Ctrl-C, SIGTERM, out of memory,
+    a full disk) so that resume can continue it; False deletes them like any failure (`quantkit demo`).
+    Under torchrun (quantkit.calibration.distributed) every process calls this; rank 0 writes and returns the
+    report, the others return None. trust_remote_code: run the model's own code (config.json auto_map); off by
+    default.
+    """
+    config = config or QuantConfig()
+    if config.needs_calibration and calibration_ids is None:
+        check_dataset(config.dataset)  # a typo in --dataset is named before the model loads
+    group, device = distributed.from_environment(resolve_device(device))  # under torchrun: this process's share
+    with contextlib.closing(group):  # a process group started here ends here, on every rank
+        if group.active:
+            distributed.check_supported(config, resume)
+        if not group.is_writer:
+            return _follow(group, model, config, device, dtype, calibration_ids, trust_remote_code)
+        return _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable,
+                      trust_remote_code)
+
+
+@dataclass
+class Plan:
+    """What the writer knows once the source is open and every pre-check has passed."""
+    source: object          # quantkit.models.stream.StreamedModel
+    tokenizer: object
+    save_dtype: object      # the dtype the checkpoint stores its float tensors in
+    compute_dtype: str
+    arch: object
+    names: list             # the quantizable linears
+    method: Method
+    codec: type             # the codec that writes the layers
+    compat_lines: list      # the readers' refusals, as warning lines
+    calibration_ids: object  # [nsamples, seqlen] or None (data-free)
+
+    @property
+    def n_blocks(self) -> int:
+        return len(get_submodule(self.source.model, self.arch.blocks))
+
+
+def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) -> Plan:
+    """Open the source and decide everything the settings decide: a refusal comes here, before any work."""
+    compute_dtype = _compute_dtype(device, dtype)
+    source, tokenizer, declared = open_model(model, compute_dtype, trust_remote_code)
+    fp_model = source.model
+    arch = arch_for(fp_model)
+    names = quantizable_linears(fp_model, arch)
+    siblings = fused_siblings(arch, names)
+    specs, shapes = layer_specs(fp_model, names, config, siblings)
+    for override in config.unmatched_overrides(names, siblings):
+        print(f"warning: {override} matches none of the model's {len(names)} quantizable linears (such as "
+              f"{names[-1]}): it changes nothing; check its spelling", file=sys.stderr)
+    if all(s is None for s in specs.values()):
+        raise QuantkitError(f"the recipe's module overrides skip all {len(names)} quantizable linears: nothing to "
+                            "quantize; remove a skip: true or narrow its pattern")
+    compat_lines = check_compat(config, arch, names, specs, shapes)
+    method = Method(config, arch, specs)
+    if config.needs_calibration:
+        if method.use_awq:
+            require_scale_groups(arch, fp_model.config.model_type)
+        calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
+    save_dtype = declared if dtype == "auto" else source.dtype
+    return Plan(source, tokenizer, save_dtype, compute_dtype, arch, names, method, writer_codec(config, specs),
+                compat_lines, calibration_ids if config.needs_calibration else None)
+
+
+def _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable, trust_remote_code):
+    """quantize() on the process that writes (the only one, or rank 0 under torchrun)."""
+    out_path = output.claim_output(out, overwrite, sources=[model], resume=resume)  # before any heavy work
+    partial = (output.partial_runs(out_path) or [None])[0] if resume else None
+    t_start = time.perf_counter()
+    plan = prepare(model, config, device, dtype, trust_remote_code, calibration_ids)
+    fingerprint = resume_state.fingerprint(model, config, device, plan.compute_dtype, plan.n_blocks,
+                                           plan.calibration_ids)
+    if partial is not None:
+        resume_state.check(partial, fingerprint)  # refused: the folder is left as it was
+    elif resume:
+        print(f"note: no interrupted run of {out} to resume: starting at block 0", file=sys.stderr)
+    writer = BlockWriter(plan.source, plan.arch, config, plan.codec, plan.save_dtype, plan.method)
+    keep = (lambda folder: resume_state.progress(folder, plan.n_blocks)) if resumable else None
+    with output.staged_folder(out, overwrite, sources=[model], adopt=partial, keep=keep) as tmp:
+        start = _start(tmp, partial, fingerprint, writer, device, out, plan.n_blocks)
+        _quantize_blocks(group, plan, config, writer, tmp, start, device)
+        writer.save_outside(tmp)
+        report = _report(model, config, device, plan, writer, start, time.perf_counter() - t_start)
+        shards.assemble(tmp, writer.order(), files.parse_size(config.max_shard_size))
+        resume_state.finish(tmp)
+        _write_configs(tmp, plan, writer.summaries, config, report)
+    return report
+
+
+def _start(tmp, partial, fingerprint, writer, device, out, n_blocks) -> int:
+    """The first block to quantize: 0 for a new run, the first unfinished one of a resumed run."""
+    if partial is None:
+        resume_state.write(tmp, fingerprint)
+        return 0
+    resume_state.clean(tmp)
+    start = writer.restore(tmp, resume_state.finished_blocks(tmp), device)
+    finished = "block 0" if start == 1 else f"blocks 0-{start - 1}"
+    print(f"resuming {out}: {finished} of {n_blocks} {'is' if start == 1 else 'are'} done", file=sys.stderr)
+    return start
+
+
+def _quantize_blocks(group, plan, config, writer, tmp, start, device) -> None:
+    """Every block from `start` on, each saved as a part as soon as it is quantized."""
+    if start == plan.n_blocks:
+        return
+    if config.needs_calibration:
+        # Stage by stage also for RTN rounding (awq), which ignores the data: its error report then sees the
+        # inputs the layer will really get, and with the replayed submodules the stages cost one block forward
+        # in all, where one observing pass and a final forward of the whole block cost two.
+        blocks = calibrated_blocks(plan.source, plan.arch, plan.calibration_ids, plan.method, device,
+                                   config.true_sequential, start=start, replay=writer.replay,
+                                   on_result=writer.pack, group=group)
+    else:  # data-free: the same per-layer path, without an observer
+        blocks = data_free_blocks(plan.source, plan.arch, plan.method, start=start, on_result=writer.pack)
+    # closing: a failure ends the generator (and its progress bar) before the error line is printed
+    with contextlib.closing(blocks):
+        for i, block, results in blocks:
+            writer.save_block(tmp, i, block, results)
+            return_freed_memory()
+
+
+def _report(model, config, device, plan, writer, start, seconds) -> dict:
+    report = {"quantkit_version": __version__, "model": _source_name(model), "method": config.method,
+              "seconds": round(seconds, 2), "device": device, "layers": _layer_report(writer.summaries)}
+    if start:
+        report["resumed_at_block"] = start
+    report["flagged"] = flag_outliers(report["layers"])
+    report["compat"] = plan.compat_lines
+    if plan.method.awq_report:
+        report["awq"] = plan.method.awq_report
+    return report
+
+
+def _layer_report(results) -> dict:
+    return {name: {"quantizer": r.quantizer.name, **r.quantizer.settings(), "group_size": r.group_size,
+                   "rotation": r.rotation.settings() if r.rotation is not None else None,
+                   "shape": list(r.shape), "bits_per_weight": round(r.bits_per_weight(), 4), **r.stats}
+            for name, r in results.items()}
+
+
+def _source_name(model) -> str:
+    """The source as the report records it: a local folder as an absolute path (what `eval compare` reads back
+    from any working directory), a hub id as given."""
+    folder = Path(model).expanduser()  # as open_model reads it
+    return str(folder.resolve()) if folder.is_dir() else str(model)
+
+
+def _compute_dtype(device, dtype):
+    """Calibrate in fp32 on CPU (the checkpoint keeps the source's dtype): half-precision activations round the codes
+    worse (docs/QUALITY.md: SmolLM2 w3 66.3 against 64.8 ppl in bf16) and most CPUs lack fast bf16 matmuls."""
+    return "float32" if device == "cpu" and dtype == "auto" else dtype
+
+
+def _calibration(config: QuantConfig, tokenizer, calibration_ids, model_config):
+    """The calibration windows [nsamples, seqlen]: the caller's, or read from config.dataset; no longer than the
+    model's context."""
+    if calibration_ids is not None:
+        length = calibration_ids.shape[-1]
+        check_window(model_config, length, f"calibration windows of {length} tokens")
+        return calibration_ids
+    check_window(model_config, config.seqlen, f"--seqlen {config.seqlen}")  # before the data is read
+    return load_calibration(tokenizer, config.dataset, config.nsamples, config.seqlen, config.seed)
+
+
+def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids, trust_remote_code) -> None:
+    """A torchrun process other than rank 0: the same block loop on its share of the samples, nothing written
+    (rank 0 checks OUT and writes the checkpoint). Data-free methods leave all the work to rank 0."""
+    if not config.needs_calibration:
+        return None
+    source, tokenizer, _ = open_model(model, _compute_dtype(device, dtype), trust_remote_code)
+    arch = arch_for(source.model)
+    names = quantizable_linears(source.model, arch)
+    specs, _ = layer_specs(source.model, names, config, fused_siblings(arch, names))
+    method = Method(config, arch, specs)
+    ids = _calibration(config, tokenizer, calibration_ids, source.model.config)
+    blocks = calibrated_blocks(source, arch, ids, method, device, config.true_sequential, group=group)
+    with contextlib.closing(blocks):
+        for _ in blocks:
+            return_freed_memory()
+    return None
+
+
+def _write_configs(tmp, plan, results, config, report):
+    qc = plan.codec.quantization_config(config, results, plan.names, act_order=plan.method.act_order, extra={
+        "true_sequential": config.true_sequential, "damp_percent": config.damp,
+        "quantizer": [f"quantkit:{__version__}"], "meta": {"method": config.method}},
+        fused=fused_groups(plan.arch, plan.names))
+    model = plan.source.model
+    model_config = model.config.to_dict()
+    model_config["dtype"] = str(plan.save_dtype).removeprefix("torch.")
+    model_config["quantization_config"] = qc
+    files.write_json(tmp / "config.json", model_config)
+    files.write_json(tmp / "quantize_config.json", qc)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    if plan.tokenizer is not None:
+        plan.tokenizer.save_pretrained(tmp)
+    write_recipe(config, tmp / files.RECIPE_NAME)
+    report["files"] = output.file_list(tmp)  # what lets a later --overwrite recognise the folder as ours
+    files.write_json(tmp / files.REPORT_NAME, report)
