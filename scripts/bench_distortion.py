@@ -38,7 +38,7 @@ from safetensors import safe_open
 
 from quantkit.core.errors import QuantkitError
 from quantkit.schemes.lloyd_max import codebook_mse, lloyd_max
-from quantkit.schemes.e8 import NATURAL_SPREAD, E8Box, nearest_relaxed
+from quantkit.schemes.e8 import NATURAL_SPREAD, E8Box, box_point, nearest_box_coset
 from quantkit.schemes.e8p import RATIO, SUPPORTED_BITS as E8P_BITS, E8P
 from quantkit.schemes.base import quantizer_for
 from quantkit.schemes.rotation import Rotation
@@ -49,6 +49,23 @@ from quantkit.schemes.turboquant import TurboQuant
 BITS = (1, 2, 3, 4, 5)
 SOURCES = ("gaussian", "smollm2", "smollm2_rotated")
 CLIP = torch.linspace(0.3, 1.0, 36).tolist()  # rtn_mse: fractions of the absmax scale tried
+
+
+RELAXED_EXTRA_BITS = math.log2(1.5) / 8  # per weight: the relaxed set has 1.5 x 2^(8b) points
+
+
+def nearest_relaxed(y: torch.Tensor, bits: int, offset: float) -> torch.Tensor:
+    """The seed's "relaxed parity" variant, for measurement: the integer coset keeps Σk even, the half-integer
+    coset drops the parity rule (all of (Z + ½)⁸ in the box). 2^(8b-1) + 2^(8b) points: b + RELAXED_EXTRA_BITS
+    bits per weight at an exact (entropy-coded) rate. Returns the nearest point [..., 8] (float64)."""
+    k0, e0 = nearest_box_coset(y, bits, offset)
+    t = y - (offset + 0.5 - 2 ** (bits - 1))
+    k1 = torch.round(t).clamp_(0, (1 << bits) - 1)
+    e1 = ((t - k1) ** 2).sum(dim=-1)
+    second = (e1 < e0)[..., None]
+    point0 = box_point(k0, torch.zeros_like(e0, dtype=torch.long), bits, offset)
+    point1 = box_point(k1, torch.ones_like(e0, dtype=torch.long), bits, offset)
+    return torch.where(second, point1, point0)
 
 
 def least_error(x, candidates):

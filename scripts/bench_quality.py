@@ -53,8 +53,14 @@ def true_bits_per_weight(info) -> float:
     return sum(l["bits_per_weight"] * l["shape"][0] * l["shape"][1] for l in info["layers"].values()) / total
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def default_config(fields: dict, args) -> QuantConfig:
+    """A run's QuantConfig: its spec's fields (parse_run) and the calibration options."""
+    return QuantConfig(**fields, nsamples=args.nsamples, seqlen=args.seqlen)
+
+
+def main(argv=None, config_of=default_config, prog=None):
+    """config_of(fields, args) -> QuantConfig builds each run's config (scripts/scale_rounding.py swaps the grid)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")
     p.add_argument("--calib", required=True, help="calibration dataset (name or file)")
     p.add_argument("--eval", required=True, help="evaluation dataset (name or file)")
@@ -84,8 +90,7 @@ def main(argv=None):
              "mib": fp_bytes / 2**20}]
     print(f"fp: ppl {fp['ppl']:.3f} on {fp['tokens']} tokens", file=sys.stderr)
     for spec in args.runs:
-        fields = parse_run(spec)
-        config = QuantConfig(**fields, nsamples=args.nsamples, seqlen=args.seqlen)
+        config = config_of(parse_run(spec), args)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "q"
             t0 = time.perf_counter()

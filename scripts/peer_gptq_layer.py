@@ -18,7 +18,8 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.utils import calculate_qparams
 from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
 
-from quantkit.algorithms.gptq import GPTQ, output_error
+from quantkit.algorithms.gptq import GPTQ
+from quantkit.algorithms.hessian import output_error
 from quantkit.schemes.grid import Grid
 
 

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -129,40 +131,88 @@ def test_bench_cpu_eval_times_both_product_paths(tmp_path, capsys, monkeypatch):
     assert cells[1] == "4" and cells[4].endswith("x") and cells[5] == cells[6].rstrip(" |")
 
 
-def test_layer_error_tables_one_layer(tmp_path, capsys):
-    """scripts/layer_error.py: the layer's Hessian from the fp model, six GPTQ variants, the worst row's share; the
-    range fit puts each group's dominant extreme exactly on its end code."""
-    layer_error = pytest.importorskip("layer_error")
+def test_gptq_error_sources_tables_one_layer(tmp_path, capsys):
+    """scripts/gptq_error_sources.py: the layer's Hessian from the fp model, six GPTQ variants, the worst row's share;
+    the range fit puts each group's dominant extreme exactly on its end code."""
+    gptq_error_sources = pytest.importorskip("gptq_error_sources")
     from quantkit.demo import bundled_model_path
 
     text = _text(tmp_path)
-    layer_error.main([str(bundled_model_path()), "model.layers.1.mlp.down_proj", "--calib", str(text),
-                      "--nsamples", "2", "--seqlen", "32", "--bits", "3", "--group-size", "32"])
+    gptq_error_sources.main([str(bundled_model_path()), "model.layers.1.mlp.down_proj", "--calib", str(text),
+                             "--nsamples", "2", "--seqlen", "32", "--bits", "3", "--group-size", "32"])
     rows = [line for line in capsys.readouterr().out.splitlines()
             if line.startswith(("| max-abs", "| range fit", "| quantkit"))]
     assert len(rows) == 6
     w = torch.tensor([[-0.8, 0.1, 0.3, 0.6], [0.9, -0.2, 0.0, 0.45]])
-    grid = layer_error.RangeFitGrid(3, True)
+    grid = gptq_error_sources.RangeFitGrid(3, True)
     codes, dequant = grid.round(w, grid.fit(w))
     assert codes[0, 0] == 0 and codes[1, 0] == 7  # -4 and +3 steps: the dominant extremes
     assert torch.allclose(dequant[:, 0], w[:, 0], rtol=1e-3)
 
 
+def test_rotation_layer_errors_tables_each_linear(tmp_path, capsys):
+    """scripts/rotation_layer_errors.py: one row per linear of each chosen block, four errors each."""
+    rotation_layer_errors = pytest.importorskip("rotation_layer_errors")
+    from quantkit.demo import bundled_model_path
+
+    rotation_layer_errors.main([str(bundled_model_path()), "--calib", str(_text(tmp_path)), "--nsamples", "2",
+                                "--seqlen", "32", "--bits", "3", "--group-size", "32", "--blocks", "1,0"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 0.", "| 1."))]
+    assert len(rows) == 14 and rows[0].startswith("| 0.") and rows[-1].startswith("| 1.")  # 7 linears a block
+    assert all(len(row.split(" | ")) == 6 for row in rows)
+
+
 def test_scale_rounding_modes_fit_one_scale_each():
-    """scripts/scale_rounding.py: max-abs reproduces grid.fit's first candidate, range the range fit; asymmetric
-    grids keep quantkit's fit in every mode."""
+    """scripts/scale_rounding.py: max-abs reproduces grid.fit's first candidate, range the range fit, nearest and up
+    the max-abs scale rounded to fp16 either way; asymmetric grids keep quantkit's fit in every mode."""
     scale_rounding = pytest.importorskip("scale_rounding")
     from quantkit.schemes import grid as qgrid
 
     w = torch.randn(64, 32)
     w[:, 3] = w.abs().amax(dim=1) * 1.3
     g = qgrid.Grid(3, True)
-    fit = {mode: scale_rounding.only(scale_rounding.MODES[mode]) for mode in ("max-abs", "range", "up")}
-    assert torch.equal(fit["max-abs"](g, w)["scale"], qgrid.fit(w, g)[0])
-    assert torch.equal(fit["range"](g, w)["scale"], qgrid.range_fit_scale(w, g))
-    assert (fit["up"](g, w)["scale"] >= fit["max-abs"](g, w)["scale"]).all()
-    asym = qgrid.Grid(3, False)
-    assert torch.equal(fit["range"](asym, w)["scale"], asym.fit(w)["scale"])
+    fit = {mode: scale_rounding.MODES[mode](3, True).fit(w)["scale"] for mode in scale_rounding.MODES}
+    assert torch.equal(fit["choice"], g.fit(w)["scale"])
+    assert torch.equal(fit["max-abs"], qgrid.fit(w, g)[0])
+    assert torch.equal(fit["range"], qgrid.range_fit_scale(w, g))
+    assert (fit["up"] >= fit["max-abs"]).all() and (fit["up"] > fit["max-abs"]).any()
+    assert ((fit["nearest"] == fit["max-abs"]) | (fit["nearest"] == fit["up"])).all()
+    for mode, cls in scale_rounding.MODES.items():
+        asym = cls(3, False)
+        assert torch.equal(asym.fit(w)["scale"], qgrid.Grid(3, False).fit(w)["scale"]), mode
+        assert asym.name == "int"  # decoded, and written in the GPTQ layout, as the integer grid
+    turboquant = scale_rounding.bench_quality.parse_run("turboquant:3:32")  # rounds with its own quantizer
+    args = SimpleNamespace(nsamples=2, seqlen=32)
+    assert scale_rounding.mode_config(scale_rounding.MaxAbsGrid)(turboquant, args).quantizer == "turboquant"
+
+
+def test_scale_rounding_runs_bench_quality_with_the_mode_s_grid(tmp_path, capsys):
+    """The mode's grid reaches each run through its --quantizer name: the max-abs fit gives another GPTQ model than
+    quantkit's choice, in the same GPTQ layout (same size); an asymmetric grid's run is the same in both modes."""
+    scale_rounding = pytest.importorskip("scale_rounding")
+    from quantkit.demo import bundled_model_path
+    from quantkit.schemes.base import SPEC_NAMES, SPEC_SUMMARIES
+
+    text = _text(tmp_path)
+    rows = {}
+    try:
+        for mode in ("choice", "max-abs"):
+            out = tmp_path / f"{mode}.json"
+            scale_rounding.main([mode, str(bundled_model_path()), "--calib", str(text), "--eval", str(text),
+                                 "--nsamples", "2", "--seqlen", "32", "--max-tokens", "256", "--device", "cpu",
+                                 "--runs", "gptq:3:32", "rtn:3:32:asym", "--json", str(out)])
+            rows[mode] = {r["run"]: r for r in json.loads(out.read_text())}
+    finally:  # the names it registered, so that other tests see quantkit's own
+        for cls in scale_rounding.MODES.values():
+            if cls is not scale_rounding.Grid:
+                SPEC_NAMES.pop(cls.quantizer, None)
+                SPEC_SUMMARIES.pop(cls.quantizer, None)
+    assert "| gptq:3:32 |" in capsys.readouterr().out
+    choice, max_abs = rows["choice"], rows["max-abs"]
+    assert max_abs["gptq:3:32"]["ppl"] != choice["gptq:3:32"]["ppl"]
+    assert (max_abs["gptq:3:32"]["bpw"], max_abs["gptq:3:32"]["mib"]) == (choice["gptq:3:32"]["bpw"],
+                                                                          choice["gptq:3:32"]["mib"])
+    assert max_abs["rtn:3:32:asym"]["ppl"] == choice["rtn:3:32:asym"]["ppl"]
 
 
 def test_bench_quality_runs_name_their_options():

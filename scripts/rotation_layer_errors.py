@@ -6,12 +6,13 @@ Each linear of the chosen blocks is quantized alone from the floating-point mode
 is printed with the outlier ratio of its inputs (largest / median diagonal entry of H = 2 X Xᵀ / n):
 what docs/QUALITY.md uses to explain why rotation helps GPTQ and hurts RTN.
 
-    python scripts/layer_errors.py MODEL --calib FILE --bits 3 --group-size 64 --blocks 0,15,29
+    python scripts/rotation_layer_errors.py MODEL --calib FILE --bits 3 --group-size 64 --blocks 0,15,29
 """
 import argparse
 
 from quantkit.calibration.data import calibration_ids
-from quantkit.algorithms.gptq import GPTQ, output_error
+from quantkit.algorithms.gptq import GPTQ
+from quantkit.algorithms.hessian import output_error
 from quantkit.schemes.grid import Grid
 from quantkit.schemes.rotation import Rotation
 from quantkit.algorithms.rtn import rtn
@@ -37,7 +38,7 @@ def errors(W, x, bits, group_size, name):
             output_error(W, rot.unrotate_weight(rotated.quantize(grid, group_size, act_order=True).decoded()), H))
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")
     p.add_argument("--calib", required=True)
@@ -46,7 +47,7 @@ def main():
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--blocks", default="0", help="comma-separated block indices, ascending")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     model, tokenizer = load_fp_model(args.model, "float32")
     arch = arch_for(model)
     inputs, kwargs = capture_block_inputs(model, arch, calibration_ids(tokenizer, args.calib, args.nsamples,

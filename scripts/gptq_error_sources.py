@@ -9,7 +9,7 @@ group: the dominant extreme lands exactly on its end code) and quantkit's (per r
 rounds the group with the smaller Hessian-diagonal-weighted error). For each it prints the relative output error and
 the share of the worst row.
 
-    python scripts/layer_error.py ~/.cache/quantkit-assets/smollm2-135m model.layers.28.mlp.down_proj \\
+    python scripts/gptq_error_sources.py ~/.cache/quantkit-assets/smollm2-135m model.layers.28.mlp.down_proj \\
         --calib ../shared/assets/text/wikitext2_tok_valid.txt --nsamples 32 --bits 3 --group-size 128
 
 docs/notes/quality-log.md ("The 2x is one weight") has what it showed on SmolLM2.
@@ -17,30 +17,22 @@ docs/notes/quality-log.md ("The 2x is one weight") has what it showed on SmolLM2
 import argparse
 
 import torch
-from scale_rounding import MODES, single_scale_grid
 
-from quantkit.calibration.data import calibration_ids
 from quantkit.algorithms.gptq import GPTQ
-from quantkit.schemes.grid import Grid
+from quantkit.calibration.data import calibration_ids
+from quantkit.calibration.sequential import input_hooks
 from quantkit.models.hub import load_fp_model
+from quantkit.schemes.grid import Grid
 
-
-# The max-abs scale only (rounded down to fp16: quantkit's fit before the choice), and the range fit only
-MaxAbsGrid = single_scale_grid(MODES["max-abs"], "MaxAbsGrid")
-RangeFitGrid = single_scale_grid(MODES["range"], "RangeFitGrid")
+from scale_rounding import MaxAbsGrid, RangeFitGrid  # the sibling script, as a module: its single-scale grids
 
 
 def layer_hessian(model, name: str, ids: torch.Tensor) -> GPTQ:
     """GPTQ of `name` with its Hessian from the fp model's forward over ids [n, seqlen]."""
-    linear = model.get_submodule(name)
-    g = GPTQ(linear.weight)
-    handle = linear.register_forward_pre_hook(lambda module, args: g.add_batch(args[0]))
-    try:
-        with torch.inference_mode():
-            for row in ids:
-                model(row[None], use_cache=False)
-    finally:
-        handle.remove()
+    g = GPTQ(model.get_submodule(name).weight)
+    with torch.inference_mode(), input_hooks(model, [name], lambda _, x: g.add_batch(x)):
+        for row in ids:
+            model(row[None], use_cache=False)
     return g
 
 
