@@ -39,7 +39,8 @@ from safetensors import safe_open
 from quantkit.core.errors import QuantkitError
 from quantkit.schemes.lloyd_max import codebook_mse, lloyd_max
 from quantkit.schemes.e8 import NATURAL_SPREAD, E8Box, box_point, nearest_box_coset
-from quantkit.schemes.e8p import RATIO, SUPPORTED_BITS as E8P_BITS, E8P
+from quantkit.schemes.e8p import E8P
+from quantkit.schemes.e8p_codebook import RATIO, SUPPORTED_BITS as E8P_BITS
 from quantkit.schemes.base import quantizer_for
 from quantkit.schemes.rotation import Rotation
 from quantkit.algorithms.rtn import rtn

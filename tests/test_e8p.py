@@ -11,7 +11,7 @@ from quantkit.api import quantize
 from quantkit.run.config import QuantConfig
 from quantkit.core import bitpack
 from quantkit.run.load import load_quantized
-from quantkit.schemes import e8p
+from quantkit.schemes import e8p_codebook as e8p
 from quantkit.schemes.e8 import E8Box
 from quantkit.schemes.e8p import E8P
 from quantkit.schemes.base import make_quantizer, quantizer_for

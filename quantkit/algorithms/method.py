@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from quantkit.algorithms.awq_block import awq_prepare_block
 from quantkit.algorithms.gptq import GPTQ
-from quantkit.algorithms.hessian import fidelity
+from quantkit.algorithms.hessian import HessianObserver, fidelity
 from quantkit.algorithms.registry import method_spec
 from quantkit.algorithms.rtn import rtn
 from quantkit.models.arch import Arch, get_weight
@@ -52,7 +52,9 @@ class Method:
         return [n for n in stage if self.spec(f"{prefix}.{n}") is not None]
 
     def observer(self, full_name, weight):
-        return GPTQ(weight)
+        """What the calibration loop feeds the layer's inputs: GPTQ's solver for GPTQ rounding, else the Hessian
+        alone (every method's error report reads it)."""
+        return GPTQ(weight) if self.use_gptq else HessianObserver(weight)
 
     def quantize(self, full_name, observer, module):
         """QuantResult of one linear; observer None means no calibration data (RTN).

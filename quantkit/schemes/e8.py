@@ -21,7 +21,7 @@ import torch
 
 from quantkit.core.errors import QuantkitError
 from quantkit.schemes.base import KernelDecode, register_quantizer, register_spec_name
-from quantkit.schemes.grid import is_int
+from quantkit.schemes.grid import check_bits
 from quantkit.schemes.scales import OneScalePerGroup
 
 
@@ -93,9 +93,7 @@ class E8Box(OneScalePerGroup):
     spread_by_bits = NATURAL_SPREAD
 
     def __post_init__(self):
-        if not is_int(self.bits) or self.bits not in NATURAL_SPREAD:
-            raise QuantkitError(f"e8 bits {self.bits!r} is not supported: choose one of "
-                                f"{', '.join(map(str, NATURAL_SPREAD))}")
+        check_bits(self.bits, "e8 bits", tuple(NATURAL_SPREAD))
         if not isinstance(self.offset, (int, float)) or isinstance(self.offset, bool) or not math.isfinite(self.offset):
             raise QuantkitError(f"e8 offset must be a number, got {self.offset!r}")
 

@@ -29,9 +29,10 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_bits(bits, where="--bits"):
-    if not is_int(bits) or bits not in SUPPORTED_BITS:
-        raise QuantkitError(f"{where} {bits!r} is not supported: choose one of {', '.join(map(str, SUPPORTED_BITS))}")
+def check_bits(bits, where="--bits", supported=SUPPORTED_BITS):
+    """bits, a whole number among `supported` (the integer grid's widths by default), or a QuantkitError."""
+    if not is_int(bits) or bits not in supported:
+        raise QuantkitError(f"{where} {bits!r} is not supported: choose one of {', '.join(map(str, supported))}")
 
 
 def check_group_size(group_size, where="--group-size"):

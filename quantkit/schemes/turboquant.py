@@ -23,7 +23,7 @@ import torch
 
 from quantkit.core.errors import QuantkitError
 from quantkit.schemes.base import KernelDecode, offer_method, register_quantizer
-from quantkit.schemes.grid import is_int
+from quantkit.schemes.grid import check_bits, is_int
 from quantkit.schemes.lloyd_max import lloyd_max, nearest
 from quantkit.schemes.scales import OneScalePerGroup, fp16_scale, searched_scale
 
@@ -45,9 +45,7 @@ class TurboQuant(OneScalePerGroup):
     width = 1
 
     def __post_init__(self):
-        if not is_int(self.bits) or self.bits not in SUPPORTED_BITS:
-            raise QuantkitError(f"turboquant bits {self.bits!r} is not supported: choose one of "
-                                f"{', '.join(map(str, SUPPORTED_BITS))}")
+        check_bits(self.bits, "turboquant bits", SUPPORTED_BITS)
         if not is_int(self.dim) or self.dim < 8 or self.dim & (self.dim - 1):
             raise QuantkitError(f"turboquant needs its block size (--group-size) to be a power of two >= 8, such "
                                 f"as 64 or 128; got {self.dim!r}")
