@@ -169,6 +169,9 @@ def quantize(ctx, model, out, recipe, device, dtype, overwrite, resume, processe
                  trust_remote_code=trust_remote_code)
     if report is not None:  # None: a torchrun process other than rank 0, which writes and reports
         click.echo(layer_table(report))
+        click.echo(report["coverage"]["summary"])
+        if "experts" in report:
+            click.echo(report["experts"]["summary"])
         click.echo(f"wrote {out} ({len(report['layers'])} quantized linears, {report['seconds']:.1f} s)")
     if distributed.under_torchrun():
         distributed.leave_now()

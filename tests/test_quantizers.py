@@ -113,11 +113,15 @@ def capture_results(monkeypatch):
     return seen
 
 
-def in_loop_logits(src, results, ids):
-    """The fp model holding exactly the weights the quantization loop ended with."""
+def in_loop_logits(src, results, ids, others=None):
+    """The fp model holding exactly the weights the quantization loop ended with (and `others`, {name: tensor},
+    such as norms AWQ rescaled)."""
     model, _ = load_fp_model(str(src), "float32")
     for name, res in results.items():
         set_weight(model.get_submodule(name), res.dequantize())
+    with torch.no_grad():
+        for name, t in (others or {}).items():
+            model.get_parameter(name).copy_(t)
     with torch.inference_mode():
         return model(ids).logits
 

@@ -30,6 +30,15 @@ def _gpt2():
     return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256)
 
 
+def _mixtral():
+    """transformers 5 holds the experts as fused 3-D tensors (gate_up_proj, down_proj) and saves them per expert."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         num_local_experts=4, num_experts_per_tok=2)
+
+
 CONFIGS = {
     "llama": lambda: _llama(kv_heads=4),
     "llama-gqa": lambda: _llama(kv_heads=2),
@@ -37,6 +46,7 @@ CONFIGS = {
     "llama-deep": lambda: _llama(kv_heads=2, bias=True, layers=4),
     "opt": _opt,
     "gpt2": _gpt2,
+    "mixtral": _mixtral,
 }
 
 

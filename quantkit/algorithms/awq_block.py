@@ -88,7 +88,7 @@ def awq_prepare_block(runner, block: nn.Module, prefix: str, arch, config, spec_
         capture_of.setdefault(n, n)
     xs = runner.capture(sorted(set(capture_of.values())), search_samples(runner.inputs)) if capture_of else {}
     scales = _search_and_fold(runner, block, arch, config, specs, plans, xs, report)
-    for n in clip_names:
+    for n in [n for n in clip_names if capture_of[n] in xs]:  # a routed expert may have seen no token
         x = subsample(xs[capture_of[n]], CLIP_TOKENS).float()
         if n in scales:
             x = x / scales[n].to(x.device)      # the linear now reads x / s (and holds W s)

@@ -60,9 +60,14 @@ class Method:
         """QuantResult of one linear; observer None means no calibration data (RTN).
 
         stats: the method's own (GPTQ: damp, retries, dead, message) plus method, seconds (this call,
-        rotation included) and, with data, the fidelity of its outputs on the calibration inputs (error,
-        cosine, sqnr_db; see hessian.fidelity)."""
+        rotation included) and, with data, the calibration tokens it saw and the fidelity of its outputs on them
+        (error, cosine, sqnr_db; see hessian.fidelity). A routed expert no calibration token reached is rounded to
+        nearest by its quantizer (stats: tokens 0, fallback)."""
         t0 = time.perf_counter()
+        fallback = {}
+        if observer is not None and observer.nsamples == 0:
+            observer.free()
+            observer, fallback = None, {"tokens": 0, "fallback": "no calibration token reached it: rounded to nearest"}
         spec = self.spec(full_name)
         quantizer = spec.quantizer()
         bias = getattr(module, "bias", None)
@@ -75,7 +80,7 @@ class Method:
                 weight = observer.weight
             else:
                 weight = rotation.rotate_weight(weight.float())
-        if self.use_gptq:
+        if self.use_gptq and observer is not None:
             res = observer.quantize(quantizer, spec.group_size, block_size=self.config.block_size,
                                     damp=self.config.damp, act_order=self.config.act_order, bias=bias)
         else:
@@ -83,8 +88,8 @@ class Method:
         res.rotation = rotation
         if res.stats.get("message"):  # e.g. damping raised after a failed Cholesky
             tqdm.write(f"{full_name}: {res.stats['message']}")
-        res.stats.update(method=self.config.method, seconds=time.perf_counter() - t0)
+        res.stats.update(method=self.config.method, seconds=time.perf_counter() - t0, **fallback)
         if observer is not None:  # the same in either basis: Π is orthogonal
-            res.stats.update(fidelity(observer.weight, res.decoded(), observer.H))
+            res.stats.update(tokens=observer.nsamples, **fidelity(observer.weight, res.decoded(), observer.H))
             observer.free()
         return res

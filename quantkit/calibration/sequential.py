@@ -25,6 +25,7 @@ from quantkit.core.finite import all_finite
 from quantkit.core.matmul import onednn_linears
 from quantkit.models.arch import (Arch, block_linears, first_tensor, get_submodule,  # noqa: F401 (re-exported)
                                   get_weight, set_weight)
+from quantkit.models.moe import is_routed
 
 
 class _StopForward(Exception):
@@ -157,6 +158,7 @@ class BlockRunner:
         (zeros stand in for their outputs: gate_proj ran in full before up_proj was reached). samples: the indices
         of the samples to forward (default all)."""
         fed = {}  # this sample: name -> its input (held, so no later tensor can reuse the address)
+        seen = set()  # over all samples
 
         def hook(name, x):
             same = (x.data_ptr(), x.shape, x.stride())
@@ -176,7 +178,8 @@ class BlockRunner:
                     self.block(x, **self.kwargs)
                 except _StopForward:
                     pass
-        missing = [n for n in names if n not in fed]
+                seen.update(fed)
+        missing = [n for n in names if n not in seen and not is_routed(self.block, n)]  # an expert may get none
         if missing:
             raise QuantkitError(f"the block never calls {', '.join(missing)} in its forward: nothing to calibrate "
                                 "it on; skip it in the recipe (modules: ... skip: true)")
@@ -186,7 +189,7 @@ class BlockRunner:
         device."""
         got = {n: [] for n in names}
         self.observe(names, lambda n, x, source: got[n].append(x.reshape(-1, x.shape[-1])), samples=samples)
-        return {n: torch.cat(v) for n, v in got.items()}
+        return {n: torch.cat(v) for n, v in got.items() if v}  # a routed expert no sample reached has none
 
 
 def check_activations(x: torch.Tensor, where: str) -> torch.Tensor:

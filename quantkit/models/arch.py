@@ -22,12 +22,14 @@ For each `config.model_type`:
 An unknown family still quantizes with RTN/GPTQ (blocks found by shape, all linears in one stage);
 AWQ needs an entry and says what is missing.
 """
+import re
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from quantkit.core.errors import QuantkitError
+from quantkit.models.moe import ExpertLinears
 
 
 @dataclass(frozen=True)
@@ -65,12 +67,34 @@ _LLAMA = Arch(
     fused=_LLAMA_FUSED,
 )
 
+# Mixture-of-experts blocks once their experts are split into one module each (quantkit.models.moe): "*" stands
+# for every expert (expanded by arch_for). The router stays in float; AWQ scales the attention only, because the
+# norm before the experts also feeds the router.
+_MOE = Arch(
+    blocks="model.layers",
+    sequential=(_QKV, ("self_attn.o_proj",), ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj"),
+                ("mlp.experts.*.down_proj",)),
+    scale_groups=(("input_layernorm", _QKV), ("self_attn.v_proj", ("self_attn.o_proj",))),
+    reusable=(("self_attn", "self_attn.o_proj"),),
+    feeds_only=(("input_layernorm", "self_attn"),),
+    fused=(("self_attn.qkv_proj", _QKV),),
+)
+# Qwen2-MoE adds a shared expert beside the routed ones (and a one-row gate for it, kept in float)
+_SHARED_EXPERT = replace(_MOE, sequential=(
+    _QKV, ("self_attn.o_proj",),
+    ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    ("mlp.experts.*.down_proj", "mlp.shared_expert.down_proj")))
+
 ARCHS: dict[str, Arch] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
     "gemma": replace(_LLAMA, norm_offset=1.0),
+    "mixtral": _MOE,
+    "qwen3_moe": _MOE,
+    "gpt_oss": _MOE,
+    "qwen2_moe": _SHARED_EXPERT,
     "opt": Arch(
         blocks="model.decoder.layers",
         sequential=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.out_proj",),
@@ -150,10 +174,11 @@ def get_submodule(root: nn.Module, path: str) -> nn.Module:
 
 
 def find_blocks_path(model: nn.Module) -> str:
-    """The longest ModuleList whose entries hold linears: the decoder blocks of an unknown family."""
+    """The longest ModuleList whose entries hold linears: the decoder blocks of an unknown family (a split MoE layer's
+    experts are not blocks, however many)."""
     best, best_len = None, 0
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > best_len:
+        if isinstance(mod, nn.ModuleList) and not isinstance(mod, ExpertLinears) and len(mod) > best_len:
             if any(is_linear(m) for m in mod[0].modules()):
                 best, best_len = name, len(mod)
     if best is None:
@@ -164,10 +189,40 @@ def find_blocks_path(model: nn.Module) -> str:
 def arch_for(model: nn.Module) -> Arch:
     model_type = getattr(model.config, "model_type", None)
     if model_type in ARCHS:
-        return ARCHS[model_type]
+        return _per_expert(ARCHS[model_type], expert_count(model.config) or 0)
     blocks = get_submodule(model, find_blocks_path(model))
-    linears = tuple(n for n, m in blocks[0].named_modules() if is_linear(m))
+    experts = expert_count(model.config)
+    linears = tuple(n for n, m in blocks[0].named_modules() if is_linear(m) and not is_router(n, m.weight, experts))
     return Arch(blocks=find_blocks_path(model), sequential=(linears,))
+
+
+def _per_expert(arch: Arch, experts: int) -> Arch:
+    """The entry with every "*" of its stages expanded to the model's experts, expert by expert."""
+    def expand(stage):
+        plain = tuple(n for n in stage if "*" not in n)
+        return tuple(n.replace("*", str(e)) for e in range(experts) for n in stage if "*" in n) + plain
+    return replace(arch, sequential=tuple(expand(stage) for stage in arch.sequential))
+
+
+# config fields that give a mixture-of-experts model's number of routed experts
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+ROUTER_NAME = re.compile(r"(^|\.)(router|gate)$")
+
+
+def expert_count(model_config) -> int | None:
+    """The number of routed experts of a mixture-of-experts model (its text model's, for a VLM); None if dense."""
+    configs = [model_config, getattr(model_config, "text_config", None)]
+    return next((getattr(c, f) for c in configs if c is not None for f in EXPERT_COUNT_FIELDS
+                 if isinstance(getattr(c, f, None), int)), None)
+
+
+def is_router(module_name: str, weight, experts: int | None) -> bool:
+    """A mixture-of-experts router: a module named router or gate whose weight is [experts, hidden]. Routers stay
+    in floating point: rounding them moves routing decisions."""
+    if not experts or weight.dim() != 2:
+        return False
+    routes = weight.shape[0] == experts and ROUTER_NAME.search(module_name)
+    return bool(routes or (weight.shape[0] == 1 and module_name.endswith("shared_expert_gate")))
 
 
 def require_scale_groups(arch: Arch, model_type: str = "this model family") -> None:

@@ -6,6 +6,7 @@ import torch
 
 from quantkit.core.errors import QuantkitError, first_line
 from quantkit.core.finite import all_finite
+from quantkit.models.moe import split_experts
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -74,6 +75,7 @@ def load_fp_model(source: str, dtype="auto", trust_remote_code=False):
         raise load_error(source, e) from e
     _check_complete(source, info)
     check_finite(model, f"model '{source}'")
+    split_experts(model)  # fused MoE experts as one linear per expert (quantkit.models.moe)
     model.eval()
     return model, load_tokenizer(source, trust_remote_code)
 

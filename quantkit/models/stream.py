@@ -20,6 +20,7 @@ from quantkit.core.errors import QuantkitError
 from quantkit.core.finite import all_finite
 from quantkit.core.folders import INDEX_NAME, SINGLE_NAME, drop_shared, index_map
 from quantkit.models import hub as loader
+from quantkit.models.moe import split_experts
 
 
 class StreamedModel:
@@ -34,6 +35,7 @@ class StreamedModel:
         with init_empty_weights(include_buffers=False):
             self.model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype, trust_remote_code=trust_remote_code)
         self.model.tie_weights()
+        split_experts(self.model)  # names per expert, as the original MoE checkpoints store them
         self.model.eval()
         if (folder / "generation_config.json").is_file():  # what from_pretrained would have read
             from transformers import GenerationConfig
@@ -239,6 +241,7 @@ def open_model(source: str, dtype="auto", trust_remote_code=False):
 
     source = str(source)
     folder = Path(source).expanduser()
+    why = "it is not a local safetensors folder, which is read block by block"
     if loader.looks_local(source):
         loader.check_local_folder(source)
         files = _shard_map(folder)
@@ -253,9 +256,12 @@ def open_model(source: str, dtype="auto", trust_remote_code=False):
             if all(n in files for n in model.names):  # else renamed or missing tensors: transformers decides
                 model.check_shapes()
                 return model, loader.load_tokenizer(folder, trust_remote_code), declared
+            missing = next(n for n in model.names if n not in files)
+            why = (f"its files name tensors otherwise than the model does ({missing}, for one, is not stored as "
+                   "such: transformers converts such tensors as it loads, e.g. per-expert weights into fused 3-D "
+                   "ones), so they cannot be read block by block")
     fp_model, tokenizer = loader.load_fp_model(source, dtype, trust_remote_code)  # a bad id fails here, note unsaid
-    print(f"note: {source} was loaded whole: it is not a local safetensors folder, which is read block by block",
-          file=sys.stderr)
+    print(f"note: {source} was loaded whole: {why}", file=sys.stderr)
     return InMemoryModel(fp_model, source), tokenizer, loader.stored_dtype(fp_model, trust_remote_code)
 
 

@@ -17,7 +17,7 @@ from quantkit.core import bitpack
 from quantkit.core.groups import per_column
 from quantkit.core.matmul import linear
 from quantkit.kernels.codebook import codebook_linear, decode_table
-from quantkit.nn.quant_linear import add_rotation, rotate_input
+from quantkit.nn.quant_linear import add_rotation, buffers_key, rotate_input
 from quantkit.schemes.base import param_dtype
 
 
@@ -50,7 +50,7 @@ class DecodedLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The decoded (rotated-basis) weight [out, in], float32; cached until a buffer changes."""
         bufs = [self.codes, self.g_idx] + [getattr(self, k) for k in self.quantizer.param_bits]
-        key = tuple((t.data_ptr(), t._version) for t in bufs)
+        key = buffers_key(bufs)
         cache = self.__dict__.get("_weight_cache")
         if cache is None or cache[0] != key:
             codes = bitpack.unpack(self.codes, self.quantizer.code_bits, self.in_features, dim=0).t()

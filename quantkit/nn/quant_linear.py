@@ -31,6 +31,12 @@ def rotate_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return rotate_activations(x, module.rot_signs, module.rotation_block)
 
 
+def buffers_key(buffers) -> tuple:
+    """What a decoded-weight cache is valid for: each buffer's storage and in-place version (tensors made under
+    torch.inference_mode, e.g. a model loaded there, track no version: their storage alone)."""
+    return tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for t in buffers)
+
+
 class QuantLinear(nn.Module):
     def __init__(self, in_features, out_features, bits, group_size, bias, checkpoint_format="gptq",
                  dtype=torch.float16, device=None, rotation_block=None):
@@ -77,7 +83,7 @@ class QuantLinear(nn.Module):
     def _cached_weight(self, dtype):
         """Decoded W^T rounded to `dtype` exactly as the reference does (kept as fp32 for fp16)."""
         bufs = (self.qweight, self.qzeros, self.scales, self.g_idx)
-        key = (dtype,) + tuple((t.data_ptr(), t._version) for t in bufs)
+        key = (dtype,) + buffers_key(bufs)
         cache = self.__dict__.get("_weight_cache")
         if cache is None or cache[0] != key:
             w = dequantize_weight(*bufs, self.bits, self.in_features, self._zero_offset(), dtype=dtype)

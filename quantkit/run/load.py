@@ -15,6 +15,7 @@ from quantkit.core.errors import QuantkitError
 from quantkit.models import offload, placement
 from quantkit.models.arch import arch_for, get_weight
 from quantkit.models.hub import parse_dtype, resolve_device
+from quantkit.models.moe import split_experts
 
 
 def _device(device_map):
@@ -48,6 +49,7 @@ def _skeleton(folder, dtype, qc):
         del config.quantization_config  # keep transformers from looking for a GPTQ backend
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    split_experts(model)  # as quantize split them: one linear per expert
     model.config.quantization_config = qc
     return model, qc
 

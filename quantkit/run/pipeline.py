@@ -28,6 +28,7 @@ from quantkit.run import output
 from quantkit.run import resume as resume_state
 from quantkit.run.block_writer import BlockWriter
 from quantkit.run.config import QuantConfig, write_recipe
+from quantkit.run.coverage import expert_calibration, weight_coverage
 from quantkit.run.precheck import check_compat, layer_specs, quantizable_linears, writer_codec
 from quantkit.run.report import flag_outliers
 
@@ -73,6 +74,7 @@ class Plan:
     method: Method
     codec: type             # the codec that writes the layers
     compat_lines: list      # the readers' refusals, as warning lines
+    coverage: object        # what is quantized and what stays in float (quantkit.run.coverage)
     calibration_ids: object  # [nsamples, seqlen] or None (data-free)
 
     @property
@@ -89,7 +91,9 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
     names = quantizable_linears(fp_model, arch)
     siblings = fused_siblings(arch, names)
     specs, shapes = layer_specs(fp_model, names, config, siblings)
-    for override in config.unmatched_overrides(names, siblings):
+    coverage = weight_coverage(fp_model, arch.blocks, specs, config)  # refuses weights it would leave in float
+    kept = [n.rpartition(".")[0] for n in coverage.kinds.get("recipe", {}) if n.rpartition(".")[0] not in specs]
+    for override in config.unmatched_overrides([*names, *kept], siblings):
         print(f"warning: {override} matches none of the model's {len(names)} quantizable linears (such as "
               f"{names[-1]}): it changes nothing; check its spelling", file=sys.stderr)
     if all(s is None for s in specs.values()):
@@ -103,7 +107,7 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
         calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
     save_dtype = declared if dtype == "auto" else source.dtype
     return Plan(source, tokenizer, save_dtype, compute_dtype, arch, names, method, writer_codec(config, specs),
-                compat_lines, calibration_ids if config.needs_calibration else None)
+                compat_lines, coverage, calibration_ids if config.needs_calibration else None)
 
 
 def _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable, trust_remote_code):
@@ -170,6 +174,10 @@ def _report(model, config, device, plan, writer, start, seconds) -> dict:
         report["resumed_at_block"] = start
     report["flagged"] = flag_outliers(report["layers"])
     report["compat"] = plan.compat_lines
+    report["coverage"] = {"summary": plan.coverage.summary(), **plan.coverage.to_report()}
+    experts = expert_calibration(report["layers"])
+    if experts:
+        report["experts"] = experts
     if plan.method.awq_report:
         report["awq"] = plan.method.awq_report
     return report

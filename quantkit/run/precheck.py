@@ -15,7 +15,13 @@ def quantizable_linears(model, arch) -> list[str]:
     names = []
     for i, block in enumerate(blocks):
         for rel in block_linears(arch):
-            module = get_submodule(block, rel)
+            try:
+                module = block.get_submodule(rel) if i else get_submodule(block, rel)
+            except AttributeError:  # block 0 has it (the first block's own lookup names a wrong table)
+                raise QuantkitError(f"{arch.blocks}.{i} has no {rel}, which block 0 has: this model's decoder blocks "
+                                    f"differ from one another ({type(block).__name__}s of more than one shape, e.g. "
+                                    "dense and mixture-of-experts layers as in DeepSeek), which this version cannot "
+                                    "quantize yet") from None
             if not is_linear(module):
                 raise QuantkitError(f"{arch.blocks}.{i}.{rel} is a {type(module).__name__}, not a linear layer")
             names.append(f"{arch.blocks}.{i}.{rel}")

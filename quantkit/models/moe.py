@@ -1,0 +1,105 @@
+"""Mixture-of-experts layers as plain linears: transformers 5's fused expert tensors split into one module per expert.
+
+transformers 5 holds a MoE layer's experts as 3-D parameters (`experts.gate_up_proj` [E, 2I, H] and
+`experts.down_proj` [E, H, I], transposed in some families, with biases in others) and runs them with its own
+forward (transformers.integrations.moe.use_experts_implementation). quantkit quantizes linears, so before any
+work a model's fused experts are replaced by ExpertLinears: a ModuleList of E experts, each a gate_proj, up_proj
+and down_proj nn.Linear holding that expert's slices, and a forward that computes exactly the eager forward of
+the fused module (the same tokens to the same experts, the same gate, the same routing weights). Each expert's
+linears then see only the tokens routed to it (its own Hessian), are written per expert
+(`mlp.experts.3.gate_proj.qweight`: the names the original Qwen-MoE checkpoints use) and load back the same way.
+
+Layouts the eager forward describes are split: concatenated [gate; up] or interleaved [g0, u0, g1, u1, ...]
+rows, transposed or not, with or without biases, any gate function (the module's own `_apply_gate`: gpt-oss clamps
+its SwiGLU). Others (a post-expert norm, Llama 4's batched experts) stay fused and quantize refuses them by name.
+"""
+import torch
+from torch import nn
+
+# what transformers.integrations.moe.use_experts_implementation sets on a fused experts module
+LAYOUT_FLAGS = ("is_concatenated", "is_transposed", "has_bias", "has_gate", "has_post_expert_norm")
+
+
+class Expert(nn.Module):
+    """One expert of a split MoE layer: gate_proj, up_proj [I, H] and down_proj [H, I]."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool, device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.gate_proj, self.up_proj = nn.Linear(hidden, inter, **kw), nn.Linear(hidden, inter, **kw)
+        self.down_proj = nn.Linear(inter, hidden, **kw)
+
+
+class ExpertLinears(nn.ModuleList):
+    """A fused experts module split into one Expert per expert; forward(hidden_states [T, H], top_k_index [T, k],
+    top_k_weights [T, k]) as the fused module's eager forward."""
+
+    def __init__(self, fused: nn.Module, experts: list):
+        super().__init__(experts)
+        self.is_concatenated = fused.is_concatenated
+        self.apply_gate = fused._apply_gate  # the fused module's gate function (its act_fn, gpt-oss's clamps)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = nn.functional.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit[:, 0].tolist():
+            if e == len(self):  # the masked index some routers use for dropped slots
+                continue
+            top_k_pos, token_idx = torch.where(mask[e])
+            x = hidden_states[token_idx]
+            expert = self[e]
+            g, u = expert.gate_proj(x), expert.up_proj(x)
+            gate_up = torch.cat([g, u], dim=-1) if self.is_concatenated else torch.stack([g, u], dim=-1).flatten(-2)
+            y = expert.down_proj(self.apply_gate(gate_up)) * top_k_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+
+def splittable(module: nn.Module) -> bool:
+    """A fused experts module whose eager forward ExpertLinears reproduces."""
+    flags = [getattr(module, f, None) for f in LAYOUT_FLAGS]
+    return (None not in flags and module.has_gate and not module.has_post_expert_norm
+            and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and module.gate_up_proj.dim() == 3
+            and isinstance(getattr(module, "down_proj", None), nn.Parameter) and module.down_proj.dim() == 3)
+
+
+def split(fused: nn.Module) -> ExpertLinears:
+    """ExpertLinears holding `fused`'s weights (on the meta device too, for a skeleton)."""
+    gate_up, down = fused.gate_up_proj.detach(), fused.down_proj.detach()
+    if fused.is_transposed:  # [E, in, out] -> nn.Linear's [E, out, in]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    n, two_inter, hidden = gate_up.shape
+    inter = two_inter // 2
+    rows = (slice(0, inter), slice(inter, two_inter)) if fused.is_concatenated else (slice(0, None, 2), slice(1, None, 2))
+    experts = []
+    for e in range(n):
+        expert = Expert(hidden, inter, fused.has_bias, device=gate_up.device, dtype=gate_up.dtype)
+        values = {"gate_proj.weight": gate_up[e, rows[0]], "up_proj.weight": gate_up[e, rows[1]],
+                  "down_proj.weight": down[e]}
+        if fused.has_bias:
+            values.update({"gate_proj.bias": fused.gate_up_proj_bias[e, rows[0]],
+                           "up_proj.bias": fused.gate_up_proj_bias[e, rows[1]], "down_proj.bias": fused.down_proj_bias[e]})
+        if gate_up.device.type != "meta":
+            expert.load_state_dict({k: v.contiguous() for k, v in values.items()})
+        experts.append(expert)
+    return ExpertLinears(fused, experts)
+
+
+def split_experts(model: nn.Module) -> nn.Module:
+    """Replace every splittable fused experts module of `model` by its ExpertLinears, in place; returns model."""
+    targets = [(name, m) for name, m in model.named_modules() if splittable(m)]
+    for name, fused in targets:
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, split(fused))
+        for p in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):  # the copies hold them now
+            if hasattr(fused, p):
+                setattr(fused, p, None)
+    return model
+
+
+def is_routed(block: nn.Module, linear: str) -> bool:
+    """Whether `linear` (a name inside `block`) belongs to a routed expert: it may see no calibration token."""
+    parts = linear.split(".")
+    return any(isinstance(block.get_submodule(".".join(parts[:i])), ExpertLinears) for i in range(1, len(parts) - 1))

@@ -1,0 +1,130 @@
+"""What a run quantizes and what stays in floating point, decided before any work and said at the end.
+
+Every weight of the model (a floating-point parameter of two or more dims) is of one kind:
+  quantized      the weight of a linear the run quantizes
+  recipe         a linear (or another weight) a recipe override keeps in float (`skip: true`)
+  router         a mixture-of-experts router: [experts, hidden], kept in float (routing decisions must not move)
+  lm_head        the output projection, kept in float (tied to the embeddings or not)
+  embeddings     input embedding tables (not linear weights: left out of the share)
+  outside        another weight outside the decoder blocks (position tables, a vision tower)
+A weight inside the decoder blocks that is none of these (transformers 5's fused 3-D expert tensors, a linear the
+architecture table does not list, a custom layer) is refused before any work, with its name and the recipe
+override that keeps it in float: a checkpoint must never be mostly floating point without a word.
+"""
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from quantkit.core.errors import QuantkitError
+from quantkit.models.arch import expert_count, is_router
+
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # a linear of a routed expert (quantkit.models.moe)
+
+FLOAT_KINDS = ("recipe", "router", "lm_head", "outside")  # the float kinds the share counts (not embeddings)
+
+
+@dataclass
+class Coverage:
+    """{kind: {weight name: number of elements}} of a model's weights."""
+    kinds: dict = field(default_factory=dict)
+
+    def add(self, kind: str, name: str, numel: int) -> None:
+        self.kinds.setdefault(kind, {})[name] = numel
+
+    def elements(self, kind: str) -> int:
+        return sum(self.kinds.get(kind, {}).values())
+
+    @property
+    def share(self) -> float:
+        """Quantized elements over all linear weights (embeddings aside)."""
+        total = self.elements("quantized") + sum(self.elements(k) for k in FLOAT_KINDS)
+        return self.elements("quantized") / total if total else 0.0
+
+    def summary(self) -> str:
+        """One line: "quantized 97.3 % of linear weights (210 linears); in floating point: 24 routers, lm_head"."""
+        counts = {k: len(self.kinds.get(k, {})) for k in ("recipe", "router", "lm_head", "embeddings", "outside")}
+        words = {"recipe": f"{counts['recipe']} weight(s) kept by the recipe", "router": f"{counts['router']} routers",
+                 "lm_head": "lm_head", "embeddings": "embeddings",
+                 "outside": f"{counts['outside']} other weight(s) outside the decoder blocks"}
+        floats = [words[k] for k, n in counts.items() if n]
+        return (f"quantized {100 * self.share:.1f} % of linear weights ({len(self.kinds.get('quantized', {}))} "
+                f"linears); in floating point: {', '.join(floats) or 'nothing'}")
+
+    def to_report(self) -> dict:
+        return {"quantized_share": round(self.share, 6),
+                **{kind: sorted(names) for kind, names in self.kinds.items() if kind != "quantized"}}
+
+
+def weight_coverage(model: nn.Module, blocks_path: str, specs: dict, config) -> Coverage:
+    """The kind of every weight of `model` (a skeleton is enough: only shapes are read). specs: {quantizable
+    linear: LayerSpec, None when the recipe skips it}; config: the run's QuantConfig (its overrides)."""
+    coverage, unknown = Coverage(), []
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    experts = expert_count(model.config)
+    for name, p in _distinct_parameters(model):
+        if p.dim() < 2 or not p.is_floating_point():
+            continue  # norms, biases, integer buffers: not weights
+        module = name.rpartition(".")[0]
+        kind = _kind(name, p, module, specs, config, blocks_path, experts, embeddings, head)
+        if kind is None:
+            unknown.append((name, tuple(p.shape)))
+        else:
+            coverage.add(kind, name, p.numel())
+    if unknown:
+        raise QuantkitError(_unknown_message(unknown, blocks_path))
+    return coverage
+
+
+def _kind(name, p, module, specs, config, blocks_path, experts, embeddings, head):
+    if module in specs and name.endswith(".weight"):
+        return "quantized" if specs[module] is not None else "recipe"
+    if id(p) in embeddings:
+        return "embeddings"
+    if head is not None and p is getattr(head, "weight", None):
+        return "lm_head"
+    if not name.startswith(blocks_path + "."):
+        return "outside"
+    if is_router(module, p, experts):
+        return "router"
+    if config.spec_for(module) is None or config.spec_for(name) is None:
+        return "recipe"
+    return None
+
+
+def _distinct_parameters(model):
+    """(name, parameter) once per tensor: a tied lm_head is the embedding itself."""
+    seen = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield name, p
+
+
+def _unknown_message(unknown, blocks_path) -> str:
+    name, shape = unknown[0]
+    what = ("a fused 3-D expert tensor (transformers 5 holds a mixture-of-experts layer's experts this way)"
+            if len(shape) == 3 else "a weight the architecture table does not list as a linear to quantize")
+    leaf = re.sub(rf"^{re.escape(blocks_path)}\.\d+\.", "", name).rpartition(".")[0] or name
+    more = f" (and {len(unknown) - 1} more weights)" if len(unknown) > 1 else ""
+    return (f"{name} {list(shape)}{more} is {what}: this version cannot quantize it and would leave it in floating "
+            f"point. Keep it in float knowingly with a recipe override (modules: - pattern: "
+            f"'{re.escape(leaf)}' skip: true), or quantize another model")
+
+
+def expert_calibration(layers: dict) -> dict | None:
+    """The calibration tokens each routed expert received, from the report's layers (None without experts or
+    calibration): {"tokens": {expert: n}, "uncalibrated": [experts no token reached, rounded to nearest],
+    "summary": one line}. An expert is named by its gate_proj's module ("model.layers.1.mlp.experts.3")."""
+    tokens = {name.rpartition(".")[0]: layer["tokens"] for name, layer in layers.items()
+              if ROUTED_EXPERT.search(name) and name.endswith(".gate_proj") and "tokens" in layer}
+    if not tokens:
+        return None
+    counts = sorted(tokens.values())
+    none = sorted(e for e, n in tokens.items() if n == 0)
+    line = (f"calibration tokens per routed expert: min {counts[0]}, median {counts[len(counts) // 2]}, max "
+            f"{counts[-1]} over {len(counts)} experts")
+    if none:
+        line += f"; {len(none)} received none and were rounded to nearest ({none[0]}{', ...' if len(none) > 1 else ''})"
+    return {"tokens": tokens, "uncalibrated": none, "summary": line}

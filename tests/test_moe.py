@@ -1,0 +1,101 @@
+"""Mixture-of-experts models: transformers 5's fused experts split into one linear per expert, each quantized from
+the tokens routed to it, routers in float, and the checkpoint loading back with the in-loop logits."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import quantkit
+from quantkit.demo import bundled_model_path
+from quantkit.models.moe import ExpertLinears, split_experts
+from test_quantizers import calibration, capture_results, in_loop_logits
+
+COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+
+
+def gpt_oss(dead_expert=None):
+    """gpt-oss: experts transposed, [gate, up] interleaved, with biases and a clamped SwiGLU; its router has a
+    bias, which can keep an expert from ever being chosen."""
+    from transformers import GptOssConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GptOssConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                                          head_dim=16, rope_parameters={"rope_type": "default",
+                                                                                        "rope_theta": 10000.0}))
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.abs().sum():
+                p.normal_(0, 0.02)  # from_config leaves the expert tensors at zero
+        if dead_expert is not None:
+            for layer in model.model.layers:
+                layer.mlp.router.bias[dead_expert] = -1e4
+    return model
+
+
+def saved(model, folder):
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_split_experts_compute_what_the_fused_ones_do(model_factory, kind):
+    model = gpt_oss() if kind == "gpt_oss" else AutoModelForCausalLM.from_pretrained(model_factory("mixtral"))
+    ids = calibration()
+    with torch.no_grad():
+        fused = model(ids).logits
+        split_experts(model)
+        split = model(ids).logits
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, ExpertLinears) and len(experts) == 4
+    assert isinstance(experts[3].down_proj, torch.nn.Linear) and (experts[0].gate_proj.bias is not None) == \
+        (kind == "gpt_oss")
+    torch.testing.assert_close(split, fused, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_every_expert_is_quantized_and_loads_with_the_in_loop_logits(model_factory, tmp_path, monkeypatch, method):
+    src, ids = model_factory("mixtral"), calibration()
+    results = capture_results(monkeypatch)
+    report = quantkit.quantize(str(src), tmp_path / "q", quantkit.QuantConfig(method=method, group_size=32),
+                               calibration_ids=ids)
+    experts = [f"model.layers.{i}.mlp.experts.{e}.{p}" for i in (0, 1) for e in range(4)
+               for p in ("gate_proj", "up_proj", "down_proj")]
+    assert set(experts) <= set(report["layers"]) and len(report["layers"]) == 24 + 8
+    assert report["coverage"]["router"] == ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]
+    model = quantkit.load_quantized(tmp_path / "q")
+    assert type(model.model.layers[1].mlp.experts[2].up_proj).__name__ == "QuantLinear"
+    with torch.inference_mode():
+        got = model(ids).logits
+    folded = {n: p for n, p in model.named_parameters() if "norm" in n}  # AWQ's scales, folded into the norms
+    torch.testing.assert_close(got, in_loop_logits(src, results, ids, folded), rtol=1e-4, atol=1e-4)
+    if method == "rtn":
+        assert "experts" not in report  # data-free: no tokens to count
+        return
+    tokens = report["experts"]["tokens"]
+    for i in (0, 1):  # top-2 routing: each token reaches two experts of every block
+        assert sum(tokens[f"model.layers.{i}.mlp.experts.{e}"] for e in range(4)) == 2 * ids.numel()
+    up = report["layers"]["model.layers.0.mlp.experts.1.up_proj"]
+    assert up["tokens"] == tokens["model.layers.0.mlp.experts.1"]  # gate and up read the same routed tokens
+
+
+def test_an_expert_no_token_reaches_is_rounded_to_nearest_and_named(tmp_path, monkeypatch):
+    src = saved(gpt_oss(dead_expert=3), tmp_path / "src")
+    ids = calibration()
+    results = capture_results(monkeypatch)
+    report = quantkit.quantize(str(src), tmp_path / "q", quantkit.QuantConfig(method="gptq", group_size=32),
+                               calibration_ids=ids)
+    dead = [f"model.layers.{i}.mlp.experts.3" for i in (0, 1)]
+    assert report["experts"]["uncalibrated"] == dead
+    assert "2 received none and were rounded to nearest (model.layers.0.mlp.experts.3, ...)" in \
+        report["experts"]["summary"]
+    layer = report["layers"]["model.layers.0.mlp.experts.3.down_proj"]
+    assert layer["tokens"] == 0 and "rounded to nearest" in layer["fallback"] and "damp" not in layer
+    assert report["layers"]["model.layers.0.mlp.experts.2.down_proj"]["tokens"] > 0
+    with torch.inference_mode():
+        got = quantkit.load_quantized(tmp_path / "q")(ids).logits
+    torch.testing.assert_close(got, in_loop_logits(src, results, ids), rtol=1e-4, atol=1e-4)
+    saved_report = json.loads((tmp_path / "q" / "quantkit_report.json").read_text())
+    assert saved_report["experts"]["uncalibrated"] == dead
