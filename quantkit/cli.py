@@ -82,6 +82,11 @@ _CONFIG_OPTIONS = [
                  help="Calibrate each stage of a block (q/k/v, o, gate/up, down) on the outputs of the already "
                       "quantized stages before it (GPTQ rounding; with AWQ's round-to-nearest only the error "
                       "report's inputs change). Also the faster way: the stages cost one block forward in all."),
+    click.option("--moe-calibration", type=click.Choice(["all", "routed"]), default="all",
+                 help="Mixture-of-experts models: all: while a block is calibrated every expert also computes every "
+                      "token, so each expert's statistics cover them all (the block's output keeps the true "
+                      "routing); routed: each expert's statistics from the tokens routed to it (an expert none "
+                      "reaches is rounded to nearest). The tokens routed to each expert are reported either way."),
     click.option("--awq-grid", type=int, default=20, help="AWQ: number of alpha values tried on [0, 1)."),
     click.option("--awq-clip/--no-awq-clip", default=True, help="AWQ: search a per-group clipping range too."),
     click.option("--checkpoint-format", type=click.Choice(write_formats()), default="gptq",

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quantkit
 from quantkit.demo import bundled_model_path
-from quantkit.models.moe import ExpertLinears, split_experts
+from quantkit.models.moe import ExpertLinears, set_all_tokens, split_experts
 from test_quantizers import calibration, capture_results, in_loop_logits
 
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -55,6 +55,17 @@ def test_split_experts_compute_what_the_fused_ones_do(model_factory, kind):
     torch.testing.assert_close(split, fused, rtol=1e-5, atol=1e-6)
 
 
+def test_every_expert_on_every_token_keeps_the_routed_output(model_factory):
+    """--moe-calibration all: the experts compute every token, the block output sums the routed ones as before."""
+    model = split_experts(AutoModelForCausalLM.from_pretrained(model_factory("mixtral")))
+    ids = calibration()
+    with torch.no_grad():
+        routed = model(ids).logits
+        set_all_tokens(model, True)
+        every = model(ids).logits
+    torch.testing.assert_close(every, routed, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
 def test_every_expert_is_quantized_and_loads_with_the_in_loop_logits(model_factory, tmp_path, monkeypatch, method):
     src, ids = model_factory("mixtral"), calibration()
@@ -78,14 +89,31 @@ def test_every_expert_is_quantized_and_loads_with_the_in_loop_logits(model_facto
     for i in (0, 1):  # top-2 routing: each token reaches two experts of every block
         assert sum(tokens[f"model.layers.{i}.mlp.experts.{e}"] for e in range(4)) == 2 * ids.numel()
     up = report["layers"]["model.layers.0.mlp.experts.1.up_proj"]
-    assert up["tokens"] == tokens["model.layers.0.mlp.experts.1"]  # gate and up read the same routed tokens
+    assert up["routed_tokens"] == tokens["model.layers.0.mlp.experts.1"]  # gate and up read the same tokens
+    assert up["tokens"] == ids.numel()  # --moe-calibration all (the default): statistics from every token
+
+
+def test_routed_calibration_sees_the_routed_tokens_only_and_routes_alike(model_factory, tmp_path):
+    src, ids = model_factory("mixtral"), calibration()
+    reports = {mode: quantkit.quantize(str(src), tmp_path / mode, quantkit.QuantConfig(
+        method="gptq", group_size=32, moe_calibration=mode), calibration_ids=ids) for mode in ("all", "routed")}
+    every, routed = (reports[m]["layers"] for m in ("all", "routed"))
+    expert = "model.layers.1.mlp.experts.2.down_proj"
+    assert routed[expert]["tokens"] == routed[expert]["routed_tokens"] < every[expert]["tokens"] == ids.numel()
+    assert routed[expert]["error"] != every[expert]["error"]  # other statistics, other rounding
+    # block 0 sees the same inputs in both modes, routed alike (block 1's differ with block 0's rounding)
+    first = [f"model.layers.0.mlp.experts.{e}" for e in range(4)]
+    assert [reports["all"]["experts"]["tokens"][e] for e in first] == \
+        [reports["routed"]["experts"]["tokens"][e] for e in first]
+    assert "(statistics from all 128 tokens: --moe-calibration all)" in reports["all"]["experts"]["summary"]
 
 
 def test_an_expert_no_token_reaches_is_rounded_to_nearest_and_named(tmp_path, monkeypatch):
     src = saved(gpt_oss(dead_expert=3), tmp_path / "src")
     ids = calibration()
     results = capture_results(monkeypatch)
-    report = quantkit.quantize(str(src), tmp_path / "q", quantkit.QuantConfig(method="gptq", group_size=32),
+    report = quantkit.quantize(str(src), tmp_path / "q", quantkit.QuantConfig(method="gptq", group_size=32,
+                                                                              moe_calibration="routed"),
                                calibration_ids=ids)
     dead = [f"model.layers.{i}.mlp.experts.3" for i in (0, 1)]
     assert report["experts"]["uncalibrated"] == dead
@@ -99,3 +127,21 @@ def test_an_expert_no_token_reaches_is_rounded_to_nearest_and_named(tmp_path, mo
     torch.testing.assert_close(got, in_loop_logits(src, results, ids), rtol=1e-4, atol=1e-4)
     saved_report = json.loads((tmp_path / "q" / "quantkit_report.json").read_text())
     assert saved_report["experts"]["uncalibrated"] == dead
+    # with --moe-calibration all the same expert is calibrated on every token, though none is routed to it
+    every = quantkit.quantize(str(src), tmp_path / "all", quantkit.QuantConfig(method="gptq", group_size=32),
+                              calibration_ids=ids)
+    layer = every["layers"]["model.layers.0.mlp.experts.3.down_proj"]
+    assert layer["routed_tokens"] == 0 and layer["tokens"] == ids.numel() and "fallback" not in layer
+    assert every["experts"]["uncalibrated"] == []
+
+
+def test_inspect_repeats_what_the_run_said(model_factory, tmp_path):
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    quantkit.quantize(str(model_factory("mixtral")), tmp_path / "q", quantkit.QuantConfig(method="gptq", group_size=32),
+                      calibration_ids=calibration())
+    out = CliRunner().invoke(main, ["inspect", str(tmp_path / "q")]).output
+    assert "in floating point: 2 routers, lm_head, embeddings" in out
+    assert "calibration tokens routed per expert: min" in out

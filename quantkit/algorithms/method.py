@@ -91,5 +91,7 @@ class Method:
         res.stats.update(method=self.config.method, seconds=time.perf_counter() - t0, **fallback)
         if observer is not None:  # the same in either basis: Π is orthogonal
             res.stats.update(tokens=observer.nsamples, **fidelity(observer.weight, res.decoded(), observer.H))
+            if getattr(observer, "routed_tokens", None) is not None:  # a routed expert (quantkit.models.moe)
+                res.stats["routed_tokens"] = observer.routed_tokens
             observer.free()
         return res

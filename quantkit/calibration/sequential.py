@@ -25,7 +25,7 @@ from quantkit.core.finite import all_finite
 from quantkit.core.matmul import onednn_linears
 from quantkit.models.arch import (Arch, block_linears, first_tensor, get_submodule,  # noqa: F401 (re-exported)
                                   get_weight, set_weight)
-from quantkit.models.moe import is_routed
+from quantkit.models.moe import expert_of, is_routed, set_all_tokens
 
 
 class _StopForward(Exception):
@@ -233,8 +233,10 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
         block.to(device)
         with onednn_linears(block):  # on a CPU with AVX-512: the block's float32 products at twice BLAS's speed
             runner = BlockRunner(block, inputs, kwargs, device, store_device, arch.feeds_only)
+            set_all_tokens(block, method.config.moe_calibration == "all")  # the experts' statistics (moe.py)
             results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, arch.reusable,
                                                            on_result, group)
+            set_all_tokens(block, False)  # the next block's inputs: the routed forward, the same outputs sooner
             inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)
         block.to("cpu")
         if i >= start:
@@ -286,7 +288,8 @@ def _quantize_stage(runner, block, prefix, method, stage, parallel, on_result, g
     if not names:
         return {}
     observers = {n: method.observer(f"{prefix}.{n}", get_weight(block.get_submodule(n))) for n in names}
-    _observe_stage(runner, names, observers, parallel)
+    with routed_tokens(block, names, observers, group.active):
+        _observe_stage(runner, names, observers, parallel)
     group.reduce_statistics([observers[n] for n in names])
 
     def quantize_one(n):
@@ -301,6 +304,24 @@ def _quantize_stage(runner, block, prefix, method, stage, parallel, on_result, g
         results[f"{prefix}.{n}"] = on_result(f"{prefix}.{n}", res) if on_result else res
         del res  # its codes, before the next layer's are made
     return results
+
+
+@contextmanager
+def routed_tokens(block, names, observers, distributed: bool):
+    """While a stage is observed, count the tokens the router sends to each of its routed experts: set as each of
+    their observers' routed_tokens (with --moe-calibration all an expert's Hessian also sees the others').
+    Under torchrun a process sees its share of the samples only: no counts there."""
+    experts = {n: e for n in names if (e := expert_of(block, n)) is not None and not distributed}
+    modules = {id(m): m for m, _ in experts.values()}
+    for m in modules.values():
+        m.routed_counts = torch.zeros(len(m), dtype=torch.long)
+    try:
+        yield
+        for n, (m, index) in experts.items():
+            observers[n].routed_tokens = int(m.routed_counts[index])
+    finally:
+        for m in modules.values():
+            m.routed_counts = None
 
 
 def _stage_results(names, quantize_one, group):

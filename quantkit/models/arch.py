@@ -91,6 +91,10 @@ ARCHS: dict[str, Arch] = {
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
     "gemma": replace(_LLAMA, norm_offset=1.0),
+    # the language models of the Qwen vision-language models (their config's text_config.model_type)
+    "qwen2_vl_text": _LLAMA,
+    "qwen2_5_vl_text": _LLAMA,
+    "qwen3_vl_text": _LLAMA,
     "mixtral": _MOE,
     "qwen3_moe": _MOE,
     "gpt_oss": _MOE,
@@ -173,11 +177,21 @@ def get_submodule(root: nn.Module, path: str) -> nn.Module:
         raise QuantkitError(f"model has no module '{path}' ({e}): its architecture table entry is wrong") from e
 
 
+def decoder_path(model: nn.Module) -> str:
+    """Dotted path of the language model's decoder (transformers' get_decoder()): "model" for a causal LM,
+    "model.language_model" for a vision-language model, whose vision tower stays in floating point; "" if unknown."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return next((name for name, mod in model.named_modules() if mod is decoder and name), "")
+
+
 def find_blocks_path(model: nn.Module) -> str:
-    """The longest ModuleList whose entries hold linears: the decoder blocks of an unknown family (a split MoE layer's
-    experts are not blocks, however many)."""
+    """The longest ModuleList whose entries hold linears, inside the language model's decoder: the decoder blocks of
+    an unknown family (a split MoE layer's experts are not blocks, however many; a vision tower's blocks neither)."""
     best, best_len = None, 0
+    root = decoder_path(model)
     for name, mod in model.named_modules():
+        if root and not name.startswith(root + "."):
+            continue
         if isinstance(mod, nn.ModuleList) and not isinstance(mod, ExpertLinears) and len(mod) > best_len:
             if any(is_linear(m) for m in mod[0].modules()):
                 best, best_len = name, len(mod)
@@ -190,6 +204,9 @@ def arch_for(model: nn.Module) -> Arch:
     model_type = getattr(model.config, "model_type", None)
     if model_type in ARCHS:
         return _per_expert(ARCHS[model_type], expert_count(model.config) or 0)
+    text_type = getattr(getattr(model.config, "text_config", None), "model_type", None)
+    if text_type in ARCHS:  # a vision-language model: its language model's blocks, by the text family's entry
+        return replace(_per_expert(ARCHS[text_type], expert_count(model.config) or 0), blocks=find_blocks_path(model))
     blocks = get_submodule(model, find_blocks_path(model))
     experts = expert_count(model.config)
     linears = tuple(n for n, m in blocks[0].named_modules() if is_linear(m) and not is_router(n, m.weight, experts))

@@ -37,6 +37,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def model_class(config):
+    """The transformers auto class that builds a model of `config`: the causal LM, or for a vision-language model
+    that has none (Qwen2.5-VL) the image-text-to-text one; quantize works on its language model's blocks."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM  # a config it does not know either is refused there, with transformers' words
+
+
 def looks_local(source: str) -> bool:
     """A path-like MODEL argument is never sent to the hub (no surprise downloads)."""
     return os.path.exists(source) or source.startswith((".", "/", "~")) or source.count("/") > 1
@@ -56,7 +67,7 @@ def load_fp_model(source: str, dtype="auto", trust_remote_code=False):
     Weights are read from safetensors only (pickle .bin files can run code when loaded); a model's own Python
     code (auto_map in config.json) runs only with trust_remote_code=True (`--trust-remote-code`)."""
     from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     source = str(source)
     if looks_local(source):
@@ -66,8 +77,8 @@ def load_fp_model(source: str, dtype="auto", trust_remote_code=False):
     try:
         config = AutoConfig.from_pretrained(source, **remote)
         refuse_quantized(source, config)
-        model, info = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=parse_dtype(dtype),
-                                                           output_loading_info=True, use_safetensors=True, **remote)
+        model, info = model_class(config).from_pretrained(source, config=config, dtype=parse_dtype(dtype),
+                                                          output_loading_info=True, use_safetensors=True, **remote)
     except SafetensorError as e:
         raise QuantkitError(f"a safetensors file of model '{source}' is truncated or corrupted ({e}): "
                             "download or copy the model again") from e

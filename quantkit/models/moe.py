@@ -32,14 +32,31 @@ class Expert(nn.Module):
 
 class ExpertLinears(nn.ModuleList):
     """A fused experts module split into one Expert per expert; forward(hidden_states [T, H], top_k_index [T, k],
-    top_k_weights [T, k]) as the fused module's eager forward."""
+    top_k_weights [T, k]) as the fused module's eager forward.
+
+    Two switches for calibration (quantkit.calibration.sequential): all_tokens, every expert also computes every
+    token (--moe-calibration all: each expert's statistics cover all of them) while the output still sums the
+    routed experts' results only; routed_counts, when a tensor [E], counts the tokens routed to each expert."""
 
     def __init__(self, fused: nn.Module, experts: list):
         super().__init__(experts)
         self.is_concatenated = fused.is_concatenated
         self.apply_gate = fused._apply_gate  # the fused module's gate function (its act_fn, gpt-oss's clamps)
+        self.all_tokens = False
+        self.routed_counts = None
+
+    def expert_output(self, e: int, x):
+        """Expert e's output for tokens x [t, H] (before the routing weight)."""
+        expert = self[e]
+        g, u = expert.gate_proj(x), expert.up_proj(x)
+        gate_up = torch.cat([g, u], dim=-1) if self.is_concatenated else torch.stack([g, u], dim=-1).flatten(-2)
+        return expert.down_proj(self.apply_gate(gate_up))
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        if self.routed_counts is not None:
+            self.routed_counts += torch.bincount(top_k_index.flatten().cpu(), minlength=len(self) + 1)[:len(self)]
+        if self.all_tokens:
+            return self._forward_all_tokens(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = nn.functional.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)
@@ -48,12 +65,18 @@ class ExpertLinears(nn.ModuleList):
             if e == len(self):  # the masked index some routers use for dropped slots
                 continue
             top_k_pos, token_idx = torch.where(mask[e])
-            x = hidden_states[token_idx]
-            expert = self[e]
-            g, u = expert.gate_proj(x), expert.up_proj(x)
-            gate_up = torch.cat([g, u], dim=-1) if self.is_concatenated else torch.stack([g, u], dim=-1).flatten(-2)
-            y = expert.down_proj(self.apply_gate(gate_up)) * top_k_weights[token_idx, top_k_pos, None]
+            y = self.expert_output(e, hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+    def _forward_all_tokens(self, hidden_states, top_k_index, top_k_weights):
+        """Every expert on every token; the routed tokens' results summed as the routed forward sums them."""
+        out = torch.zeros_like(hidden_states)
+        for e in range(len(self)):
+            y = self.expert_output(e, hidden_states)
+            token_idx, top_k_pos = torch.where(top_k_index == e)
+            if token_idx.numel():
+                out.index_add_(0, token_idx, (y[token_idx] * top_k_weights[token_idx, top_k_pos, None]).to(out.dtype))
         return out
 
 
@@ -99,7 +122,23 @@ def split_experts(model: nn.Module) -> nn.Module:
     return model
 
 
-def is_routed(block: nn.Module, linear: str) -> bool:
-    """Whether `linear` (a name inside `block`) belongs to a routed expert: it may see no calibration token."""
+def expert_of(block: nn.Module, linear: str):
+    """(ExpertLinears, expert index) of a routed expert's linear (a name inside `block`), else None."""
     parts = linear.split(".")
-    return any(isinstance(block.get_submodule(".".join(parts[:i])), ExpertLinears) for i in range(1, len(parts) - 1))
+    for i in range(1, len(parts) - 1):
+        module = block.get_submodule(".".join(parts[:i]))
+        if isinstance(module, ExpertLinears):
+            return module, int(parts[i])
+    return None
+
+
+def is_routed(block: nn.Module, linear: str) -> bool:
+    """Whether `linear` belongs to a routed expert: it may see no calibration token."""
+    return expert_of(block, linear) is not None
+
+
+def set_all_tokens(block: nn.Module, on: bool) -> None:
+    """--moe-calibration all (on) or routed: whether the block's experts compute every token while calibrated."""
+    for module in block.modules():
+        if isinstance(module, ExpertLinears):
+            module.all_tokens = on

@@ -29,11 +29,10 @@ class StreamedModel:
 
     def __init__(self, folder: Path, config, compute_dtype, files: dict, source_name: str, trust_remote_code=False):
         from accelerate import init_empty_weights
-        from transformers import AutoModelForCausalLM
-
         self.folder, self.files, self.source_name, self.dtype = folder, files, source_name, compute_dtype
         with init_empty_weights(include_buffers=False):
-            self.model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype, trust_remote_code=trust_remote_code)
+            self.model = loader.model_class(config).from_config(config, dtype=compute_dtype,
+                                                                trust_remote_code=trust_remote_code)
         self.model.tie_weights()
         split_experts(self.model)  # names per expert, as the original MoE checkpoints store them
         self.model.eval()

@@ -33,6 +33,7 @@ from quantkit.schemes.base import quantizer_for, quantizer_names
 from quantkit.schemes.grid import check_bits, check_group_size, is_int
 
 ROTATIONS = ("none", "hadamard")
+MOE_CALIBRATION = ("all", "routed")
 OVERRIDE_TYPES = {"pattern": str, "bits": int, "group_size": int, "sym": bool, "skip": bool, "split_fused": bool}
 COMPAT_TARGETS = ("none", "any", "vllm", "transformers", "gptqmodel")
 _TYPE_WORDS = {bool: "true or false, without quotes", int: "a whole number, without quotes",
@@ -82,6 +83,7 @@ class QuantConfig:
     rotate: Optional[str] = None     # None: the method's (none; hadamard for the turboquant and e8 methods)
     max_shard_size: str = "4GB"
     compat: str = "none"             # reader(s) whose refusal is an error before any work; none: warnings only
+    moe_calibration: str = "all"     # all: every expert's statistics from every token; routed: its routed ones
     modules: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -115,6 +117,8 @@ class QuantConfig:
         if self.rotate != "none" and "awq" in self.method:
             raise QuantkitError(f"--rotate {self.rotate} does not work with --method {self.method}: AWQ's "
                                 "scales are searched in the unrotated basis")
+        if self.moe_calibration not in MOE_CALIBRATION:
+            raise QuantkitError(f"unknown --moe-calibration '{self.moe_calibration}': use {' or '.join(MOE_CALIBRATION)}")
         if self.compat not in COMPAT_TARGETS:
             raise QuantkitError(f"unknown --compat '{self.compat}': use one of {', '.join(COMPAT_TARGETS)}")
         codecs.codec_of_format(self.checkpoint_format)  # an unknown name is refused with the choices

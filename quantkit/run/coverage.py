@@ -114,17 +114,22 @@ def _unknown_message(unknown, blocks_path) -> str:
 
 
 def expert_calibration(layers: dict) -> dict | None:
-    """The calibration tokens each routed expert received, from the report's layers (None without experts or
-    calibration): {"tokens": {expert: n}, "uncalibrated": [experts no token reached, rounded to nearest],
-    "summary": one line}. An expert is named by its gate_proj's module ("model.layers.1.mlp.experts.3")."""
-    tokens = {name.rpartition(".")[0]: layer["tokens"] for name, layer in layers.items()
-              if ROUTED_EXPERT.search(name) and name.endswith(".gate_proj") and "tokens" in layer}
-    if not tokens:
+    """The calibration tokens routed to each expert, from the report's layers (None without experts or calibration):
+    {"tokens": {expert: routed tokens}, "calibrated_on": {expert: tokens its statistics saw} (all of them with
+    --moe-calibration all), "uncalibrated": [experts no token reached: rounded to nearest], "summary": one line}.
+    An expert is named by its gate_proj's module ("model.layers.1.mlp.experts.3")."""
+    gates = {name.rpartition(".")[0]: layer for name, layer in layers.items()
+             if ROUTED_EXPERT.search(name) and name.endswith(".gate_proj") and "tokens" in layer}
+    if not gates:
         return None
-    counts = sorted(tokens.values())
-    none = sorted(e for e, n in tokens.items() if n == 0)
-    line = (f"calibration tokens per routed expert: min {counts[0]}, median {counts[len(counts) // 2]}, max "
+    routed = {e: layer.get("routed_tokens", layer["tokens"]) for e, layer in gates.items()}
+    seen = {e: layer["tokens"] for e, layer in gates.items()}
+    counts = sorted(routed.values())
+    line = (f"calibration tokens routed per expert: min {counts[0]}, median {counts[len(counts) // 2]}, max "
             f"{counts[-1]} over {len(counts)} experts")
+    if any(seen[e] > routed[e] for e in gates):
+        line += f" (statistics from all {max(seen.values())} tokens: --moe-calibration all)"
+    none = sorted(e for e, n in seen.items() if n == 0)
     if none:
         line += f"; {len(none)} received none and were rounded to nearest ({none[0]}{', ...' if len(none) > 1 else ''})"
-    return {"tokens": tokens, "uncalibrated": none, "summary": line}
+    return {"tokens": routed, "calibrated_on": seen, "uncalibrated": none, "summary": line}

@@ -14,7 +14,7 @@ from quantkit.checkpoint import files as checkpoint
 from quantkit.core.errors import QuantkitError
 from quantkit.models import offload, placement
 from quantkit.models.arch import arch_for, get_weight
-from quantkit.models.hub import parse_dtype, resolve_device
+from quantkit.models.hub import model_class, parse_dtype, resolve_device
 from quantkit.models.moe import split_experts
 
 
@@ -38,7 +38,7 @@ def _default_dtype(config_dtype, device):
 
 def _skeleton(folder, dtype, qc):
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(folder)
@@ -48,7 +48,7 @@ def _skeleton(folder, dtype, qc):
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # keep transformers from looking for a GPTQ backend
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = model_class(config).from_config(config, dtype=dtype)
     split_experts(model)  # as quantize split them: one linear per expert
     model.config.quantization_config = qc
     return model, qc

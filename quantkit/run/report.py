@@ -70,9 +70,12 @@ def inspect_checkpoint(path) -> dict:
         info.update({k: stats[k] for k in ("error", "cosine", "sqnr_db") if k in stats})
         info["flagged"] = name in report.get("flagged", [])
     files = sorted(folder.glob("*.safetensors"))
+    # what the run said of the weights it left in float and of its experts' calibration (quantkit.run.coverage)
+    said = [part.get("summary") for part in (report.get("coverage"), report.get("experts")) if isinstance(part, dict)]
     return {"path": str(folder), "quantization_config": qc, "layers": layers,
             "total_bytes": sum(f.stat().st_size for f in files),
-            "quantized_weights": sum(v["shape"][0] * v["shape"][1] for v in layers.values())}
+            "quantized_weights": sum(v["shape"][0] * v["shape"][1] for v in layers.values()),
+            "notes": [line for line in said if isinstance(line, str)]}
 
 
 def inspect_table(info: dict) -> str:
@@ -86,4 +89,5 @@ def inspect_table(info: dict) -> str:
                     f"{_fmt(r.get('cosine'), '.6f')} | {_fmt(r.get('sqnr_db'), '.2f')} |")
     rows.append(f"\n{len(info['layers'])} quantized linears, {info['quantized_weights']:,} weights; "
                 f"checkpoint size {info['total_bytes'] / 2**20:.2f} MiB")
+    rows += info.get("notes", [])
     return "\n".join(rows)
