@@ -3,7 +3,8 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, GemmaConfig, LlamaConfig, OPTConfig, Qwen2Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig,
+                          MixtralConfig, OPTConfig, Qwen2Config, Starcoder2Config)
 
 from quantkit.run.config import QuantConfig
 from quantkit.core.errors import QuantkitError
@@ -21,6 +22,8 @@ def _llama(kv_heads):
                        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128)
 
 
+MHA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=4, max_position_embeddings=128)
 CONFIGS = {
     "llama-gqa": lambda: _llama(2),
     "llama-mha": lambda: _llama(4),
@@ -31,6 +34,11 @@ CONFIGS = {
     "gemma": lambda: GemmaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=4, head_dim=16,
                                  max_position_embeddings=128),
+    "gemma2": lambda: Gemma2Config(**MHA, head_dim=16),
+    "gemma3_text": lambda: Gemma3TextConfig(**MHA, head_dim=16),
+    "granite": lambda: GraniteConfig(**MHA),
+    "starcoder2": lambda: Starcoder2Config(**MHA),
+    "mixtral": lambda: MixtralConfig(**MHA, num_local_experts=4),  # the attention only: the norm feeds the router
 }
 
 
@@ -41,7 +49,7 @@ def tiny_model(name, seed=0, **overrides):
         setattr(cfg, k, v)
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     # random norms (weights and biases) so folding into them is really exercised
-    offset = 1.0 if name == "gemma" else 0.0
+    offset = 1.0 if name.startswith("gemma") else 0.0
     with torch.no_grad():
         for mod in model.modules():
             w = getattr(mod, "weight", None)

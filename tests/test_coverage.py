@@ -81,23 +81,3 @@ def test_a_router_of_an_unknown_family_is_never_rounded(model_factory):
     assert is_router("mlp.gate", model.model.layers[0].mlp.gate.weight, 4)
     assert "mlp.gate" not in arch_for(model).sequential[0]
     assert "self_attn.q_proj" in arch_for(model).sequential[0]
-
-
-def test_blocks_of_more_than_one_shape_are_named(tmp_path):
-    """DeepSeek's first layers are dense and the others mixture-of-experts: one line, not a table 'bug'."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config
-
-    from quantkit.demo import bundled_model_path
-
-    config = DeepseekV3Config(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                              n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=32,
-                              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                              first_k_dense_replace=1, max_position_embeddings=256)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "src")
-    AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(tmp_path / "src")
-    result = quantize(tmp_path / "src", tmp_path / "q")
-    assert result.exit_code == 2, result.output
-    assert "error: model.layers.1 has no mlp.gate_proj, which block 0 has" in result.output

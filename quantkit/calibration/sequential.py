@@ -23,8 +23,8 @@ from quantkit.calibration.replay import ReplayedOutputs, free_bytes, to_device
 from quantkit.core.errors import QuantkitError
 from quantkit.core.finite import all_finite
 from quantkit.core.matmul import onednn_linears
-from quantkit.models.arch import (Arch, block_linears, first_tensor, get_submodule,  # noqa: F401 (re-exported)
-                                  get_weight, set_weight)
+from quantkit.models.arch import (Arch, block_linears, block_stages, first_tensor,  # noqa: F401 (re-exported)
+                                  get_submodule, get_weight, set_weight)
 from quantkit.models.moe import expert_of, is_routed, set_all_tokens
 
 
@@ -226,7 +226,6 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
         inputs, kwargs = capture_block_inputs(model, arch, input_ids, device, store_device)
     finally:
         undo()
-    stages = arch.sequential if true_sequential else (tuple(n for s in arch.sequential for n in s),)
     for i in tqdm(range(len(blocks)), desc="blocks", unit="block", disable=not group.is_writer):
         prefix = f"{arch.blocks}.{i}"
         block = replay(i) if i < start else source.load(prefix)
@@ -234,6 +233,8 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
         with onednn_linears(block):  # on a CPU with AVX-512: the block's float32 products at twice BLAS's speed
             runner = BlockRunner(block, inputs, kwargs, device, store_device, arch.feeds_only)
             set_all_tokens(block, method.config.moe_calibration == "all")  # the experts' statistics (moe.py)
+            stages = block_stages(arch, block)
+            stages = stages if true_sequential else (tuple(n for s in stages for n in s),)
             results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, arch.reusable,
                                                            on_result, group)
             set_all_tokens(block, False)  # the next block's inputs: the routed forward, the same outputs sooner
@@ -360,7 +361,7 @@ def data_free_blocks(source, arch: Arch, method, start=0, on_result=None):
     for i in tqdm(range(start, len(blocks)), desc=method.config.method, unit="block", initial=start,
                   total=len(blocks)):
         prefix = f"{arch.blocks}.{i}"
-        names = [f"{prefix}.{n}" for n in block_linears(arch) if method.spec(f"{prefix}.{n}") is not None]
+        names = [f"{prefix}.{n}" for n in block_linears(arch, blocks[i]) if method.spec(f"{prefix}.{n}") is not None]
         weights = [f"{n}.weight" for n in names]
         block = source.load(prefix, skip=weights)
         results = {}

@@ -48,6 +48,8 @@ class Arch:
     reusable: tuple[tuple[str, str], ...] = ()
     feeds_only: tuple[tuple[str, str], ...] = ()
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    found_by_shape: bool = False  # an unknown family: each block's stage is its own linears (blocks may differ)
+    experts: int = 0              # its routed experts (whose routers are not linears to quantize)
 
 
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -65,6 +67,15 @@ _LLAMA = Arch(
     reusable=(("self_attn", "self_attn.o_proj"), ("mlp", "mlp.down_proj")),
     feeds_only=(("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp")),
     fused=_LLAMA_FUSED,
+)
+
+# Gemma 2 and 3: (1 + w) norms, and four of them: post_attention_layernorm and post_feedforward_layernorm normalise
+# the sublayers' outputs; the MLP reads pre_feedforward_layernorm's.
+_GEMMA2 = replace(
+    _LLAMA, norm_offset=1.0,
+    scale_groups=(("input_layernorm", _QKV), ("self_attn.v_proj", ("self_attn.o_proj",)),
+                  ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")), ("mlp.up_proj", ("mlp.down_proj",))),
+    feeds_only=(("input_layernorm", "self_attn"), ("pre_feedforward_layernorm", "mlp")),
 )
 
 # Mixture-of-experts blocks once their experts are split into one module each (quantkit.models.moe): "*" stands
@@ -91,6 +102,19 @@ ARCHS: dict[str, Arch] = {
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
     "gemma": replace(_LLAMA, norm_offset=1.0),
+    "gemma2": _GEMMA2,
+    "gemma3_text": _GEMMA2,
+    "granite": _LLAMA,  # Llama's blocks with scalar multipliers on the residual and the attention
+    "starcoder2": Arch(
+        blocks="model.layers",
+        sequential=(_QKV, ("self_attn.o_proj",), ("mlp.c_fc",), ("mlp.c_proj",)),
+        # c_fc -> GELU -> c_proj: GELU is not positively homogeneous, so that pair is not scaled
+        scale_groups=(("input_layernorm", _QKV), ("self_attn.v_proj", ("self_attn.o_proj",)),
+                      ("post_attention_layernorm", ("mlp.c_fc",))),
+        reusable=(("self_attn", "self_attn.o_proj"), ("mlp", "mlp.c_proj")),
+        feeds_only=(("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp")),
+        fused=(("self_attn.qkv_proj", _QKV),),
+    ),
     # the language models of the Qwen vision-language models (their config's text_config.model_type)
     "qwen2_vl_text": _LLAMA,
     "qwen2_5_vl_text": _LLAMA,
@@ -208,9 +232,9 @@ def arch_for(model: nn.Module) -> Arch:
     if text_type in ARCHS:  # a vision-language model: its language model's blocks, by the text family's entry
         return replace(_per_expert(ARCHS[text_type], expert_count(model.config) or 0), blocks=find_blocks_path(model))
     blocks = get_submodule(model, find_blocks_path(model))
-    experts = expert_count(model.config)
-    linears = tuple(n for n, m in blocks[0].named_modules() if is_linear(m) and not is_router(n, m.weight, experts))
-    return Arch(blocks=find_blocks_path(model), sequential=(linears,))
+    arch = Arch(blocks=find_blocks_path(model), sequential=(), found_by_shape=True,
+                experts=expert_count(model.config) or 0)
+    return replace(arch, sequential=block_stages(arch, blocks[0]))
 
 
 def _per_expert(arch: Arch, experts: int) -> Arch:
@@ -249,8 +273,18 @@ def require_scale_groups(arch: Arch, model_type: str = "this model family") -> N
             "feeds which linears to ARCHS in quantkit/models/arch.py, or use --method gptq/rtn")
 
 
-def block_linears(arch: Arch) -> list[str]:
-    return [name for stage in arch.sequential for name in stage]
+def block_stages(arch: Arch, block: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """The stages of one block: the table's, or for a family found by shape the block's own linears (routers left
+    out) as one stage, so that blocks of more than one shape (DeepSeek's dense first layers) each get theirs."""
+    if not arch.found_by_shape:
+        return arch.sequential
+    return (tuple(n for n, m in block.named_modules() if is_linear(m) and not is_router(n, m.weight, arch.experts)),)
+
+
+def block_linears(arch: Arch, block: nn.Module | None = None) -> list[str]:
+    """The linears to quantize in a block (in `block`, for a family found by shape)."""
+    stages = block_stages(arch, block) if block is not None else arch.sequential
+    return [name for stage in stages for name in stage]
 
 
 def fused_groups(arch: Arch, names) -> dict[str, tuple[str, ...]]:

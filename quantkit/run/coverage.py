@@ -44,7 +44,7 @@ class Coverage:
     def summary(self) -> str:
         """One line: "quantized 97.3 % of linear weights (210 linears); in floating point: 24 routers, lm_head"."""
         counts = {k: len(self.kinds.get(k, {})) for k in ("recipe", "router", "lm_head", "embeddings", "outside")}
-        words = {"recipe": f"{counts['recipe']} weight(s) kept by the recipe", "router": f"{counts['router']} routers",
+        words = {"recipe": f"{counts['recipe']} weight(s) kept by the recipe", "router": f"{counts['router']} router{'s' if counts['router'] != 1 else ''}",
                  "lm_head": "lm_head", "embeddings": "embeddings",
                  "outside": f"{counts['outside']} other weight(s) outside the decoder blocks"}
         floats = [words[k] for k, n in counts.items() if n]

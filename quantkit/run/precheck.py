@@ -14,7 +14,7 @@ def quantizable_linears(model, arch) -> list[str]:
     blocks = get_submodule(model, arch.blocks)
     names = []
     for i, block in enumerate(blocks):
-        for rel in block_linears(arch):
+        for rel in block_linears(arch, block):
             try:
                 module = block.get_submodule(rel) if i else get_submodule(block, rel)
             except AttributeError:  # block 0 has it (the first block's own lookup names a wrong table)

@@ -1,0 +1,105 @@
+"""The families people quantize: a tiny random model from transformers' own config class, quantized, written, loaded
+back, and its logits equal to the in-loop model's (the fp model holding the weights the loop ended with). AWQ runs
+where the family's table entry says which op feeds which linears. README's family table lists these rows."""
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import quantkit
+from quantkit.demo import bundled_model_path
+from quantkit.models.hub import model_class
+from test_quantizers import calibration, capture_results, in_loop_logits
+
+TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+MOE = dict(num_experts_per_tok=2)
+DEEPSEEK = dict({**TEXT, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4, n_group=1,
+                topk_group=1, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                first_k_dense_replace=1, **MOE)
+
+
+def config(family):
+    import transformers as T
+
+    return {
+        "llama": lambda: T.LlamaConfig(**TEXT),
+        "mistral": lambda: T.MistralConfig(**TEXT),
+        "qwen2": lambda: T.Qwen2Config(**TEXT),
+        "qwen3": lambda: T.Qwen3Config(**TEXT, head_dim=16),
+        "gemma2": lambda: T.Gemma2Config(**TEXT, head_dim=16),
+        "gemma3_text": lambda: T.Gemma3TextConfig(**TEXT, head_dim=16),
+        "phi3": lambda: T.Phi3Config(**TEXT),
+        "glm4": lambda: T.Glm4Config(**TEXT, head_dim=16),
+        "granite": lambda: T.GraniteConfig(**TEXT),
+        "olmo2": lambda: T.Olmo2Config(**TEXT),
+        "cohere": lambda: T.CohereConfig(**TEXT),
+        "starcoder2": lambda: T.Starcoder2Config(**TEXT),
+        "mixtral": lambda: T.MixtralConfig(**TEXT, num_local_experts=4, **MOE),
+        "qwen2_moe": lambda: T.Qwen2MoeConfig(**TEXT, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                              num_experts=4, **MOE),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(**TEXT, moe_intermediate_size=32, num_experts=4, head_dim=16, **MOE),
+        "gpt_oss": lambda: T.GptOssConfig(**TEXT, num_local_experts=4, head_dim=16, **MOE,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        # MLA attention; the first layer dense, the second mixture-of-experts (blocks of two shapes)
+        "deepseek_v2": lambda: T.DeepseekV2Config(**DEEPSEEK, q_lora_rank=None),
+        "deepseek_v3": lambda: T.DeepseekV3Config(**DEEPSEEK, q_lora_rank=32),
+    }[family]()
+
+
+NO_AWQ = {"glm4", "olmo2", "cohere", "deepseek_v2", "deepseek_v3"}  # no scale-group entry yet: AWQ refuses them with one line
+ROWS = [(f, m) for f in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "glm4", "granite",
+                         "olmo2", "cohere", "starcoder2", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2",
+                         "deepseek_v3")
+        for m in ("rtn", "gptq", "awq") if not (m == "awq" and f in NO_AWQ)]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root, made = tmp_path_factory.mktemp("families"), {}
+
+    def make(family):
+        if family not in made:
+            torch.manual_seed(0)
+            cfg = config(family)
+            model = model_class(cfg).from_config(cfg)
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() > 1 and not p.abs().sum():
+                        p.normal_(0, 0.02)  # from_config leaves some expert tensors at zero
+            model.save_pretrained(root / family)
+            AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(root / family)
+            made[family] = root / family
+        return made[family]
+
+    return make
+
+
+@pytest.mark.parametrize("family,method", ROWS)
+def test_quantize_write_load_gives_the_in_loop_logits(sources, tmp_path, monkeypatch, family, method):
+    src, ids = sources(family), calibration()
+    results = capture_results(monkeypatch)
+    report = quantkit.quantize(str(src), tmp_path / "q", quantkit.QuantConfig(method=method, group_size=32),
+                               calibration_ids=ids)
+    assert report["layers"] and set(report["layers"]) == set(results)
+    assert not report["coverage"].get("recipe")  # nothing left in float but embeddings, lm_head and routers
+    model = quantkit.load_quantized(tmp_path / "q")
+    with torch.inference_mode():
+        got = model(ids).logits
+    folded = {n: p for n, p in model.named_parameters() if "norm" in n}  # AWQ's scales, folded into the norms
+    torch.testing.assert_close(got, in_loop_logits(src, results, ids, folded), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(NO_AWQ))
+def test_awq_without_a_table_entry_says_so(sources, tmp_path, family):
+    with pytest.raises(quantkit.QuantkitError, match=f"AWQ has no scale-group table for model_type '{family}'"):
+        quantkit.quantize(str(sources(family)), tmp_path / "q", quantkit.QuantConfig(method="awq", group_size=32),
+                          calibration_ids=calibration())
+
+
+def test_blocks_of_two_shapes_each_quantize_their_own_linears(sources, tmp_path):
+    """DeepSeek: the dense first block's MLP and the MoE block's experts, shared experts and MLA projections."""
+    report = quantkit.quantize(str(sources("deepseek_v3")), tmp_path / "q", quantkit.QuantConfig(group_size=32))
+    layers = set(report["layers"])
+    assert {"model.layers.0.mlp.gate_proj", "model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_b_proj",
+            "model.layers.1.mlp.experts.3.down_proj", "model.layers.1.mlp.shared_experts.up_proj"} <= layers
+    assert report["coverage"]["router"] == ["model.layers.1.mlp.gate.weight"]
