@@ -134,6 +134,25 @@ def check_safetensors(source: str) -> None:
                             "(from_pretrained(...).save_pretrained(folder, safe_serialization=True)) and pass that folder")
 
 
+def fp8_block_size(config):
+    """(rows, cols) of the weight blocks of a block-scaled FP8 release (DeepSeek-V3, Qwen3-FP8: quant_method fp8,
+    e4m3 weights, a float32 weight_scale_inv per block), which the streamed reader dequantizes; else None."""
+    qc = getattr(config, "quantization_config", None)
+    qc = qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else {})
+    block = qc.get("weight_block_size")
+    if (qc.get("quant_method") == "fp8" and qc.get("fmt", "e4m3") == "e4m3" and isinstance(block, (list, tuple))
+            and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        return tuple(block)
+    return None
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
+    """An FP8 weight [out, in] times its per-block scales [ceil(out / rows), ceil(in / cols)], in float32."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
+
+
 def refuse_quantized(source, config) -> None:
     qc = getattr(config, "quantization_config", None)
     if qc:

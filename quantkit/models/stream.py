@@ -27,9 +27,11 @@ class StreamedModel:
     """model: the skeleton (parameters on meta); names: checkpoint tensor names in state-dict order, tied
     duplicates dropped (safetensors refuses shared storage, quantkit.core.folders.drop_shared)."""
 
-    def __init__(self, folder: Path, config, compute_dtype, files: dict, source_name: str, trust_remote_code=False):
+    def __init__(self, folder: Path, config, compute_dtype, files: dict, source_name: str, trust_remote_code=False,
+                 fp8_block=None):
         from accelerate import init_empty_weights
         self.folder, self.files, self.source_name, self.dtype = folder, files, source_name, compute_dtype
+        self.fp8_block = fp8_block  # (rows, cols): FP8 weights with a weight_scale_inv per block, dequantized on read
         with init_empty_weights(include_buffers=False):
             self.model = loader.model_class(config).from_config(config, dtype=compute_dtype,
                                                                 trust_remote_code=trust_remote_code)
@@ -53,7 +55,7 @@ class StreamedModel:
             try:
                 with safe_open(self.folder / fname, framework="pt") as f:
                     for n in group:
-                        out[n] = f.get_tensor(n)
+                        out[n] = self._stored(f, n)
             except (SafetensorError, OSError) as e:
                 raise QuantkitError(f"a safetensors file of model '{self.source_name}' is truncated or corrupted "
                                     f"({fname}: {e}): download or copy the model again") from e
@@ -66,6 +68,17 @@ class StreamedModel:
             if dtype is not None and t.is_floating_point():
                 out[n] = t.to(dtype)
         return out
+
+    def _stored(self, f, name: str) -> torch.Tensor:
+        """Tensor `name` of the open shard f, an FP8 weight dequantized by its block scales."""
+        t = f.get_tensor(name)
+        if self.fp8_block is not None and t.dtype == torch.float8_e4m3fn:
+            scale = f"{name}_scale_inv"
+            if scale not in f.keys():
+                raise QuantkitError(f"model '{self.source_name}': {name} is FP8 but {scale} is not beside it: the "
+                                    "checkpoint is incomplete; download or copy it again")
+            t = loader.dequantize_fp8(t, f.get_tensor(scale), self.fp8_block)
+        return t
 
     def check_shapes(self) -> None:
         """Every tensor's shape in the shards (headers only) against the skeleton config.json builds."""
@@ -249,9 +262,17 @@ def open_model(source: str, dtype="auto", trust_remote_code=False):
                 config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
             except (OSError, ValueError) as e:
                 raise loader.load_error(source, e) from e
-            loader.refuse_quantized(source, config)
+            fp8_block = loader.fp8_block_size(config)
+            if fp8_block is None:
+                loader.refuse_quantized(source, config)
+            else:  # the model is built in floating point; the reader dequantizes the FP8 weights
+                del config.quantization_config
+                print(f"note: {source} holds block-scaled FP8 weights ({fp8_block[0]} x {fp8_block[1]} blocks): "
+                      "they are dequantized as they are read and quantized as any floating-point weight",
+                      file=sys.stderr)
             declared = _declared(config)  # before from_config, which sets config.dtype to the compute dtype
-            model = StreamedModel(folder, config, compute_dtype_for(config, dtype), files, source, trust_remote_code)
+            model = StreamedModel(folder, config, compute_dtype_for(config, dtype), files, source, trust_remote_code,
+                                  fp8_block)
             if all(n in files for n in model.names):  # else renamed or missing tensors: transformers decides
                 model.check_shapes()
                 return model, loader.load_tokenizer(folder, trust_remote_code), declared
