@@ -169,6 +169,26 @@ ARCHS: dict[str, Arch] = {
 }
 
 
+# How a family's original checkpoint files name tensors that the model holds under other names once transformers
+# (and quantkit.models.moe) converted them: (pattern on the in-memory name, its name in the files). Mixtral's experts
+# are w1 (gate), w3 (up), w2 (down) under block_sparse_moe; the streamed reader reads them block by block so.
+SOURCE_NAMES = {
+    "mixtral": ((r"\.mlp\.experts\.(\d+)\.gate_proj\.", r".block_sparse_moe.experts.\1.w1."),
+                (r"\.mlp\.experts\.(\d+)\.up_proj\.", r".block_sparse_moe.experts.\1.w3."),
+                (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".block_sparse_moe.experts.\1.w2."),
+                (r"\.mlp\.gate\.", r".block_sparse_moe.gate.")),
+}
+
+
+def name_in_files(model_type: str, name: str) -> str:
+    """The name tensor `name` has in the family's original checkpoint files (itself when they agree)."""
+    for pattern, stored in SOURCE_NAMES.get(model_type, ()):
+        renamed = re.sub(pattern, stored, name)
+        if renamed != name:
+            return renamed
+    return name
+
+
 def is_conv1d(module: nn.Module) -> bool:
     """GPT-2's Conv1D: a linear layer whose weight is stored [in, out]."""
     return type(module).__name__ == "Conv1D"

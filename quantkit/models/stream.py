@@ -20,6 +20,7 @@ from quantkit.core.errors import QuantkitError
 from quantkit.core.finite import all_finite
 from quantkit.core.folders import INDEX_NAME, SINGLE_NAME, drop_shared, index_map
 from quantkit.models import hub as loader
+from quantkit.models.arch import name_in_files
 from quantkit.models.moe import split_experts
 
 
@@ -43,6 +44,9 @@ class StreamedModel:
 
             self.model.generation_config = GenerationConfig.from_pretrained(folder)
         self.names = _distinct_state_names(self.model)
+        # each tensor's name in the files: its own, or the family's original one (Mixtral's block_sparse_moe.w1)
+        self.stored = {n: n if n in files else name_in_files(config.model_type, n) for n in self.names}
+        self.files = {n: files[s] for n, s in self.stored.items() if s in files}
 
     def read(self, names, dtype=None) -> dict:
         """{name: tensor} from the shards (one open per shard, closed again), checked finite."""
@@ -71,6 +75,7 @@ class StreamedModel:
 
     def _stored(self, f, name: str) -> torch.Tensor:
         """Tensor `name` of the open shard f, an FP8 weight dequantized by its block scales."""
+        name = self.stored[name]
         t = f.get_tensor(name)
         if self.fp8_block is not None and t.dtype == torch.float8_e4m3fn:
             scale = f"{name}_scale_inv"
@@ -90,7 +95,7 @@ class StreamedModel:
         for fname, group in by_file.items():
             try:
                 with safe_open(self.folder / fname, framework="pt") as f:
-                    shapes = {n: list(f.get_slice(n).get_shape()) for n in group}
+                    shapes = {n: list(f.get_slice(self.stored[n]).get_shape()) for n in group}
             except (SafetensorError, OSError) as e:
                 raise QuantkitError(f"a safetensors file of model '{self.source_name}' is truncated or corrupted "
                                     f"({fname}: {e}): download or copy the model again") from e
@@ -273,10 +278,10 @@ def open_model(source: str, dtype="auto", trust_remote_code=False):
             declared = _declared(config)  # before from_config, which sets config.dtype to the compute dtype
             model = StreamedModel(folder, config, compute_dtype_for(config, dtype), files, source, trust_remote_code,
                                   fp8_block)
-            if all(n in files for n in model.names):  # else renamed or missing tensors: transformers decides
+            if all(n in model.files for n in model.names):  # else renamed or missing tensors: transformers decides
                 model.check_shapes()
                 return model, loader.load_tokenizer(folder, trust_remote_code), declared
-            missing = next(n for n in model.names if n not in files)
+            missing = next(n for n in model.names if n not in model.files)
             why = (f"its files name tensors otherwise than the model does ({missing}, for one, is not stored as "
                    "such: transformers converts such tensors as it loads, e.g. per-expert weights into fused 3-D "
                    "ones), so they cannot be read block by block")
