@@ -30,11 +30,16 @@ def decode_table(decode, device=None) -> torch.Tensor:
     return torch.tensor(decode.table or (0.0,), dtype=torch.float32, device=device)
 
 
-def decode_codebook(codes, scales, g_idx, quantizer, in_features) -> torch.Tensor:
-    """Ŵᵀ [in_features, out_features], float32, exactly as the checkpoint says (the quantizer's dequantize)."""
+def decode_weight(codes, params: dict, g_idx, quantizer, in_features) -> torch.Tensor:
+    """Ŵ [out_features, in_features], float32, exactly as the checkpoint says: the packed codes and the per-group
+    parameters {key: [G, N]} decoded by the quantizer's own dequantize."""
     q = bitpack.unpack(codes, quantizer.code_bits, in_features, dim=0)
-    params = per_column({"scale": scales.t().float()}, g_idx)
-    return quantizer.dequantize(q.t(), params).t()
+    return quantizer.dequantize(q.t(), per_column({k: v.t().float() for k, v in params.items()}, g_idx))
+
+
+def decode_codebook(codes, scales, g_idx, quantizer, in_features) -> torch.Tensor:
+    """Ŵᵀ [in_features, out_features] of a layer whose only parameter is its scale (what the kernel decodes)."""
+    return decode_weight(codes, {"scale": scales}, g_idx, quantizer, in_features).t()
 
 
 def codebook_linear_torch(x, codes, scales, g_idx, quantizer, in_features, bias=None):

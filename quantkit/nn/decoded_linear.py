@@ -14,9 +14,8 @@ import torch
 from torch import nn
 
 from quantkit.core import bitpack
-from quantkit.core.groups import per_column
 from quantkit.core.matmul import linear
-from quantkit.kernels.codebook import codebook_linear, decode_table
+from quantkit.kernels.codebook import codebook_linear, decode_table, decode_weight
 from quantkit.nn.quant_linear import add_rotation, buffers_key, rotate_input
 from quantkit.schemes.base import param_dtype
 
@@ -53,9 +52,8 @@ class DecodedLinear(nn.Module):
         key = buffers_key(bufs)
         cache = self.__dict__.get("_weight_cache")
         if cache is None or cache[0] != key:
-            codes = bitpack.unpack(self.codes, self.quantizer.code_bits, self.in_features, dim=0).t()
-            params = {k: getattr(self, k).t().float() for k in self.quantizer.param_bits}
-            w = self.quantizer.dequantize(codes, per_column(params, self.g_idx))
+            params = {k: getattr(self, k) for k in self.quantizer.param_bits}
+            w = decode_weight(self.codes, params, self.g_idx, self.quantizer, self.in_features)
             if not self.cache_dequantized:
                 return w
             cache = self.__dict__["_weight_cache"] = (key, w)
