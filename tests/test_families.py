@@ -40,17 +40,19 @@ def config(family):
         "qwen3_moe": lambda: T.Qwen3MoeConfig(**TEXT, moe_intermediate_size=32, num_experts=4, head_dim=16, **MOE),
         "gpt_oss": lambda: T.GptOssConfig(**TEXT, num_local_experts=4, head_dim=16, **MOE,
                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        # a dense block, then a MoE block whose router scales the experts' inputs
+        "llama4_text": lambda: T.Llama4TextConfig(**{**TEXT, "intermediate_size": 32}, intermediate_size_mlp=96,
+                                                  head_dim=16, num_local_experts=4, interleave_moe_layer_step=2, **MOE),
         # MLA attention; the first layer dense, the second mixture-of-experts (blocks of two shapes)
         "deepseek_v2": lambda: T.DeepseekV2Config(**DEEPSEEK, q_lora_rank=None),
         "deepseek_v3": lambda: T.DeepseekV3Config(**DEEPSEEK, q_lora_rank=32),
     }[family]()
 
 
-NO_AWQ = {"glm4", "olmo2", "cohere", "deepseek_v2", "deepseek_v3"}  # no scale-group entry yet: AWQ refuses them with one line
 ROWS = [(f, m) for f in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "glm4", "granite",
-                         "olmo2", "cohere", "starcoder2", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2",
+                         "olmo2", "cohere", "starcoder2", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "llama4_text", "deepseek_v2",
                          "deepseek_v3")
-        for m in ("rtn", "gptq", "awq") if not (m == "awq" and f in NO_AWQ)]
+        for m in ("rtn", "gptq", "awq")]
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +91,15 @@ def test_quantize_write_load_gives_the_in_loop_logits(sources, tmp_path, monkeyp
     torch.testing.assert_close(got, in_loop_logits(src, results, ids, folded), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", sorted(NO_AWQ))
-def test_awq_without_a_table_entry_says_so(sources, tmp_path, family):
-    with pytest.raises(quantkit.QuantkitError, match=f"AWQ has no scale-group table for model_type '{family}'"):
-        quantkit.quantize(str(sources(family)), tmp_path / "q", quantkit.QuantConfig(method="awq", group_size=32),
+def test_a_family_without_a_table_entry_quantizes_by_shape_and_awq_says_what_is_missing(sources, tmp_path,
+                                                                                       monkeypatch):
+    from quantkit.models import arch
+
+    monkeypatch.delitem(arch.ARCHS, "cohere")
+    report = quantkit.quantize(str(sources("cohere")), tmp_path / "q", quantkit.QuantConfig(group_size=32))
+    assert len(report["layers"]) == 2 * 7
+    with pytest.raises(quantkit.QuantkitError, match="AWQ has no scale-group table for model_type 'cohere'"):
+        quantkit.quantize(str(sources("cohere")), tmp_path / "q2", quantkit.QuantConfig(method="awq", group_size=32),
                           calibration_ids=calibration())
 
 
@@ -103,3 +110,23 @@ def test_blocks_of_two_shapes_each_quantize_their_own_linears(sources, tmp_path)
     assert {"model.layers.0.mlp.gate_proj", "model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_b_proj",
             "model.layers.1.mlp.experts.3.down_proj", "model.layers.1.mlp.shared_experts.up_proj"} <= layers
     assert report["coverage"]["router"] == ["model.layers.1.mlp.gate.weight"]
+
+
+def test_mla_blocks_are_quantized_in_true_sequential_order():
+    """DeepSeek-V3: q_a and kv_a read the block input, q_b and kv_b their normed outputs, o the attention; the
+    dense block's MLP and the MoE block's experts with the shared expert, then their down projections."""
+    from quantkit.models.arch import arch_for, block_stages
+    from quantkit.models.moe import split_experts
+
+    cfg = config("deepseek_v3")
+    model = split_experts(model_class(cfg).from_config(cfg))
+    arch = arch_for(model)
+    attention = (("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"), ("self_attn.q_b_proj", "self_attn.kv_b_proj"),
+                 ("self_attn.o_proj",))
+    assert block_stages(arch, model.model.layers[0]) == attention + (("mlp.gate_proj", "mlp.up_proj"),
+                                                                     ("mlp.down_proj",))
+    moe = block_stages(arch, model.model.layers[1])
+    assert moe[:3] == attention and len(moe) == 5
+    assert set(moe[3]) == {f"mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj")} | {
+        "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"}
+    assert set(moe[4]) == {f"mlp.experts.{e}.down_proj" for e in range(4)} | {"mlp.shared_experts.down_proj"}

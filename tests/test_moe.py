@@ -34,36 +34,76 @@ def gpt_oss(dead_expert=None):
     return model
 
 
+def llama4():
+    """Llama 4: a dense block, then a MoE block whose router scales each token before every expert sees it."""
+    from transformers import Llama4TextConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Llama4TextConfig(
+        **{**COMMON, "intermediate_size": 32}, intermediate_size_mlp=96, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=2))
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.abs().sum():
+                p.normal_(0, 0.02)
+    return model.eval()
+
+
 def saved(model, folder):
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(folder)
     return folder
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def moe_model(kind, model_factory):
+    return {"gpt_oss": gpt_oss, "llama4": llama4}.get(
+        kind, lambda: AutoModelForCausalLM.from_pretrained(model_factory("mixtral")))()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss", "llama4"])
 def test_split_experts_compute_what_the_fused_ones_do(model_factory, kind):
-    model = gpt_oss() if kind == "gpt_oss" else AutoModelForCausalLM.from_pretrained(model_factory("mixtral"))
+    model = moe_model(kind, model_factory)
     ids = calibration()
     with torch.no_grad():
         fused = model(ids).logits
         split_experts(model)
         split = model(ids).logits
-    experts = model.model.layers[0].mlp.experts
+    experts = model.model.layers[1].feed_forward.experts if kind == "llama4" else model.model.layers[0].mlp.experts
     assert isinstance(experts, ExpertLinears) and len(experts) == 4
     assert isinstance(experts[3].down_proj, torch.nn.Linear) and (experts[0].gate_proj.bias is not None) == \
         (kind == "gpt_oss")
     torch.testing.assert_close(split, fused, rtol=1e-5, atol=1e-6)
 
 
-def test_every_expert_on_every_token_keeps_the_routed_output(model_factory):
+@pytest.mark.parametrize("kind", ["mixtral", "llama4"])
+def test_every_expert_on_every_token_keeps_the_routed_output(model_factory, kind):
     """--moe-calibration all: the experts compute every token, the block output sums the routed ones as before."""
-    model = split_experts(AutoModelForCausalLM.from_pretrained(model_factory("mixtral")))
+    model = split_experts(moe_model(kind, model_factory))
     ids = calibration()
     with torch.no_grad():
         routed = model(ids).logits
         set_all_tokens(model, True)
         every = model(ids).logits
     torch.testing.assert_close(every, routed, rtol=1e-5, atol=1e-6)
+
+
+def test_input_scaled_experts_see_their_routed_tokens_or_all_of_them():
+    """Llama 4: an expert's linears read its routed tokens (scaled by the router score) or, with all_tokens, every
+    token scaled by the sigmoid of its own router logit; the counts are the routed tokens either way."""
+    model = split_experts(llama4())
+    moe, ids = model.model.layers[1].feed_forward, calibration()[:1]
+    seen = []
+    moe.experts[2].gate_proj.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    with torch.no_grad():
+        for all_tokens in (False, True):
+            moe.experts.routed_counts, hidden = torch.zeros(4, dtype=torch.long), []
+            hook = moe.router.register_forward_hook(lambda m, args, out: hidden.append(out[1].argmax(-1)))
+            set_all_tokens(model, all_tokens)
+            model(ids)
+            hook.remove()
+            routed = torch.bincount(hidden[-1], minlength=4)
+            assert moe.experts.routed_counts.tolist() == routed.tolist()
+    assert seen == [int(routed[2]), ids.numel()] and 0 < routed[2] < ids.numel()
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])

@@ -11,7 +11,7 @@ from torch import nn
 
 from quantkit.algorithms.awq import (CLIP_TOKENS, SEARCH_TOKENS, apply_clip, clip_search, fold_reason, fold_scales,
                                      group_bounds, in_features_of, no_clip, search_scales, subsample)
-from quantkit.models.arch import first_tensor, get_weight, require_scale_groups
+from quantkit.models.arch import first_tensor, for_block, get_weight, require_scale_groups
 from quantkit.schemes.grid import Grid
 
 # Trial fold: random power-of-two scales in [1/4, 4] (exact in any float format, so a correct fold of
@@ -76,6 +76,7 @@ def awq_prepare_block(runner, block: nn.Module, prefix: str, arch, config, spec_
     group are still clipped, under the label "(no scale group)->name".
     """
     require_scale_groups(arch)
+    arch = for_block(arch, block)  # the groups this block has (DeepSeek's dense and MoE blocks differ)
     spec_of = spec_of or config.spec_for
     specs = {name: spec_of(f"{prefix}.{name}")
              for name in [n for stage in arch.sequential for n in stage] + [n for _, ls in arch.scale_groups for n in ls]}

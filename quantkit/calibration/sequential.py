@@ -23,7 +23,7 @@ from quantkit.calibration.replay import ReplayedOutputs, free_bytes, to_device
 from quantkit.core.errors import QuantkitError
 from quantkit.core.finite import all_finite
 from quantkit.core.matmul import onednn_linears
-from quantkit.models.arch import (Arch, block_linears, block_stages, first_tensor,  # noqa: F401 (re-exported)
+from quantkit.models.arch import (Arch, block_linears, first_tensor, for_block,  # noqa: F401 (re-exported)
                                   get_submodule, get_weight, set_weight)
 from quantkit.models.moe import expert_of, is_routed, set_all_tokens
 
@@ -231,11 +231,11 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
         block = replay(i) if i < start else source.load(prefix)
         block.to(device)
         with onednn_linears(block):  # on a CPU with AVX-512: the block's float32 products at twice BLAS's speed
-            runner = BlockRunner(block, inputs, kwargs, device, store_device, arch.feeds_only)
+            here = for_block(arch, block)  # DeepSeek's dense and MoE blocks differ
+            runner = BlockRunner(block, inputs, kwargs, device, store_device, here.feeds_only)
             set_all_tokens(block, method.config.moe_calibration == "all")  # the experts' statistics (moe.py)
-            stages = block_stages(arch, block)
-            stages = stages if true_sequential else (tuple(n for s in stages for n in s),)
-            results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, arch.reusable,
+            stages = here.sequential if true_sequential else (tuple(n for s in here.sequential for n in s),)
+            results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, here.reusable,
                                                            on_result, group)
             set_all_tokens(block, False)  # the next block's inputs: the routed forward, the same outputs sooner
             inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)

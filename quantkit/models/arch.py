@@ -19,6 +19,8 @@ For each `config.model_type`:
   fused       each (serving name, linears): linears that vLLM loads into one fused layer of that name
               (q/k/v -> qkv_proj, gate/up -> gate_up_proj), so they must share one quantization setting;
               recipe overrides apply to the whole group and the GPTQ `dynamic` map names both spellings.
+  varies      the family's blocks are of more than one kind (dense and mixture-of-experts layers): the table lists
+              the linears of all kinds and each block takes those it has (for_block)
 An unknown family still quantizes with RTN/GPTQ (blocks found by shape, all linears in one stage);
 AWQ needs an entry and says what is missing.
 """
@@ -40,7 +42,8 @@ class Arch:
     scale_groups: (previous op, the linears it feeds) pairs AWQ can scale; norm_offset: Gemma's 1 + weight
     norms; reusable: (submodule, output linear) pairs replayed once final (the attention, the MLP: nothing
     downstream of a later stage may feed them); feeds_only: (module, reusable submodule) pairs, the module's
-    output read by the submodule alone; fused: the groups a server fuses into one layer (one setting each)."""
+    output read by the submodule alone; fused: the groups a server fuses into one layer (one setting each);
+    varies: blocks of more than one kind, each narrowed to what it has (for_block)."""
     blocks: str
     sequential: tuple[tuple[str, ...], ...]
     scale_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -49,6 +52,7 @@ class Arch:
     feeds_only: tuple[tuple[str, str], ...] = ()
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
     found_by_shape: bool = False  # an unknown family: each block's stage is its own linears (blocks may differ)
+    varies: bool = False          # blocks of more than one kind (dense and MoE layers): each takes what it has
     experts: int = 0              # its routed experts (whose routers are not linears to quantize)
 
 
@@ -96,6 +100,49 @@ _SHARED_EXPERT = replace(_MOE, sequential=(
     ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
     ("mlp.experts.*.down_proj", "mlp.shared_expert.down_proj")))
 
+# DeepSeek-V2/V3's multi-head latent attention: q (or its low-rank pair q_a -> q_a_layernorm -> q_b) and the
+# compressed kv (kv_a_proj_with_mqa -> kv_a_layernorm -> kv_b_proj), then o; dense first layers beside MoE layers
+# with shared experts. The table lists both kinds of block (and both q spellings); each block takes the linears
+# and groups it has (`varies`). AWQ folds into the three norms in front of linears and into up -> down; the norm
+# before a MoE layer also feeds its router, so that one is not scaled.
+_MLA = Arch(
+    blocks="model.layers",
+    sequential=(("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
+                ("self_attn.q_b_proj", "self_attn.kv_b_proj"), ("self_attn.o_proj",),
+                ("mlp.gate_proj", "mlp.up_proj", "mlp.experts.*.gate_proj", "mlp.experts.*.up_proj",
+                 "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
+                ("mlp.down_proj", "mlp.experts.*.down_proj", "mlp.shared_experts.down_proj")),
+    scale_groups=(("input_layernorm", ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")),
+                  ("self_attn.q_a_layernorm", ("self_attn.q_b_proj",)),
+                  ("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",)),
+                  ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+                  ("mlp.up_proj", ("mlp.down_proj",)),
+                  ("mlp.shared_experts.up_proj", ("mlp.shared_experts.down_proj",))),
+    reusable=(("self_attn", "self_attn.o_proj"), ("mlp", "mlp.down_proj")),
+    feeds_only=(("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp")),
+    # vLLM's DeepseekV2ForCausalLM packed_modules_mapping (vllm/model_executor/models/deepseek_v2.py)
+    fused=(("self_attn.fused_qkv_a_proj", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")),
+           ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))),
+    varies=True,
+)
+
+# Llama 4: MoE layers (routed experts beside a shared expert) interleaved with dense ones, all under feed_forward
+_FF = ("feed_forward.gate_proj", "feed_forward.up_proj")
+_LLAMA4 = Arch(
+    blocks="model.layers",
+    sequential=(_QKV, ("self_attn.o_proj",),
+                _FF + ("feed_forward.experts.*.gate_proj", "feed_forward.experts.*.up_proj",
+                       "feed_forward.shared_expert.gate_proj", "feed_forward.shared_expert.up_proj"),
+                ("feed_forward.down_proj", "feed_forward.experts.*.down_proj", "feed_forward.shared_expert.down_proj")),
+    scale_groups=(("input_layernorm", _QKV), ("self_attn.v_proj", ("self_attn.o_proj",)),
+                  ("post_attention_layernorm", _FF), ("feed_forward.up_proj", ("feed_forward.down_proj",)),
+                  ("feed_forward.shared_expert.up_proj", ("feed_forward.shared_expert.down_proj",))),
+    reusable=(("self_attn", "self_attn.o_proj"), ("feed_forward", "feed_forward.down_proj")),
+    feeds_only=(("input_layernorm", "self_attn"), ("post_attention_layernorm", "feed_forward")),
+    fused=(("self_attn.qkv_proj", _QKV), ("feed_forward.gate_up_proj", _FF)),
+    varies=True,
+)
+
 ARCHS: dict[str, Arch] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
@@ -105,6 +152,29 @@ ARCHS: dict[str, Arch] = {
     "gemma2": _GEMMA2,
     "gemma3_text": _GEMMA2,
     "granite": _LLAMA,  # Llama's blocks with scalar multipliers on the residual and the attention
+    # GLM-4: Llama's order with a fused gate_up_proj and two more norms on the sublayers' outputs (no fold there)
+    "glm4": Arch(
+        blocks="model.layers",
+        sequential=(_QKV, ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
+        scale_groups=(("input_layernorm", _QKV), ("self_attn.v_proj", ("self_attn.o_proj",)),
+                      ("post_attention_layernorm", ("mlp.gate_up_proj",))),
+        reusable=(("self_attn", "self_attn.o_proj"), ("mlp", "mlp.down_proj")),
+        feeds_only=(("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp")),
+        fused=(("self_attn.qkv_proj", _QKV),),
+    ),
+    # OLMo 2 normalises the sublayers' outputs, not their inputs: the attention and the MLP read the residual
+    # stream itself, so only v -> o and up -> down can be scaled
+    "olmo2": replace(_LLAMA, scale_groups=(("self_attn.v_proj", ("self_attn.o_proj",)), ("mlp.up_proj", ("mlp.down_proj",))),
+                     feeds_only=()),
+    # Cohere (Command R): a parallel block, one LayerNorm feeding the attention and the MLP
+    "cohere": Arch(
+        blocks="model.layers",
+        sequential=(_QKV + ("mlp.gate_proj", "mlp.up_proj"), ("self_attn.o_proj", "mlp.down_proj")),
+        scale_groups=(("input_layernorm", _QKV + ("mlp.gate_proj", "mlp.up_proj")),
+                      ("self_attn.v_proj", ("self_attn.o_proj",)), ("mlp.up_proj", ("mlp.down_proj",))),
+        reusable=(("self_attn", "self_attn.o_proj"), ("mlp", "mlp.down_proj")),
+        fused=_LLAMA_FUSED,
+    ),
     "starcoder2": Arch(
         blocks="model.layers",
         sequential=(_QKV, ("self_attn.o_proj",), ("mlp.c_fc",), ("mlp.c_proj",)),
@@ -123,6 +193,9 @@ ARCHS: dict[str, Arch] = {
     "qwen3_moe": _MOE,
     "gpt_oss": _MOE,
     "qwen2_moe": _SHARED_EXPERT,
+    "llama4_text": _LLAMA4,
+    "deepseek_v2": _MLA,
+    "deepseek_v3": _MLA,
     "opt": Arch(
         blocks="model.decoder.layers",
         sequential=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.out_proj",),
@@ -293,12 +366,27 @@ def require_scale_groups(arch: Arch, model_type: str = "this model family") -> N
             "feeds which linears to ARCHS in quantkit/models/arch.py, or use --method gptq/rtn")
 
 
+def for_block(arch: Arch, block: nn.Module) -> Arch:
+    """The entry as it applies to `block`. For a family whose blocks differ, the stages, scale groups and reusable
+    submodules narrowed to the modules this block has (DeepSeek's dense first layers and its MoE layers); for a
+    family found by shape, the block's own linears (routers left out) as one stage."""
+    if arch.found_by_shape:
+        return replace(arch, sequential=(tuple(n for n, m in block.named_modules()
+                                               if is_linear(m) and not is_router(n, m.weight, arch.experts)),))
+    if not arch.varies:
+        return arch
+    has = {name for name, _ in block.named_modules()}
+    stages = tuple(s for s in (tuple(n for n in stage if n in has) for stage in arch.sequential) if s)
+    groups = tuple((prev, present) for prev, names in arch.scale_groups
+                   if prev in has and (present := tuple(n for n in names if n in has)))
+    reusable = tuple((sub, tail) for sub, tail in arch.reusable if tail in has)
+    feeds_only = tuple((m, sub) for m, sub in arch.feeds_only if any(sub == r for r, _ in reusable))
+    return replace(arch, sequential=stages, scale_groups=groups, reusable=reusable, feeds_only=feeds_only)
+
+
 def block_stages(arch: Arch, block: nn.Module) -> tuple[tuple[str, ...], ...]:
-    """The stages of one block: the table's, or for a family found by shape the block's own linears (routers left
-    out) as one stage, so that blocks of more than one shape (DeepSeek's dense first layers) each get theirs."""
-    if not arch.found_by_shape:
-        return arch.sequential
-    return (tuple(n for n, m in block.named_modules() if is_linear(m) and not is_router(n, m.weight, arch.experts)),)
+    """The true-sequential stages of one block (see for_block)."""
+    return for_block(arch, block).sequential
 
 
 def block_linears(arch: Arch, block: nn.Module | None = None) -> list[str]:

@@ -38,12 +38,13 @@ def resolve_device(device: str) -> str:
 
 
 def model_class(config):
-    """The transformers auto class that builds a model of `config`: the causal LM, or for a vision-language model
-    that has none (Qwen2.5-VL) the image-text-to-text one; quantize works on its language model's blocks."""
+    """The transformers auto class that builds a model of `config`: the image-text-to-text one for a vision-language
+    model (its causal-LM class, where it has one, may be the text model alone: Llama 4's drops the vision tower),
+    else the causal LM; quantize works on the language model's blocks."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+    if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
         return AutoModelForImageTextToText
     return AutoModelForCausalLM  # a config it does not know either is refused there, with transformers' words
 

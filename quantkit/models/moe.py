@@ -11,7 +11,10 @@ linears then see only the tokens routed to it (its own Hessian), are written per
 
 Layouts the eager forward describes are split: concatenated [gate; up] or interleaved [g0, u0, g1, u1, ...]
 rows, transposed or not, with or without biases, any gate function (the module's own `_apply_gate`: gpt-oss clamps
-its SwiGLU). Others (a post-expert norm, Llama 4's batched experts) stay fused and quantize refuses them by name.
+its SwiGLU). Llama 4's experts are the other kind (INPUT_SCALED): its MoE layer multiplies each token by the
+router's sigmoid score *before* the experts and hands them every token, [experts x tokens, hidden], unrouted ones
+as zero rows; InputScaledExperts computes each expert on its nonzero rows only. Others (a post-expert norm) stay
+fused and quantize refuses them by name.
 """
 import torch
 from torch import nn
@@ -38,10 +41,10 @@ class ExpertLinears(nn.ModuleList):
     token (--moe-calibration all: each expert's statistics cover all of them) while the output still sums the
     routed experts' results only; routed_counts, when a tensor [E], counts the tokens routed to each expert."""
 
-    def __init__(self, fused: nn.Module, experts: list):
+    def __init__(self, experts: list, is_concatenated: bool, apply_gate):
         super().__init__(experts)
-        self.is_concatenated = fused.is_concatenated
-        self.apply_gate = fused._apply_gate  # the fused module's gate function (its act_fn, gpt-oss's clamps)
+        self.is_concatenated = is_concatenated
+        self.apply_gate = apply_gate  # the fused module's gate function (its act_fn, gpt-oss's clamps)
         self.all_tokens = False
         self.routed_counts = None
 
@@ -80,34 +83,88 @@ class ExpertLinears(nn.ModuleList):
         return out
 
 
+class InputScaledExperts(ExpertLinears):
+    """Llama 4's experts split: forward(routed_in [E x T, H]) -> [E x T, H], where routed_in holds every token
+    once per expert, multiplied by that expert's router score (0 when not routed to it). Each expert computes its
+    nonzero rows only (a zero row's output is zero: the experts have no bias), so its linears see its routed tokens.
+    With all_tokens, each expert computes every token scaled by the sigmoid of its own router logit (the score it
+    would have had), read from the router by a forward hook; the output keeps the routed rows only."""
+
+    router_view = None  # (hidden [T, H], router logits [T, E]) of the last router call, while all_tokens is on
+
+    def forward(self, routed_in):
+        x = routed_in.view(len(self), -1, routed_in.shape[-1])
+        out = torch.zeros_like(x)
+        for e in range(len(self)):
+            rows = x[e].abs().amax(dim=-1).nonzero()[:, 0]
+            if self.routed_counts is not None:
+                self.routed_counts[e] += rows.numel()
+            if self.all_tokens and self.router_view is not None:
+                hidden, logits = self.router_view
+                y = self.expert_output(e, hidden * torch.sigmoid(logits[:, e:e + 1].float()).to(hidden.dtype))[rows]
+            elif rows.numel():
+                y = self.expert_output(e, x[e, rows])
+            else:
+                continue
+            out[e, rows] = y.to(out.dtype)
+        return out.view_as(routed_in)
+
+    def see_router(self, module, args, output) -> None:
+        self.router_view = (args[0], output[1]) if self.all_tokens else None
+
+
+# experts modules, by class, that take router-scaled inputs of every token (their MoE layer's router module name)
+INPUT_SCALED = {"Llama4TextExperts": "router"}
+
+
+def _swiglu_chunks(act_fn):
+    """Llama 4's gate: the first half of gate_up is the gate, the second the up projection."""
+    def apply(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return up * act_fn(gate)
+    return apply
+
+
 def splittable(module: nn.Module) -> bool:
-    """A fused experts module whose eager forward ExpertLinears reproduces."""
+    """A fused experts module whose eager forward ExpertLinears (or InputScaledExperts) reproduces."""
+    if type(module).__name__ in INPUT_SCALED:
+        return True
     flags = [getattr(module, f, None) for f in LAYOUT_FLAGS]
     return (None not in flags and module.has_gate and not module.has_post_expert_norm
             and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and module.gate_up_proj.dim() == 3
             and isinstance(getattr(module, "down_proj", None), nn.Parameter) and module.down_proj.dim() == 3)
 
 
-def split(fused: nn.Module) -> ExpertLinears:
-    """ExpertLinears holding `fused`'s weights (on the meta device too, for a skeleton)."""
-    gate_up, down = fused.gate_up_proj.detach(), fused.down_proj.detach()
-    if fused.is_transposed:  # [E, in, out] -> nn.Linear's [E, out, in]
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+def _experts(gate_up, down, bias, concatenated) -> list:
+    """One Expert per slice of gate_up [E, 2I, H] and down [E, H, I] (bias: (gate_up_bias, down_bias) or None)."""
     n, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
-    rows = (slice(0, inter), slice(inter, two_inter)) if fused.is_concatenated else (slice(0, None, 2), slice(1, None, 2))
+    rows = (slice(0, inter), slice(inter, two_inter)) if concatenated else (slice(0, None, 2), slice(1, None, 2))
     experts = []
     for e in range(n):
-        expert = Expert(hidden, inter, fused.has_bias, device=gate_up.device, dtype=gate_up.dtype)
+        expert = Expert(hidden, inter, bias is not None, device=gate_up.device, dtype=gate_up.dtype)
         values = {"gate_proj.weight": gate_up[e, rows[0]], "up_proj.weight": gate_up[e, rows[1]],
                   "down_proj.weight": down[e]}
-        if fused.has_bias:
-            values.update({"gate_proj.bias": fused.gate_up_proj_bias[e, rows[0]],
-                           "up_proj.bias": fused.gate_up_proj_bias[e, rows[1]], "down_proj.bias": fused.down_proj_bias[e]})
+        if bias is not None:
+            values.update({"gate_proj.bias": bias[0][e, rows[0]], "up_proj.bias": bias[0][e, rows[1]],
+                           "down_proj.bias": bias[1][e]})
         if gate_up.device.type != "meta":
             expert.load_state_dict({k: v.contiguous() for k, v in values.items()})
         experts.append(expert)
-    return ExpertLinears(fused, experts)
+    return experts
+
+
+def split(fused: nn.Module) -> ExpertLinears:
+    """ExpertLinears holding `fused`'s weights (on the meta device too, for a skeleton)."""
+    gate_up, down = fused.gate_up_proj.detach(), fused.down_proj.detach()
+    if type(fused).__name__ in INPUT_SCALED:  # [E, H, 2I] and [E, I, H], [gate; up] concatenated
+        experts = _experts(gate_up.transpose(1, 2), down.transpose(1, 2), None, True)
+        return InputScaledExperts(experts, True, _swiglu_chunks(fused.act_fn))
+    if fused.is_transposed:  # [E, in, out] -> nn.Linear's [E, out, in]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    bias = (fused.gate_up_proj_bias, fused.down_proj_bias) if fused.has_bias else None
+    return ExpertLinears(_experts(gate_up, down, bias, fused.is_concatenated), fused.is_concatenated,
+                         fused._apply_gate)
 
 
 def split_experts(model: nn.Module) -> nn.Module:
@@ -115,7 +172,10 @@ def split_experts(model: nn.Module) -> nn.Module:
     targets = [(name, m) for name, m in model.named_modules() if splittable(m)]
     for name, fused in targets:
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, split(fused))
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, leaf, split(fused))
+        if type(fused).__name__ in INPUT_SCALED:  # the router's input and logits, for --moe-calibration all
+            owner.get_submodule(INPUT_SCALED[type(fused).__name__]).register_forward_hook(getattr(owner, leaf).see_router)
         for p in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):  # the copies hold them now
             if hasattr(fused, p):
                 setattr(fused, p, None)
@@ -142,3 +202,5 @@ def set_all_tokens(block: nn.Module, on: bool) -> None:
     for module in block.modules():
         if isinstance(module, ExpertLinears):
             module.all_tokens = on
+        if isinstance(module, InputScaledExperts):
+            module.router_view = None
