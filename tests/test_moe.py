@@ -188,3 +188,47 @@ def test_inspect_repeats_what_the_run_said(model_factory, tmp_path):
     out = CliRunner().invoke(main, ["inspect", str(tmp_path / "q")]).output
     assert "in floating point: 2 routers, lm_head, embeddings" in out
     assert "calibration tokens routed per expert: min" in out
+
+
+FP4 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def mxfp4(w):
+    """w [E, out, in] as gpt-oss's release stores it: (blocks uint8 [E, out, in/32, 16], two e2m1 codes a byte, low
+    nibble first; scales uint8 [E, out, in/32], exponent + 127; the values they decode to)."""
+    groups = w.float().reshape(*w.shape[:2], -1, 32)
+    exp = torch.floor(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6)).clamp(-127, 127)
+    codes = (groups / torch.exp2(exp)[..., None] - FP4[:, None, None, None, None]).abs().argmin(0)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exp + 127).to(torch.uint8), (FP4[codes] * torch.exp2(exp)[..., None]).reshape(w.shape)
+
+
+def test_mxfp4_experts_are_dequantized_on_load_and_quantized_as_their_values(tmp_path, capsys):
+    """gpt-oss's release format: the same checkpoint as the floating-point model holding the MXFP4 values."""
+    from safetensors.torch import load_file, save_file
+
+    fp = gpt_oss()
+    experts = {}
+    for i, layer in enumerate(fp.model.layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            param = getattr(layer.mlp.experts, proj)  # [E, in, out]
+            blocks, scales, values = mxfp4(param.detach().transpose(1, 2))
+            param.data = values.transpose(1, 2).contiguous()
+            experts[f"model.layers.{i}.mlp.experts.{proj}_blocks"] = blocks
+            experts[f"model.layers.{i}.mlp.experts.{proj}_scales"] = scales
+    saved(fp, tmp_path / "fp")
+    saved(fp, tmp_path / "mx")
+    tensors = {k: v for k, v in load_file(tmp_path / "mx" / "model.safetensors").items()
+               if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    save_file({**tensors, **experts}, tmp_path / "mx" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "mx" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                       "model.layers.*.mlp.router"]}
+    (tmp_path / "mx" / "config.json").write_text(json.dumps(config))
+    for name in ("fp", "mx"):
+        quantkit.quantize(str(tmp_path / name), tmp_path / f"q-{name}", quantkit.QuantConfig(group_size=32))
+    assert "holds MXFP4 experts: transformers dequantizes them" in capsys.readouterr().err
+    a, b = (load_file(tmp_path / f"q-{n}" / "model.safetensors") for n in ("fp", "mx"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    written = json.loads((tmp_path / "q-mx" / "config.json").read_text())["quantization_config"]
+    assert written["quant_method"] == "gptq"  # the source's mxfp4 entry is not carried over

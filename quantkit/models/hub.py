@@ -1,5 +1,6 @@
 """Loading the floating-point source model and tokenizer from a hub id or a local folder."""
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -77,9 +78,10 @@ def load_fp_model(source: str, dtype="auto", trust_remote_code=False):
     remote = {"trust_remote_code": trust_remote_code}
     try:
         config = AutoConfig.from_pretrained(source, **remote)
-        refuse_quantized(source, config)
+        dequantize = dequantized_on_load(source, config)
         model, info = model_class(config).from_pretrained(source, config=config, dtype=parse_dtype(dtype),
-                                                          output_loading_info=True, use_safetensors=True, **remote)
+                                                          output_loading_info=True, use_safetensors=True, **remote,
+                                                          **dequantize)
     except SafetensorError as e:
         raise QuantkitError(f"a safetensors file of model '{source}' is truncated or corrupted ({e}): "
                             "download or copy the model again") from e
@@ -135,11 +137,33 @@ def check_safetensors(source: str) -> None:
                             "(from_pretrained(...).save_pretrained(folder, safe_serialization=True)) and pass that folder")
 
 
+def _quantization_config(config) -> dict:
+    qc = getattr(config, "quantization_config", None)
+    return qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else {})
+
+
+def is_mxfp4(config) -> bool:
+    return _quantization_config(config).get("quant_method") == "mxfp4"
+
+
+def dequantized_on_load(source, config) -> dict:
+    """from_pretrained's extra arguments for a source quantized by its publisher in a format transformers dequantizes
+    as it loads: gpt-oss's MXFP4 experts (quant_method mxfp4: 4-bit e2m1 values, a power-of-two scale per 32),
+    said on stderr. Any other quantized source is refused."""
+    if not is_mxfp4(config):
+        refuse_quantized(source, config)
+        return {}
+    from transformers import Mxfp4Config
+
+    print(f"note: {source} holds MXFP4 experts: transformers dequantizes them as it loads, and they are quantized "
+          "as any floating-point weight", file=sys.stderr)
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
 def fp8_block_size(config):
     """(rows, cols) of the weight blocks of a block-scaled FP8 release (DeepSeek-V3, Qwen3-FP8: quant_method fp8,
     e4m3 weights, a float32 weight_scale_inv per block), which the streamed reader dequantizes; else None."""
-    qc = getattr(config, "quantization_config", None)
-    qc = qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else {})
+    qc = _quantization_config(config)
     block = qc.get("weight_block_size")
     if (qc.get("quant_method") == "fp8" and qc.get("fmt", "e4m3") == "e4m3" and isinstance(block, (list, tuple))
             and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):

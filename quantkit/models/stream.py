@@ -254,40 +254,49 @@ def compute_dtype_for(config, dtype):
 def open_model(source: str, dtype="auto", trust_remote_code=False):
     """(StreamedModel or InMemoryModel, tokenizer, stored dtype) for a quantization run (or a streamed
     evaluation). trust_remote_code: run the model's own code (config.json auto_map); off unless asked."""
-    from transformers import AutoConfig
-
     source = str(source)
-    folder = Path(source).expanduser()
     why = "it is not a local safetensors folder, which is read block by block"
     if loader.looks_local(source):
         loader.check_local_folder(source)
-        files = _shard_map(folder)
+        files = _shard_map(Path(source).expanduser())
         if files is not None:
-            try:
-                config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-            except (OSError, ValueError) as e:
-                raise loader.load_error(source, e) from e
-            fp8_block = loader.fp8_block_size(config)
-            if fp8_block is None:
-                loader.refuse_quantized(source, config)
-            else:  # the model is built in floating point; the reader dequantizes the FP8 weights
-                del config.quantization_config
-                print(f"note: {source} holds block-scaled FP8 weights ({fp8_block[0]} x {fp8_block[1]} blocks): "
-                      "they are dequantized as they are read and quantized as any floating-point weight",
-                      file=sys.stderr)
-            declared = _declared(config)  # before from_config, which sets config.dtype to the compute dtype
-            model = StreamedModel(folder, config, compute_dtype_for(config, dtype), files, source, trust_remote_code,
-                                  fp8_block)
-            if all(n in model.files for n in model.names):  # else renamed or missing tensors: transformers decides
-                model.check_shapes()
-                return model, loader.load_tokenizer(folder, trust_remote_code), declared
-            missing = next(n for n in model.names if n not in model.files)
-            why = (f"its files name tensors otherwise than the model does ({missing}, for one, is not stored as "
-                   "such: transformers converts such tensors as it loads, e.g. per-expert weights into fused 3-D "
-                   "ones), so they cannot be read block by block")
+            streamed = _streamed(source, files, dtype, trust_remote_code)
+            if not isinstance(streamed, str):
+                return streamed
+            why = streamed
     fp_model, tokenizer = loader.load_fp_model(source, dtype, trust_remote_code)  # a bad id fails here, note unsaid
     print(f"note: {source} was loaded whole: {why}", file=sys.stderr)
     return InMemoryModel(fp_model, source), tokenizer, loader.stored_dtype(fp_model, trust_remote_code)
+
+
+def _streamed(source: str, files: dict, dtype, trust_remote_code):
+    """open_model's result for a local safetensors folder read block by block, or why it cannot be."""
+    from transformers import AutoConfig
+
+    folder = Path(source).expanduser()
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise loader.load_error(source, e) from e
+    fp8_block = loader.fp8_block_size(config)
+    if fp8_block is not None:  # the model is built in floating point; the reader dequantizes the FP8 weights
+        del config.quantization_config
+        print(f"note: {source} holds block-scaled FP8 weights ({fp8_block[0]} x {fp8_block[1]} blocks): "
+              "they are dequantized as they are read and quantized as any floating-point weight", file=sys.stderr)
+    elif getattr(config, "quantization_config", None):
+        if not loader.is_mxfp4(config):
+            loader.refuse_quantized(source, config)
+        return "transformers dequantizes its MXFP4 experts as it loads"
+    declared = _declared(config)  # before from_config, which sets config.dtype to the compute dtype
+    model = StreamedModel(folder, config, compute_dtype_for(config, dtype), files, source, trust_remote_code,
+                          fp8_block)
+    if all(n in model.files for n in model.names):  # else renamed or missing tensors: transformers decides
+        model.check_shapes()
+        return model, loader.load_tokenizer(folder, trust_remote_code), declared
+    missing = next(n for n in model.names if n not in model.files)
+    return (f"its files name tensors otherwise than the model does ({missing}, for one, is not stored as such: "
+            "transformers converts such tensors as it loads, e.g. per-expert weights into fused 3-D ones), so they "
+            "cannot be read block by block")
 
 
 def _declared(config):
