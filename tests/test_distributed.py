@@ -263,3 +263,19 @@ def test_a_failed_collective_is_one_line_and_out_of_memory_stays_itself():
     with pytest.raises(torch.OutOfMemoryError):
         with _collective("summing"):
             raise torch.OutOfMemoryError("CUDA out of memory")
+
+
+def test_tokens_routed_to_each_expert_are_counted_over_all_ranks(model_factory, tmp_path):
+    """Each rank counts the tokens routed to each expert in its share of the samples; the report sums them."""
+    text = calib_text(tmp_path)
+    src = model_factory("mixtral")
+    quantize_cli(1, src, tmp_path / "one", text, "gptq")
+    quantize_cli(2, src, tmp_path / "two", text, "gptq")
+    ra, rb = (json.loads((tmp_path / d / "quantkit_report.json").read_text())["layers"] for d in ("one", "two"))
+    one, two = ({n: layer["routed_tokens"] for n, layer in r.items() if n.endswith("gate_proj")} for r in (ra, rb))
+    assert one.keys() == two.keys() and len(one) == 8
+    for block in ("model.layers.0.", "model.layers.1."):  # every token reaches top_k = 2 experts in either run
+        assert sum(n for name, n in two.items() if name.startswith(block)) == 6 * 48 * 2
+    # block 0 reads the same inputs in both runs; block 1 reads them after block 0's quantization, whose float sums
+    # differ in order between the runs, so a token at a near tie may go to another expert
+    assert {n: c for n, c in two.items() if ".layers.0." in n} == {n: c for n, c in one.items() if ".layers.0." in n}

@@ -60,6 +60,15 @@ class Group:
         for obs in observers:  # the sharers see the reduced count too
             obs.nsamples = next(o.nsamples for o in observers if o.H is obs.H)
 
+    def sum_counts(self, counts: torch.Tensor) -> None:
+        """Sum an integer tensor over the ranks, in place (each rank counted its share of the samples)."""
+        if not self.active:
+            return
+        import torch.distributed as dist
+
+        with _collective("counting the tokens routed to the experts"):
+            dist.all_reduce(counts)
+
     def broadcast(self, obj, src: int):
         """obj of rank `src` on every rank, its tensors on this rank's device: a GPU tensor pickled as it is would
         come back on the sender's GPU (a second CUDA context there, and a device mismatch on the next step)."""

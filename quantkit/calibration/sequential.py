@@ -289,7 +289,7 @@ def _quantize_stage(runner, block, prefix, method, stage, parallel, on_result, g
     if not names:
         return {}
     observers = {n: method.observer(f"{prefix}.{n}", get_weight(block.get_submodule(n))) for n in names}
-    with routed_tokens(block, names, observers, group.active):
+    with routed_tokens(block, names, observers, group):
         _observe_stage(runner, names, observers, parallel)
     group.reduce_statistics([observers[n] for n in names])
 
@@ -308,16 +308,18 @@ def _quantize_stage(runner, block, prefix, method, stage, parallel, on_result, g
 
 
 @contextmanager
-def routed_tokens(block, names, observers, distributed: bool):
+def routed_tokens(block, names, observers, group=SINGLE):
     """While a stage is observed, count the tokens the router sends to each of its routed experts: set as each of
     their observers' routed_tokens (with --moe-calibration all an expert's Hessian also sees the others').
-    Under torchrun a process sees its share of the samples only: no counts there."""
-    experts = {n: e for n in names if (e := expert_of(block, n)) is not None and not distributed}
+    Under torchrun each process counts its share of the samples and the counts are summed over the processes."""
+    experts = {n: e for n in names if (e := expert_of(block, n)) is not None}
     modules = {id(m): m for m, _ in experts.values()}
     for m in modules.values():
         m.routed_counts = torch.zeros(len(m), dtype=torch.long)
     try:
         yield
+        for m in modules.values():  # every process holds the same modules, in the same order
+            group.sum_counts(m.routed_counts)
         for n, (m, index) in experts.items():
             observers[n].routed_tokens = int(m.routed_counts[index])
     finally:
