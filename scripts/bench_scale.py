@@ -13,6 +13,8 @@ process holds: tensors, heap) and RssFile every 10 ms; their peaks are reported 
     python scripts/bench_scale.py --layers 12 --hidden 2048 --intermediate 5632 --workdir /tmp/bench_scale
     python scripts/bench_scale.py ... --method gptq --nsamples 8 --seqlen 128
     python scripts/bench_scale.py --source /tmp/bench_scale/fp --method gptq --workdir /tmp/other   (reuse a model)
+    python scripts/bench_scale.py --layers 8 --experts 16 --expert-intermediate 1536 ...   (a Qwen3-MoE: ~90 % of the
+                                                                                      block weights in experts)
 The model and the output are deleted afterwards unless --keep is given (a --source model is never deleted).
 """
 import argparse
@@ -31,15 +33,20 @@ def build_model(folder: Path, args) -> int:
     import torch
     from accelerate import init_empty_weights
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen3MoeConfig
 
     from quantkit.demo import bundled_model_path
+    from quantkit.models.moe import split_experts
 
-    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
-                         tie_word_embeddings=False, dtype="float16")
+    shape = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                 num_key_value_heads=args.kv_heads, vocab_size=args.vocab, tie_word_embeddings=False, dtype="float16")
+    if args.experts:  # written per expert, as Qwen-MoE releases are (and the streamed reader reads them)
+        config = Qwen3MoeConfig(**shape, moe_intermediate_size=args.expert_intermediate, num_experts=args.experts,
+                                num_experts_per_tok=2, head_dim=args.hidden // args.heads)
+    else:
+        config = LlamaConfig(**shape, intermediate_size=args.intermediate)
     with init_empty_weights():
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = split_experts(AutoModelForCausalLM.from_config(config))
     folder.mkdir(parents=True)
     config.save_pretrained(folder)
     AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(folder)
@@ -145,6 +152,8 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--experts", type=int, default=0, help="build a Qwen3-MoE with this many experts a layer (0: Llama)")
+    ap.add_argument("--expert-intermediate", type=int, default=1536, help="each expert's intermediate size")
     ap.add_argument("--shard-bytes", type=int, default=500 * 10**6, help="source shard size (default 500 MB)")
     ap.add_argument("--method", default="rtn", help="rtn (default) or gptq (calibrated on random token ids)")
     ap.add_argument("--bits", type=int, default=4)

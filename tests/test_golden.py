@@ -22,6 +22,9 @@ the hashes of the cases recorded before the keying, which are accepted everywher
 The symmetric cases were re-recorded, on AMD EPYC Zen 4 only (the one family this project's machines have), when the
 symmetric grid started choosing per row and group between the max-abs scale and the range fit (issue 14); the
 asymmetric checkpoints are unchanged.
+
+An Intel Xeon with AVX-512 (GenuineIntel avx512) was recorded on 2026-11-26 with the code before and after issue 37's
+changes (identical bytes): its RTN and GPTQ checkpoints are Zen 4's, its AWQ ones differ (the scale search's argmin).
 """
 import hashlib
 import re
@@ -37,17 +40,25 @@ from quantkit.demo import bundled_model_path
 RECORDED_WITH = "2.13.0"
 ANY_CPU = "any CPU"
 ZEN4 = "AuthenticAMD avx512"
+INTEL = "GenuineIntel avx512"  # an Intel Xeon with AVX-512 (2026-11-26, the code of issue 37): RTN and GPTQ as on Zen 4
 GOLDEN = {
-    ("rtn", 4, 32, True): {ZEN4: {"6f35d5566fd25f0461d958ab730d550e836f800ed44cdb025cdc53b810bd6b08"}},
+    ("rtn", 4, 32, True): {ZEN4: {"6f35d5566fd25f0461d958ab730d550e836f800ed44cdb025cdc53b810bd6b08"},
+                           INTEL: {"6f35d5566fd25f0461d958ab730d550e836f800ed44cdb025cdc53b810bd6b08"}},
     ("rtn", 3, 48, False): {ANY_CPU: {"5024fd0ddff00bc5217d96bf810d73ce3ef7173642500bcea8377c658d1af045"}},
-    ("gptq", 4, 32, True): {ZEN4: {"851c4195d4465fe4890d5d33c1d400cf3e473edd0e91d94dad35d6e333327671"}},
+    ("gptq", 4, 32, True): {ZEN4: {"851c4195d4465fe4890d5d33c1d400cf3e473edd0e91d94dad35d6e333327671"},
+                            INTEL: {"851c4195d4465fe4890d5d33c1d400cf3e473edd0e91d94dad35d6e333327671"}},
     ("gptq", 3, 48, False): {ANY_CPU: {"c32683fccff3c48b6c89f95ca4178e8e439fab7e0698d194528e11cc098a7c87"}},
-    ("awq", 4, 32, True): {ZEN4: {"d55dbdd38295e49644e24c3fa60ef7d1f76df1c1d1ad3e2b58336c6102c27c68"}},
+    # AWQ's scale search picks its grid point by the smallest error: on Intel's BLAS another point wins somewhere
+    ("awq", 4, 32, True): {ZEN4: {"d55dbdd38295e49644e24c3fa60ef7d1f76df1c1d1ad3e2b58336c6102c27c68"},
+                           INTEL: {"be0d2fb5d763ff8d9a5e63daa27de6fe78020fed4844677426e9b7b03c51790f"}},
     ("awq", 3, 48, False): {ANY_CPU: {"c443462d083b5a3a7fbe1a4ea1232418d76d5eb35196673c89ae4f31291743fb",
-                                      "ac2e73ac17b777a5705b330c56311ce74d22f2c4af7bf1dfac35e6cae16b1344"}},
-    ("awq+gptq", 4, 32, True): {ZEN4: {"a82a2d86de907b9b2186fb49f718cedb4dde24b80bceefa417543e3c77b8d0c0"}},
+                                      "ac2e73ac17b777a5705b330c56311ce74d22f2c4af7bf1dfac35e6cae16b1344"},
+                            INTEL: {"7f4f253f94d9b4ab06888b78c1febdca12ecafaa08a051fb5b8dd7fdf12ddbc6"}},
+    ("awq+gptq", 4, 32, True): {ZEN4: {"a82a2d86de907b9b2186fb49f718cedb4dde24b80bceefa417543e3c77b8d0c0"},
+                                INTEL: {"b89426a3f018196b5d28f548c6dd608d863b2445a9579f59d376361668b9ebfe"}},
     ("awq+gptq", 3, 48, False): {ANY_CPU: {"2cc87fe6111841a3aa8c520b50c2a9b0cdd9ed25f6f38ce8dc4266efa088a366",
-                                           "e35a415f85a00664f10ebe065384a331f0883ce41723c038bc93d20af2dd9c78"}},
+                                           "e35a415f85a00664f10ebe065384a331f0883ce41723c038bc93d20af2dd9c78"},
+                                 INTEL: {"9e1c724d408d34719030951abe5da884544aabc51a7d8aa4b66907e9bdba4d8e"}},
 }
 
 
