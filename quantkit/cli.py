@@ -69,7 +69,7 @@ _CONFIG_OPTIONS = [
     click.option("--nsamples", type=int, default=128, help="Calibration windows."),
     click.option("--seqlen", type=int, default=512,
                  help="Tokens per calibration window, at most the model's context (max_position_embeddings)."),
-    click.option("--seed", type=int, default=0, help="Seed for choosing calibration windows (and rotation signs)."),
+    click.option("--seed", type=int, default=0, help="Seed for choosing calibration windows (and rotation signs): an integer from 0 to 2147483647."),
     click.option("--damp", type=float, default=0.01, help="GPTQ damping, as a fraction of the mean Hessian diagonal "
                                                           "(raised automatically if the Cholesky fails)."),
     click.option("--block-size", type=int, default=128, help="GPTQ columns per lazy-update block."),

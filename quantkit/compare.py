@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from quantkit.calibration.data import check_dataset, eval_ids
 from quantkit.checkpoint.files import REPORT_NAME, read_report
 from quantkit.core.errors import QuantkitError
+from quantkit.core.textfile import read_user_text
 from quantkit.eval import (check_eval_options, check_seqlen, is_quantized_folder, load_any, model_device, model_logits,
                            split_windows)
 from quantkit.models.arch import check_window
@@ -178,14 +179,20 @@ def side_by_side(tokenizer, prompt: str, base: list[int], quant: list[int]) -> d
 
 
 def read_prompts(text: str) -> list[str]:
-    """A file (one prompt per non-empty line) or the prompt itself."""
-    path = Path(text)
-    if path.is_file():
-        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-        if not prompts:
-            raise QuantkitError(f"prompt file {text} holds no prompt: write one per line")
-        return prompts
-    return [text]
+    """A file (one prompt per non-empty line, UTF-8) or the prompt itself. A value that looks like a path (one word
+    with a slash or a file suffix, or a folder) but is no readable file is refused: taken as a prompt, a mistyped
+    file name would be compared in silence."""
+    path = Path(text).expanduser()
+    if not path.exists():
+        if not any(c.isspace() for c in text) and ("/" in text or path.suffix):
+            raise QuantkitError(f"--prompts file {text} not found: pass an existing text file with one prompt per "
+                                "line (or a prompt of more than one word)")
+        return [text]
+    lines = read_user_text(path, "prompt file", "a text file with one prompt per line").splitlines()
+    prompts = [line.strip() for line in lines if line.strip()]
+    if not prompts:
+        raise QuantkitError(f"prompt file {text} holds no prompt: write one per line")
+    return prompts
 
 
 # --------------------------------------------------------------------------- paths (what the CLI compares)

@@ -215,3 +215,71 @@ def test_replay_rebuilds_each_block_bit_for_bit(world, tmp_path, monkeypatch, me
     result = cli(*args_for(small, tmp_path / "out", method, *extra))
     assert result.exit_code == 0, result.output
     assert compared == [0, 1]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_part_is_set_aside_and_redone_and_the_good_ones_kept(world, monkeypatch, damage):
+    """A part a copy or a failing disk damaged: named, set aside and made again; block 0's part is kept as it was
+    and the checkpoint is the uninterrupted run's."""
+    root = world[0]
+    ref, out = root / f"ref-damaged-{damage}", root / f"damaged-{damage}"
+    assert cli(*args_for(world, ref, "gptq")).exit_code == 0
+    interrupted(monkeypatch, args_for(world, out, "gptq"), key="block-00002")
+    (left,) = root.glob(f".{out.name}.tmp-*")
+    part = left / "part-block-00001.safetensors"
+    part.write_bytes(part.read_bytes()[:-100] if damage == "truncated" else b"\x00" * 64)
+    kept = (left / "part-block-00000.safetensors").read_bytes()
+    reads = []
+    read = shards.read_part
+    monkeypatch.setattr(shards, "read_part", lambda folder, key, **kw: reads.append(key) or read(folder, key, **kw))
+    result = cli(*args_for(world, out, "gptq", "--resume"))
+    assert result.exit_code == 0, result.output
+    assert "part-block-00001.safetensors" in result.output and "is damaged" in result.output
+    assert "block 0 of 4 is done" in result.output
+    assert "block-00000" in reads  # block 0 came from its part, not quantized again
+    assert_same_checkpoint(ref, out)
+    assert not list(out.glob("damaged-*")) and kept
+
+
+def test_an_error_in_a_resumed_run_keeps_the_earlier_runs_blocks(world, monkeypatch):
+    root = world[0]
+    out = root / "resumed-then-failed"
+    interrupted(monkeypatch, args_for(world, out, "rtn"), key="block-00002")
+    save = shards.save_part
+
+    def fail_at_block_3(folder, key, tensors, info=None):
+        if key == "block-00003":
+            raise api.QuantkitError("a NaN, say")
+        save(folder, key, tensors, info)
+
+    with monkeypatch.context() as m:
+        m.setattr(shards, "save_part", fail_at_block_3)
+        result = cli(*args_for(world, out, "rtn", "--resume"))
+    assert result.exit_code == 2 and "a NaN, say" in result.output
+    assert "the 3 of 4 blocks finished are kept" in result.output and "--resume" in result.output, result.output
+    (left,) = root.glob(f".{out.name}.tmp-*")
+    assert len(list(left.glob("part-block-*"))) == 3
+    assert cli(*args_for(world, out, "rtn", "--resume")).exit_code == 0
+
+
+def test_a_source_replaced_during_the_run_stops_it(world, tmp_path, monkeypatch):
+    """The source's safetensors replaced mid-run (same shapes, other values): the run stops instead of writing a
+    checkpoint whose first blocks come from one model and the rest from the other."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(world[1], src)
+    save = shards.save_part
+
+    def replace_source_after_block_0(folder, key, tensors, info=None):
+        save(folder, key, tensors, info)
+        if key == "block-00000":
+            other = {k: v * 1.5 for k, v in load_file(src / "model.safetensors").items()}
+            save_file(other, src / "model.safetensors", metadata={"format": "pt"})
+
+    monkeypatch.setattr(shards, "save_part", replace_source_after_block_0)
+    result = cli("quantize", src, "-o", tmp_path / "q", "--method", "rtn", "--group-size", 32)
+    assert result.exit_code == 2 and "model.safetensors changed while this run was reading it" in result.output
+    assert not (tmp_path / "q").exists() and "Traceback" not in result.output

@@ -361,6 +361,8 @@ TAMPERED = {
     "sym as a string": (config_edit(set_qc(sym="yes")), ["sym"]),
     "bad dynamic regex": (config_edit(set_qc(dynamic={"+:^model.(": {"bits": 8}})), ["not a valid regex"]),
     "dynamic bits 5": (config_edit(set_qc(dynamic={f"+:^{LAYER}$": {"bits": 5}})), ["bits 5"]),
+    "dynamic excludes a packed layer": (config_edit(set_qc(dynamic={f"-:^{LAYER}$": {}})),
+                                        [LAYER, "packed in the files", "contradict"]),
     "NaN scale": (tensor_edit(_nan_scale), [f"{LAYER}.scales", "NaN"]),
     "scales wrong shape": (tensor_edit(_put(f"{LAYER}.scales", torch.ones(2, 64, dtype=torch.float16))),
                            [f"{LAYER}.scales", "shape"]),

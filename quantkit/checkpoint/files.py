@@ -110,6 +110,9 @@ def read_json(path: Path) -> dict:
 def read_config(folder) -> dict:
     """config.json of a quantized folder, its quantization_config checked field by field."""
     folder = Path(folder)
+    if folder.is_file():
+        raise QuantkitError(f"{folder} is a file, not a quantized model folder: pass the folder that holds it (the -o "
+                            "folder of `quantkit quantize`)")
     if not folder.is_dir():
         raise QuantkitError(f"quantized model folder {folder} not found: pass the -o folder of `quantkit quantize`")
     path = folder / "config.json"

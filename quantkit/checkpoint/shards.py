@@ -64,6 +64,19 @@ def part_info(folder: Path, key: str) -> dict:
         return json.loads((f.metadata() or {}).get("quantkit", "{}"))
 
 
+def damaged_part(path: Path) -> str | None:
+    """Why a part file is not whole (None when it is): a header that does not parse, or a size other than the one
+    its header declares (a crash or a full disk between writing and the rename leaves no part, but a copy or a
+    failing disk can)."""
+    try:
+        base, header = read_header(path)
+        end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as e:
+        return f"its header cannot be read: {e}"
+    size = path.stat().st_size
+    return None if size == base + end else f"it holds {size} bytes where its header declares {base + end}"
+
+
 def part_keys(folder: Path) -> list[str]:
     return sorted(p.name[len(PART_PREFIX):-len(".safetensors")] for p in folder.glob(f"{PART_PREFIX}*.safetensors"))
 

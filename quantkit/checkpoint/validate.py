@@ -43,13 +43,18 @@ def module_settings(qc: dict, name: str) -> tuple[int, int, bool]:
     The first key that matches decides, as in GPTQModel (quantization/config.py _resolve_dynamic_override) and
     vLLM (quantization/utils/gptq_utils.py get_dynamic_override); re.match, i.e. anchored at the start only."""
     settings = {"bits": qc["bits"], "group_size": qc["group_size"], "sym": qc.get("sym", True)}
-    for key, override in (qc.get("dynamic") or {}).items():
-        sign, pattern = parse_dynamic_key(key)
-        if re.match(pattern, name):
-            if sign == "+":
-                settings.update({k: override[k] for k in settings if k in override})
-            break
+    key, override = _dynamic_rule(qc, name)
+    if key is not None and parse_dynamic_key(key)[0] == "+":
+        settings.update({k: override[k] for k in settings if k in override})
     return settings["bits"], settings["group_size"], settings["sym"]
+
+
+def _dynamic_rule(qc: dict, name: str) -> tuple:
+    """(key, override) of the first "dynamic" rule matching `name`, or (None, None)."""
+    for key, override in (qc.get("dynamic") or {}).items():
+        if re.match(parse_dynamic_key(key)[1], name):
+            return key, override
+    return None, None
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,11 @@ def check_packed_layers(tensors: dict, qc: dict, where: str) -> list[LayerInfo]:
     fmt = checkpoint_format(qc)
     layers = []
     for name in prefixes:
+        key, _ = _dynamic_rule(qc, name)
+        if key is not None and parse_dynamic_key(key)[0] == "-":
+            raise QuantkitError(f"{where}: layer {name} is packed in the files, but the config's dynamic rule {key!r} "
+                                "keeps it in floating point: the config and the tensors contradict each other; "
+                                "quantize again (or fix the dynamic map)")
         bits, group_size, sym = module_settings(qc, name)
         settings = {"quantizer": "int", "bits": bits, "sym": sym, "group_size": group_size, "rotation": None}
         layers.append(check_gptq_layer(name, tensors, settings, fmt, where))

@@ -47,6 +47,7 @@ class StreamedModel:
         # each tensor's name in the files: its own, or the family's original one (Mixtral's block_sparse_moe.w1)
         self.stored = {n: n if n in files else name_in_files(config.model_type, n) for n in self.names}
         self.files = {n: files[s] for n, s in self.stored.items() if s in files}
+        self.seen = {f: _file_state(folder / f) for f in set(self.files.values())}  # checked at every read
 
     def read(self, names, dtype=None) -> dict:
         """{name: tensor} from the shards (one open per shard, closed again), checked finite."""
@@ -56,6 +57,7 @@ class StreamedModel:
         for n in names:
             by_file.setdefault(self.files[n], []).append(n)
         for fname, group in by_file.items():
+            self._check_unchanged(fname)
             try:
                 with safe_open(self.folder / fname, framework="pt") as f:
                     for n in group:
@@ -72,6 +74,14 @@ class StreamedModel:
             if dtype is not None and t.is_floating_point():
                 out[n] = t.to(dtype)
         return out
+
+    def _check_unchanged(self, fname: str) -> None:
+        """The shard is the one the run started with: a source replaced during a run (a download or copy still
+        going on) would give a checkpoint whose first blocks come from one model and the rest from another."""
+        if _file_state(self.folder / fname) != self.seen[fname]:
+            raise QuantkitError(f"model '{self.source_name}': {fname} changed while this run was reading it (its size "
+                                "or modification time): the result would mix two models; let whatever writes the "
+                                "model finish, then run again")
 
     def _stored(self, f, name: str) -> torch.Tensor:
         """Tensor `name` of the open shard f, an FP8 weight dequantized by its block scales."""
@@ -240,6 +250,14 @@ def _shard_map(folder: Path) -> dict | None:
             raise QuantkitError(f"a safetensors file of model '{folder}' is truncated or corrupted ({e}): "
                                 "download or copy the model again") from e
     return None
+
+
+def _file_state(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
 
 
 def compute_dtype_for(config, dtype):

@@ -29,6 +29,7 @@ import yaml
 from quantkit.algorithms.registry import method_spec
 from quantkit.checkpoint import codecs
 from quantkit.core.errors import QuantkitError
+from quantkit.core.textfile import read_user_text
 from quantkit.schemes.base import quantizer_for, quantizer_names
 from quantkit.schemes.grid import check_bits, check_group_size, is_int
 
@@ -47,6 +48,9 @@ def check_type(value, expected, key: str, where: str = "recipe"):
     if not (is_int(value) if expected is int else isinstance(value, expected)):
         raise QuantkitError(f"{where} {key} must be {_TYPE_WORDS[expected]}; got {value!r} ({type(value).__name__})")
     return value
+
+
+MAX_SEED = 2**31 - 1  # seeds past it would give the same rotations as smaller ones (schemes/rotation.py)
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,8 @@ class QuantConfig:
         for name in ("nsamples", "seqlen", "block_size", "awq_grid"):
             if getattr(self, name) < 1:
                 raise QuantkitError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        if not 0 <= self.seed <= MAX_SEED:  # the rotations draw their signs from a 31-bit seed: larger ones alias
+            raise QuantkitError(f"--seed {self.seed} is out of range: use an integer from 0 to {MAX_SEED}")
         if not 0 < self.damp <= 1:
             raise QuantkitError(f"--damp {self.damp} is out of range: use a fraction in (0, 1], e.g. 0.01")
         if self.quantizer not in quantizer_names():
@@ -189,9 +195,7 @@ class QuantConfig:
 def read_recipe(path) -> dict:
     """Recipe file -> dict of QuantConfig fields (keys normalised to underscores)."""
     path = Path(path)
-    if not path.is_file():
-        raise QuantkitError(f"recipe file {path} not found: pass an existing .yaml/.yml/.toml file")
-    text = path.read_text()
+    text = read_user_text(path, "recipe file", "an existing .yaml/.yml/.toml file")
     try:
         if path.suffix == ".toml":
             raw = tomllib.loads(text)

@@ -275,9 +275,12 @@ def staged_folder(out, overwrite: bool, sources=(), adopt: Path | None = None, k
         raise QuantkitError(f"could not write {out} ({e.strerror or e}): no space left on the device; {kept}: "
                             f"free some space and {_resume_hint()}, or delete that folder") from e
     except BaseException as e:
-        kept = _keep(staging, keep) if _from_outside(e) else None
+        # an adopted folder holds an earlier run's work: whatever fails now, it is kept (resume never destroys work)
+        kept = _keep(staging, keep) if _from_outside(e) or adopt is not None else None
         if kept is None:
             _discard(staging, created)
+        elif not _from_outside(e):
+            _say(f"{kept}; once the error below is fixed, {_resume_hint()} to continue, or delete that folder")
         else:
             what = ("interrupted" if isinstance(e, KeyboardInterrupt) else "stopped" if isinstance(e, StoppedFromOutside)
                     else "out of memory")

@@ -141,9 +141,10 @@ def _start(tmp, partial, fingerprint, writer, device, out, n_blocks) -> int:
         resume_state.write(tmp, fingerprint)
         return 0
     resume_state.clean(tmp)
+    resume_state.set_aside_damaged(tmp)
     start = writer.restore(tmp, resume_state.finished_blocks(tmp), device)
-    finished = "block 0" if start == 1 else f"blocks 0-{start - 1}"
-    print(f"resuming {out}: {finished} of {n_blocks} {'is' if start == 1 else 'are'} done", file=sys.stderr)
+    finished = "no block" if start == 0 else "block 0" if start == 1 else f"blocks 0-{start - 1}"
+    print(f"resuming {out}: {finished} of {n_blocks} {'are' if start > 1 else 'is'} done", file=sys.stderr)
     return start
 
 

@@ -23,6 +23,7 @@ staging folder that the next run removes.
 """
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -116,6 +117,22 @@ def differences(old: dict, new: dict) -> list[str]:
     return out
 
 
+DAMAGED_PREFIX = "damaged-"
+
+
+def set_aside_damaged(folder: Path) -> None:
+    """Rename each damaged part file (shards.damaged_part) to damaged-NAME and say so: its block is quantized again,
+    every whole part is kept. The set-aside files go when the run finishes."""
+    for key in shards.part_keys(folder):
+        path = folder / shards.part_name(key)
+        why = shards.damaged_part(path)
+        if why:
+            aside = path.with_name(DAMAGED_PREFIX + path.name)
+            path.rename(aside)
+            print(f"warning: {path.name} in {folder} is damaged ({why}): set aside as {aside.name}; what it held is "
+                  "made again", file=sys.stderr)
+
+
 def finished_blocks(folder: Path) -> int:
     """How many blocks, from block 0 on, have their part in `folder`."""
     done = set(shards.part_keys(folder))
@@ -137,6 +154,8 @@ def finish(folder: Path) -> None:
     """The shards are assembled: the run can no longer be resumed (fingerprint first, then the parts)."""
     (folder / RESUME_NAME).unlink(missing_ok=True)
     shards.delete_parts(folder)
+    for damaged in folder.glob(f"{DAMAGED_PREFIX}*"):
+        damaged.unlink()
 
 
 def clean(folder: Path) -> None:

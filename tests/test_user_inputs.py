@@ -1,0 +1,62 @@
+"""Every path from a user's input to an exception ends in one `error:` line naming the input and the fix (issue 41):
+files that are folders, missing, not UTF-8; values out of range; report files of the wrong shape."""
+import json
+
+import pytest
+
+from quantkit.demo import bundled_model_path
+from test_validation import assert_user_error, run
+
+NOT_UTF8 = b"bits: 4\n\xff\xfe caf\xe9\n"
+
+
+@pytest.fixture
+def quantized(tmp_path_factory):
+    out = tmp_path_factory.mktemp("user-inputs") / "q"
+    assert run("quantize", bundled_model_path(), "-o", out, "--method", "rtn", "--group-size", 32).exit_code == 0
+    return out
+
+
+def quantize(tmp_path, *extra):
+    return run("quantize", bundled_model_path(), "-o", tmp_path / "q", "--method", "rtn", "--group-size", 32, *extra)
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda p: p.mkdir(), ["is a folder, not a file"]),
+    (lambda p: None, ["not found"]),
+    (lambda p: p.write_bytes(NOT_UTF8), ["not UTF-8"]),
+])
+def test_a_recipe_that_is_no_readable_text_file(tmp_path, make, words):
+    recipe = tmp_path / "recipe.yaml"
+    make(recipe)
+    assert_user_error(quantize(tmp_path, "--recipe", recipe), str(recipe), *words)
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("seed", [-1, 2**31, 2**70])
+def test_seeds_that_would_alias_a_smaller_one_are_refused(tmp_path, seed):
+    assert_user_error(quantize(tmp_path, "--seed", seed), f"--seed {seed}", "0 to 2147483647")
+
+
+def test_inspect_of_a_file_says_it_is_a_file(quantized):
+    assert_user_error(run("inspect", quantized / "config.json"), "is a file, not a quantized model folder")
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda p: None, ["--prompts file", "not found"]),
+    (lambda p: p.mkdir(), ["is a folder, not a file"]),
+    (lambda p: p.write_bytes(NOT_UTF8), ["not UTF-8"]),
+])
+def test_prompts_that_look_like_a_file_but_are_none(quantized, tmp_path, make, words):
+    prompts = tmp_path / "my_prompts.txt"
+    make(prompts)
+    result = run("eval", "compare", quantized, "--base", bundled_model_path(), "--prompts", prompts, "--max-tokens",
+                 64, "--seqlen", 32)
+    assert_user_error(result, *words)
+
+
+def test_a_prompt_of_words_is_still_a_prompt():
+    from quantkit.compare import read_prompts
+
+    assert read_prompts("Once upon a time") == ["Once upon a time"]
+    assert read_prompts("What is 3/4 of 8?") == ["What is 3/4 of 8?"]
