@@ -60,3 +60,42 @@ def test_a_prompt_of_words_is_still_a_prompt():
 
     assert read_prompts("Once upon a time") == ["Once upon a time"]
     assert read_prompts("What is 3/4 of 8?") == ["What is 3/4 of 8?"]
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda r: r.update(layers=[]), ["'layers' should be an object, not []"]),
+    (lambda r: r.update(model=7), ["'model' should be a string, not 7"]),
+    (lambda r: next(iter(r["layers"].values())).update(error="big"), ["is not an object of numbers"]),
+])
+@pytest.mark.parametrize("command", ["inspect", "compare"])
+def test_a_report_of_the_wrong_shape_is_one_line(quantized, edit, words, command):
+    path = quantized / "quantkit_report.json"
+    report = json.loads(path.read_text())
+    edit(report)
+    path.write_text(json.dumps(report))
+    argv = ["inspect", quantized] if command == "inspect" else ["eval", "compare", quantized, "--max-tokens", 64]
+    assert_user_error(run(*argv), "quantkit_report.json is damaged", *words, "delete it")
+
+
+@pytest.fixture
+def damaged_tokenizer(tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(bundled_model_path(), src)
+    (src / "tokenizer.json").write_text('{"a": 1}')  # valid JSON the tokenizer library fails on (KeyError)
+    return src
+
+
+def test_a_damaged_tokenizer_is_one_line_where_text_is_needed(damaged_tokenizer, tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text("Once upon a time there was a cat. " * 200)
+    result = run("quantize", damaged_tokenizer, "-o", tmp_path / "q", "--method", "gptq", "--dataset", text,
+                 "--nsamples", 2, "--seqlen", 32, "--group-size", 32)
+    assert_user_error(result, "no tokenizer could be loaded", "tokenizer files")
+
+
+def test_a_data_free_method_needs_no_tokenizer(damaged_tokenizer, tmp_path):
+    result = run("quantize", damaged_tokenizer, "-o", tmp_path / "q", "--method", "rtn", "--group-size", 32)
+    assert result.exit_code == 0, result.output
+    assert "this method needs no text" in result.output and not (tmp_path / "q" / "tokenizer.json").exists()

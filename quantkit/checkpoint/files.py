@@ -91,10 +91,30 @@ def write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
+# the report fields other commands read (inspect, eval compare, convert), and their JSON types
+REPORT_FIELDS = {"model": str, "layers": dict, "flagged": list, "coverage": dict, "experts": dict, "files": list}
+LAYER_NUMBERS = ("error", "cosine", "sqnr_db")
+
+
 def read_report(folder) -> dict:
-    """The quantkit report a checkpoint folder holds (quantize's or convert's); {} when it has none."""
+    """The quantkit report a checkpoint folder holds (quantize's or convert's); {} when it has none. The fields other
+    commands read are checked: a damaged report is one error line, not a traceback far from it."""
     path = Path(folder) / REPORT_NAME
-    return read_json(path) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    report = read_json(path)
+    fix = "restore it, or delete it (the checkpoint loads without it)"
+    for key, kind in REPORT_FIELDS.items():
+        if key in report and not isinstance(report[key], kind):
+            want = {str: "a string", dict: "an object", list: "a list"}[kind]
+            raise QuantkitError(f"{path} is damaged: '{key}' should be {want}, not {json.dumps(report[key])[:40]}; "
+                                f"{fix}")
+    for name, layer in report.get("layers", {}).items():
+        bad = not isinstance(layer, dict) or any(
+            not isinstance(layer.get(k), (int, float, type(None))) or isinstance(layer.get(k), bool) for k in LAYER_NUMBERS)
+        if bad or not isinstance(layer.get("method", ""), str):
+            raise QuantkitError(f"{path} is damaged: the entry of layer {name} is not an object of numbers; {fix}")
+    return report
 
 
 def read_json(path: Path) -> dict:

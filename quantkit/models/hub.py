@@ -63,7 +63,7 @@ def stored_dtype(model, trust_remote_code=False) -> torch.dtype:
     return declared if isinstance(declared, torch.dtype) else torch.float32
 
 
-def load_fp_model(source: str, dtype="auto", trust_remote_code=False):
+def load_fp_model(source: str, dtype="auto", trust_remote_code=False, tokenizer_required=True):
     """(model, tokenizer) in eval mode on CPU, checked complete and finite. Errors name the problem and the fix.
 
     Weights are read from safetensors only (pickle .bin files can run code when loaded); a model's own Python
@@ -91,18 +91,23 @@ def load_fp_model(source: str, dtype="auto", trust_remote_code=False):
     check_finite(model, f"model '{source}'")
     split_experts(model)  # fused MoE experts as one linear per expert (quantkit.models.moe)
     model.eval()
-    return model, load_tokenizer(source, trust_remote_code)
+    return model, load_tokenizer(source, trust_remote_code, tokenizer_required)
 
 
-def load_tokenizer(source, trust_remote_code=False):
-    """The model's tokenizer; a folder without usable tokenizer files is a user error that says so."""
+def load_tokenizer(source, trust_remote_code=False, required=True):
+    """The model's tokenizer; a folder without usable tokenizer files is a user error that says so, or, when the
+    run needs no text (required=False: a data-free method), None with a note."""
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # the tokenizer libraries' parsers raise anything on a damaged file (KeyError, TypeError)
         if "trust_remote_code" in str(e):
             raise load_error(str(source), e) from e
+        if not required:
+            print(f"note: no tokenizer could be loaded from '{source}' ({first_line(e)}); this method needs no text, "
+                  "and the checkpoint is written without tokenizer files", file=sys.stderr)
+            return None
         raise QuantkitError(f"no tokenizer could be loaded from '{source}' ({first_line(e)}): the folder needs its "
                             "model's tokenizer files (tokenizer.json or tokenizer.model, and tokenizer_config.json); "
                             "copy them from where the model came from") from e

@@ -269,25 +269,27 @@ def compute_dtype_for(config, dtype):
     return declared if isinstance(declared, torch.dtype) else torch.float32
 
 
-def open_model(source: str, dtype="auto", trust_remote_code=False):
+def open_model(source: str, dtype="auto", trust_remote_code=False, tokenizer_required=True):
     """(StreamedModel or InMemoryModel, tokenizer, stored dtype) for a quantization run (or a streamed
-    evaluation). trust_remote_code: run the model's own code (config.json auto_map); off unless asked."""
+    evaluation). trust_remote_code: run the model's own code (config.json auto_map); off unless asked.
+    tokenizer_required=False (a data-free run): a model without usable tokenizer files gives None, with a note."""
     source = str(source)
     why = "it is not a local safetensors folder, which is read block by block"
     if loader.looks_local(source):
         loader.check_local_folder(source)
         files = _shard_map(Path(source).expanduser())
         if files is not None:
-            streamed = _streamed(source, files, dtype, trust_remote_code)
+            streamed = _streamed(source, files, dtype, trust_remote_code, tokenizer_required)
             if not isinstance(streamed, str):
                 return streamed
             why = streamed
-    fp_model, tokenizer = loader.load_fp_model(source, dtype, trust_remote_code)  # a bad id fails here, note unsaid
+    # a bad id fails here, note unsaid
+    fp_model, tokenizer = loader.load_fp_model(source, dtype, trust_remote_code, tokenizer_required)
     print(f"note: {source} was loaded whole: {why}", file=sys.stderr)
     return InMemoryModel(fp_model, source), tokenizer, loader.stored_dtype(fp_model, trust_remote_code)
 
 
-def _streamed(source: str, files: dict, dtype, trust_remote_code):
+def _streamed(source: str, files: dict, dtype, trust_remote_code, tokenizer_required):
     """open_model's result for a local safetensors folder read block by block, or why it cannot be."""
     from transformers import AutoConfig
 
@@ -310,7 +312,7 @@ def _streamed(source: str, files: dict, dtype, trust_remote_code):
                           fp8_block)
     if all(n in model.files for n in model.names):  # else renamed or missing tensors: transformers decides
         model.check_shapes()
-        return model, loader.load_tokenizer(folder, trust_remote_code), declared
+        return model, loader.load_tokenizer(folder, trust_remote_code, tokenizer_required), declared
     missing = next(n for n in model.names if n not in model.files)
     return (f"its files name tensors otherwise than the model does ({missing}, for one, is not stored as such: "
             "transformers converts such tensors as it loads, e.g. per-expert weights into fused 3-D ones), so they "

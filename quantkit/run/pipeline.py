@@ -85,7 +85,8 @@ class Plan:
 def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) -> Plan:
     """Open the source and decide everything the settings decide: a refusal comes here, before any work."""
     compute_dtype = _compute_dtype(device, dtype)
-    source, tokenizer, declared = open_model(model, compute_dtype, trust_remote_code)
+    needs_text = config.needs_calibration and calibration_ids is None
+    source, tokenizer, declared = open_model(model, compute_dtype, trust_remote_code, tokenizer_required=needs_text)
     fp_model = source.model
     arch = arch_for(fp_model)
     names = quantizable_linears(fp_model, arch)
