@@ -5,6 +5,19 @@ _PUBLIC = {"quantize": "quantkit.api", "load_quantized": "quantkit.api", "conver
            "QuantConfig": "quantkit.run.config", "QuantkitError": "quantkit.core.errors"}
 
 
+def command_line():
+    """The `quantkit` console script. Importing the CLI imports torch (seconds): Ctrl-C meanwhile ends as click ends
+    an interrupted command, with "Aborted!" and exit code 1, not a traceback."""
+    try:
+        from quantkit.cli import main
+    except KeyboardInterrupt:
+        import sys
+
+        print("\nAborted!", file=sys.stderr)
+        raise SystemExit(1) from None
+    main()
+
+
 def __getattr__(name):  # keep `import quantkit` light: torch/transformers load on first use
     if name in _PUBLIC:
         import importlib

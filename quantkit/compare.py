@@ -30,6 +30,7 @@ from quantkit.calibration.data import check_dataset, eval_ids
 from quantkit.checkpoint.files import REPORT_NAME, read_report
 from quantkit.core.errors import QuantkitError
 from quantkit.core.textfile import read_user_text
+from quantkit.core.units import size_text
 from quantkit.eval import (check_eval_options, check_seqlen, is_quantized_folder, load_any, model_device, model_logits,
                            split_windows)
 from quantkit.models.arch import check_window
@@ -131,12 +132,23 @@ def _prepare(input_ids, seqlen) -> torch.Tensor:
     return split_windows(stream, seqlen)
 
 
+def check_cache_dir(cache_dir) -> None:
+    """The folder --low-memory caches in takes a file, checked before any model loads."""
+    try:
+        with tempfile.TemporaryDirectory(dir=cache_dir, prefix="quantkit-compare-"):
+            pass
+    except OSError as e:
+        where = f"--cache-dir {cache_dir}" if cache_dir else f"the temporary folder {tempfile.gettempdir()}"
+        raise QuantkitError(f"--low-memory cannot write its cache to {where} ({e.strerror}): pass --cache-dir with a "
+                            "folder you can write to") from None
+
+
 def _open_cache(folder: Path, shape) -> np.memmap:
     need = 4 * math.prod(shape)
     free = shutil.disk_usage(folder).free
     if need > free * 0.95:
-        raise QuantkitError(f"the low-memory comparison caches {need / 2**30:.1f} GiB of base log-probs, but only "
-                            f"{free / 2**30:.1f} GiB are free in {folder.parent}: pass --cache-dir on a larger disk, "
+        raise QuantkitError(f"the low-memory comparison caches {size_text(need)} of base log-probs, but only "
+                            f"{size_text(free)} are free in {folder.parent}: pass --cache-dir on a larger disk, "
                             "fewer --max-tokens, or run without --low-memory")
     return np.lib.format.open_memmap(folder / "base_logprobs.npy", mode="w+", dtype=np.float32, shape=shape)
 
@@ -258,6 +270,8 @@ def compare_paths(quant: str, base: str, dataset: str, seqlen: int, max_tokens=N
 
     check_seqlen(seqlen)
     check_dataset(dataset)   # before the tokenizers, configs and weights: a typo is named at once
+    if low_memory:
+        check_cache_dir(cache_dir)
     tokenizers = {role: load_tokenizer(path, trust_remote_code) for role, path in (("base", base), ("quant", quant))}
     check_same_tokenizer(tokenizers["base"], tokenizers["quant"])
     configs = {role: AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)

@@ -99,3 +99,58 @@ def test_a_data_free_method_needs_no_tokenizer(damaged_tokenizer, tmp_path):
     result = run("quantize", damaged_tokenizer, "-o", tmp_path / "q", "--method", "rtn", "--group-size", 32)
     assert result.exit_code == 0, result.output
     assert "this method needs no text" in result.output and not (tmp_path / "q" / "tokenizer.json").exists()
+
+
+def test_ctrl_c_while_the_cli_is_imported_is_aborted_not_a_traceback(monkeypatch, capsys):
+    import sys
+
+    import quantkit
+
+    class Interrupting:
+        def find_spec(self, name, path=None, target=None):
+            if name == "quantkit.cli":
+                raise KeyboardInterrupt
+
+    monkeypatch.delitem(sys.modules, "quantkit.cli", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    with pytest.raises(SystemExit) as stop:
+        quantkit.command_line()
+    assert stop.value.code == 1 and "Aborted!" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,words", [
+    ("a" * 250, ["250 bytes", "choose a shorter name"]),
+    ("/".join(["b" * 200] * 25), ["longer than the file systems take (4096)"]),
+    ("q\udcff", ["not UTF-8"]),
+])
+def test_output_names_the_file_system_would_refuse_are_refused_at_once(tmp_path, name, words):
+    result = run("quantize", bundled_model_path(), "-o", f"{tmp_path}/{name}", "--method", "rtn")
+    assert_user_error(result, *words)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_calibration_that_cannot_fit_or_is_not_text_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    from quantkit.run import pipeline
+
+    monkeypatch.setattr(pipeline, "open_model", lambda *a, **k: pytest.fail("the model was opened"))
+    text = tmp_path / "calib.txt"
+    text.write_text("Once upon a time. " * 100)
+    huge = quantize(tmp_path, "--method", "gptq", "--dataset", text, "--nsamples", 100_000_000)
+    assert_user_error(huge, "the calibration activations need", "GiB", "fewer --nsamples")
+    for content, words in ((b"", ["is empty"]), (b"\x7fELF\x00\x01", ["is binary, not text"]),
+                           (b"caf\xe9 au lait", ["not UTF-8"])):
+        text.write_bytes(content)
+        assert_user_error(quantize(tmp_path, "--method", "gptq", "--dataset", text), str(text), *words)
+
+
+def test_a_cache_folder_that_takes_no_file_is_refused_before_the_models_load(quantized, tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    def refuse(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", refuse)
+    result = run("eval", "compare", quantized, "--base", bundled_model_path(), "--low-memory", "--cache-dir", tmp_path,
+                 "--max-tokens", 64)
+    assert_user_error(result, f"--cache-dir {tmp_path}", "Permission denied", "folder you can write to")

@@ -21,6 +21,7 @@ request needs are read and tokenized (see ``_bounded_token_stream``).
 
 from __future__ import annotations
 
+import codecs
 import json
 import random
 import sys
@@ -230,6 +231,7 @@ def check_dataset(dataset: str) -> Path | None:
         return None
     path = Path(dataset).expanduser()
     if path.is_file():
+        _check_start(path)
         return path
     if path.exists():
         raise QuantkitError(f"dataset path {path} is not a file: pass a {'/'.join(LOCAL_EXTENSIONS)} file")
@@ -239,6 +241,28 @@ def check_dataset(dataset: str) -> Path | None:
         f"unknown dataset {dataset!r}: use one of {', '.join(KNOWN_DATASETS)} "
         f"or a path to a local {'/'.join(LOCAL_EXTENSIONS)} file"
     )
+
+
+def _check_start(path: Path) -> None:
+    """An empty file, or a text file whose first MiB is binary or not UTF-8, refused at once (not after the model
+    loaded and the text was read)."""
+    size = path.stat().st_size
+    if size == 0:
+        raise QuantkitError(f"dataset file {path} is empty: pass a file with text in it")
+    if path.suffix == ".parquet":
+        return
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2**20)
+    except OSError as e:
+        raise QuantkitError(f"dataset file {path} cannot be read ({e.strerror}): check its permissions") from None
+    if b"\x00" in head:
+        raise QuantkitError(f"dataset file {path} is binary, not text: pass a UTF-8 {'/'.join(LOCAL_EXTENSIONS)} file")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) == size)
+    except UnicodeDecodeError as e:
+        raise QuantkitError(f"dataset file {path} is not UTF-8 text ({e.reason} at byte {e.start}): save it as "
+                            "UTF-8") from None
 
 
 def _looks_like_path(dataset: str) -> bool:

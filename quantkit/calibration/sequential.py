@@ -23,6 +23,7 @@ from quantkit.calibration.replay import ReplayedOutputs, free_bytes, to_device
 from quantkit.core.errors import QuantkitError
 from quantkit.core.finite import all_finite
 from quantkit.core.matmul import onednn_linears
+from quantkit.core.units import size_text
 from quantkit.models.arch import (Arch, block_linears, first_tensor, for_block,  # noqa: F401 (re-exported)
                                   get_submodule, get_weight, set_weight)
 from quantkit.models.moe import expert_of, is_routed, set_all_tokens
@@ -51,20 +52,20 @@ def move_loaded(module: nn.Module, device, recurse=True) -> None:
                 t.data = t.data.to(device)
 
 
-def check_activation_memory(model_config, input_ids: torch.Tensor, dtype: torch.dtype, store_device) -> None:
-    """Refuse at once a calibration whose stored activations alone exceed the free memory of `store_device`: a
-    block's inputs and outputs for every sample (2 x tokens x hidden) are held there together, and past the host's
-    available memory the kernel's OOM killer ends the run without a word (its finished blocks kept for --resume)."""
+def check_activation_memory(model_config, shape: tuple[int, int], dtype: torch.dtype, store_device) -> None:
+    """Refuse at once a calibration of `shape` (samples, tokens each) whose stored activations alone exceed the free
+    memory of `store_device`: a block's inputs and outputs for every sample (2 x tokens x hidden) are held there
+    together, and past the host's available memory the kernel's OOM killer ends the run without a word (its
+    finished blocks kept for --resume)."""
     hidden, free = getattr(model_config, "hidden_size", None), free_bytes(store_device)
     if not isinstance(hidden, int) or free == 0:
         return  # unknown: nothing to say in advance
     width = torch.finfo(dtype).bits // 8
-    need = 2 * input_ids.numel() * hidden * width
+    need = 2 * shape[0] * shape[1] * hidden * width
     if need > free:
-        raise QuantkitError(f"the calibration activations need {need / 2**30:.2f} GiB ({input_ids.shape[0]} x "
-                            f"{input_ids.shape[-1]} tokens x hidden size {hidden} x {width} bytes, a block's inputs "
-                            f"and outputs) but {free / 2**30:.2f} GiB are free: use fewer --nsamples or a shorter "
-                            "--seqlen")
+        raise QuantkitError(f"the calibration activations need {size_text(need)} ({shape[0]} x {shape[1]} tokens x "
+                            f"hidden size {hidden} x {width} bytes, a block's inputs and outputs) but {size_text(free)} "
+                            "are free: use fewer --nsamples or a shorter --seqlen")
 
 
 def capture_block_inputs(model, arch: Arch, input_ids: torch.Tensor, device, store_device="cpu"):
@@ -220,7 +221,7 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
     model = source.model
     blocks = get_submodule(model, arch.blocks)
     input_ids = group.split(input_ids)
-    check_activation_memory(model.config, input_ids, source.dtype, store_device)
+    check_activation_memory(model.config, tuple(input_ids.shape[:2]), source.dtype, store_device)
     undo = source.load_outside(arch.blocks, device)  # embeddings etc. load on first use
     try:
         inputs, kwargs = capture_block_inputs(model, arch, input_ids, device, store_device)

@@ -7,16 +7,20 @@ heavy work (prepare: every refusal the settings alone decide), quantizes block b
 place only when everything is written (quantkit.run.output).
 """
 import contextlib
+import json
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 from quantkit.algorithms.method import Method
 from quantkit.calibration import distributed
 from quantkit.calibration.data import calibration_ids as load_calibration
 from quantkit.calibration.data import check_dataset
-from quantkit.calibration.sequential import calibrated_blocks, data_free_blocks
+from quantkit.calibration.sequential import calibrated_blocks, check_activation_memory, data_free_blocks
 from quantkit.checkpoint import files, shards
 from quantkit.core.errors import QuantkitError
 from quantkit.core.version import __version__
@@ -52,6 +56,7 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     config = config or QuantConfig()
     if config.needs_calibration and calibration_ids is None:
         check_dataset(config.dataset)  # a typo in --dataset is named before the model loads
+        _check_calibration_fits(model, config)
     group, device = distributed.from_environment(resolve_device(device))  # under torchrun: this process's share
     with contextlib.closing(group):  # a process group started here ends here, on every rank
         if group.active:
@@ -60,6 +65,19 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
             return _follow(group, model, config, device, dtype, calibration_ids, trust_remote_code)
         return _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable,
                       trust_remote_code)
+
+
+def _check_calibration_fits(model, config) -> None:
+    """--nsamples x --seqlen whose activations could not be held even in 16 bits, refused before the model loads
+    (a local folder's config.json gives the hidden size; the exact check follows once the dtype is known)."""
+    folder = Path(str(model)).expanduser()
+    if not (folder / "config.json").is_file():
+        return
+    try:
+        hidden = json.loads((folder / "config.json").read_text()).get("hidden_size")
+    except (OSError, ValueError, AttributeError):
+        return  # the model's loader says what is wrong with config.json
+    check_activation_memory(SimpleNamespace(hidden_size=hidden), (config.nsamples, config.seqlen), torch.float16, "cpu")
 
 
 @dataclass
