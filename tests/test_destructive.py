@@ -251,11 +251,15 @@ def test_stale_staging_of_a_dead_run_is_removed_and_reported(world):
 
 def test_staging_that_is_not_provably_a_dead_run_is_left_and_reported(world):
     unmarked = stale(world, "tmp", dead_pid(), marked=False)
-    alive = stale(world, "tmp", os.getppid())
     result = WRITERS["quantize"]("out")
     assert result.exit_code == 0, result.output
-    assert unmarked.is_dir() and alive.is_dir()
-    assert str(unmarked) in result.output and str(alive) in result.output
+    assert unmarked.is_dir() and str(unmarked) in result.output
+
+
+def test_staging_of_a_live_process_of_this_host_refuses_the_run(world):
+    alive = stale(world, "tmp", os.getppid())
+    assert_refused(WRITERS["quantize"]("out"), "is writing", "delete the folder")
+    assert alive.is_dir()
 
 
 def test_run_killed_between_the_renames_is_restored(world):
@@ -297,3 +301,20 @@ def test_sigkilled_writer_is_cleaned_up_by_the_next_run(world):
     result = WRITERS["quantize"]("out")
     assert result.exit_code == 0 and "removed" in result.output
     assert not leftover.exists() and (world / "out" / "config.json").is_file()
+
+
+def test_a_second_writer_to_an_out_being_written_stops_at_once(world):
+    """Another quantkit process of this host stages OUT right now: the second run is refused before any work, and
+    the first one's folder is left alone."""
+    code = ("import sys, time\nfrom quantkit.run.output import staged_folder\n"
+            "with staged_folder(sys.argv[1], overwrite=False) as tmp:\n"
+            "    print('ready', flush=True)\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(world / "busy")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        result = WRITERS["quantize"]("busy")
+        assert result.exit_code == 2 and f"another quantkit run (pid {proc.pid}) is writing" in result.output
+        assert (world / f".busy.tmp-{proc.pid}").is_dir() and not (world / "busy").exists()
+    finally:
+        proc.kill()
+        proc.wait()

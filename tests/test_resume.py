@@ -283,3 +283,15 @@ def test_a_source_replaced_during_the_run_stops_it(world, tmp_path, monkeypatch)
     result = cli("quantize", src, "-o", tmp_path / "q", "--method", "rtn", "--group-size", 32)
     assert result.exit_code == 2 and "model.safetensors changed while this run was reading it" in result.output
     assert not (tmp_path / "q").exists() and "Traceback" not in result.output
+
+
+def test_resume_takes_the_same_calibration_file_by_another_name(world, tmp_path, monkeypatch):
+    """The calibration file given by a relative path in one run and an absolute one in the next is the same file."""
+    root = world[0]
+    out = tmp_path / "out"
+    monkeypatch.chdir(root)
+    relative = args_for(world, out, "gptq")
+    relative[relative.index(str(root / "calib.txt"))] = "calib.txt"
+    interrupted(monkeypatch, relative)
+    result = cli(*args_for(world, out, "gptq", "--resume"))
+    assert result.exit_code == 0 and "block 0 of 4 is done" in result.output, result.output

@@ -154,3 +154,15 @@ def test_a_cache_folder_that_takes_no_file_is_refused_before_the_models_load(qua
     result = run("eval", "compare", quantized, "--base", bundled_model_path(), "--low-memory", "--cache-dir", tmp_path,
                  "--max-tokens", 64)
     assert_user_error(result, f"--cache-dir {tmp_path}", "Permission denied", "folder you can write to")
+
+
+def test_a_config_of_another_architecture_is_named_as_such(tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(bundled_model_path(), src)
+    config = json.loads((src / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (src / "config.json").write_text(json.dumps(config))
+    result = run("quantize", src, "-o", tmp_path / "q", "--method", "rtn")
+    assert_user_error(result, "config.json does not describe its weights", "belongs to another model")

@@ -198,7 +198,13 @@ def _check_complete(source, info: dict) -> None:
         raise QuantkitError(f"model '{source}' holds packed quantized tensors ({unexpected[0]}) but its config.json "
                             "has no quantization_config: restore it (quantize_config.json holds a copy) or quantize "
                             "the floating-point model again")
-    problems = [(k, "missing") for k in sorted(info.get("missing_keys") or ())]
+    missing = sorted(info.get("missing_keys") or ())
+    if missing and len(unexpected) >= len(missing) / 2:  # most names differ: the config is another model's
+        raise QuantkitError(f"model '{source}': its config.json does not describe its weights ({len(missing)} tensors "
+                            f"it declares are not in the files, e.g. {missing[0]}, and the files hold {len(unexpected)} "
+                            f"it does not know, e.g. {unexpected[0]}): the config.json belongs to another model or "
+                            "architecture; put back the one that came with these weights")
+    problems = [(k, "missing") for k in missing]
     problems += [(k[0] if isinstance(k, tuple) else k, "has the wrong shape")
                  for k in sorted(info.get("mismatched_keys") or ())]
     if problems:

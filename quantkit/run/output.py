@@ -179,6 +179,13 @@ def _dead_run_of_this_host(folder: Path, pid_text: str) -> bool:
     return owner[1] == os.getpid() or not _pid_alive(owner[1])  # our own pid: a previous holder's
 
 
+def _live_run_of_this_host(folder: Path) -> bool:
+    """A staging folder whose marker names a running process of this host other than this one."""
+    owner = _staging_owner(folder)
+    return (owner is not None and owner[0] == socket.gethostname() and owner[1] != os.getpid()
+            and _pid_alive(owner[1]))
+
+
 def _say(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
@@ -194,6 +201,10 @@ def recover_stale(out: Path, resume: bool = False) -> None:
             pid_text = stale.name.rsplit("-", 1)[1]
             if stale in partial:
                 continue
+            if kind == "tmp" and _live_run_of_this_host(stale):
+                raise QuantkitError(f"another quantkit run (pid {pid_text}) is writing {out} right now (into "
+                                    f"{stale}): let it finish or choose another -o (if no quantkit run is writing "
+                                    "it, that process only reuses the pid: delete the folder)")
             if not _dead_run_of_this_host(stale, pid_text):
                 _say(f"note: {stale} was left by another or a still-running quantkit process "
                      "(or is not quantkit's): it is left alone; delete it yourself if it is not in use")

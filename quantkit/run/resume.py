@@ -46,7 +46,10 @@ def fingerprint(model: str, config, device: str, dtype: str, n_blocks: int, cali
     if calibration_ids is not None:
         ids = calibration_ids.detach().to(torch.int64).cpu().contiguous()
         calibration = hashlib.sha256(str(list(ids.shape)).encode() + ids.numpy().tobytes()).hexdigest()
-    fp = {"version": VERSION, "quantkit": __version__, "torch": torch.__version__, "settings": config.to_dict(),
+    settings = config.to_dict()
+    if Path(settings["dataset"]).expanduser().is_file():  # one file, however it was named (relative, ~, absolute)
+        settings["dataset"] = str(Path(settings["dataset"]).expanduser().resolve())
+    fp = {"version": VERSION, "quantkit": __version__, "torch": torch.__version__, "settings": settings,
           "device": device, "dtype": dtype, "blocks": n_blocks, "source": source_state(model),
           "calibration": calibration}
     return json.loads(json.dumps(fp, default=str))  # as it reads back from the file
