@@ -64,8 +64,8 @@ _CONFIG_OPTIONS = [
                       "bits per weight for the scale)."),
     click.option("--sym/--asym", default=True, help="Symmetric grid (zero fixed at 2^(bits-1)) or asymmetric min/max grid."),
     click.option("--dataset", default="wikitext2",
-                 help="Calibration data: wikitext2, c4, pileval, or a local .txt/.jsonl/.json/.parquet file. "
-                      "Unused by rtn."),
+                 help="Calibration data: wikitext2, c4, pileval (downloaded from the Hugging Face hub, cached), or "
+                      "a local UTF-8 .txt/.jsonl/.json/.parquet file (offline). Unused by rtn."),
     click.option("--nsamples", type=int, default=128, help="Calibration windows."),
     click.option("--seqlen", type=int, default=512,
                  help="Tokens per calibration window, at most the model's context (max_position_embeddings)."),
@@ -97,7 +97,9 @@ _CONFIG_OPTIONS = [
                       "for the turboquant and e8 methods, none otherwise; not with awq; "
                       "written in the quantkit format (quant_method \"quantkit\"), which GPTQ readers cannot run. "
                       "--seed picks the signs."),
-    click.option("--max-shard-size", default="4GB", help="Largest safetensors shard; bigger models get an index."),
+    click.option("--max-shard-size", default="4GB",
+                 help="Largest safetensors shard, in bytes or with a unit: KB, MB, GB (powers of 1000), KiB, MiB, GiB "
+                      "(of 1024), e.g. 500MB; bigger checkpoints get several shards and an index."),
     click.option("--compat", type=click.Choice(["none", "any", "vllm", "transformers", "gptqmodel"]), default="none",
                  help="Before any work, quantize checks the settings against what vLLM, transformers and GPTQModel "
                       "load (bits/sym, group size, short last group, overrides of part of a fused q/k/v or gate/up "
@@ -234,12 +236,14 @@ def eval():  # noqa: A001  (the command is called eval)
 
 @eval.command()
 @click.argument("path")
-@click.option("--dataset", default="wikitext2", help="wikitext2, c4, pileval (eval split) or a local text file.")
+@click.option("--dataset", default="wikitext2", help="wikitext2, c4, pileval (their eval split, downloaded from the Hugging Face hub) or a local "
+                   "UTF-8 text file (offline).")
 @click.option("--seqlen", type=int, default=512,
               help="Tokens per non-overlapping window, at most the model's context (max_position_embeddings).")
 @click.option("--max-tokens", type=int, default=None, help="Evaluate only the first T tokens (default: all).")
 @click.option("--device", default="auto", help="cpu, cuda, cuda:N or auto.")
-@click.option("--dtype", default=None, help="Activation dtype (default: fp32 on CPU, fp16/bf16 on GPU).")
+@click.option("--dtype", default=None,
+              help="Activation dtype: float32, float16 or bfloat16 (default: float32 on CPU, float16/bfloat16 on GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ppl, nll, tokens, windows, seqlen).")
 @click.option("--stream", is_flag=True, help=STREAM_HELP)
 @click.option("--trust-remote-code", is_flag=True, help=TRUST_HELP)
@@ -261,12 +265,14 @@ def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json, stream
 @click.option("--base", default=None,
               help="The floating-point model QUANT was made from (folder or hub id). Default: the source QUANT's "
                    "quantkit_report.json names (quantkit quantize records it).")
-@click.option("--dataset", default="wikitext2", help="wikitext2, c4, pileval (eval split) or a local text file.")
+@click.option("--dataset", default="wikitext2", help="wikitext2, c4, pileval (their eval split, downloaded from the Hugging Face hub) or a local "
+                   "UTF-8 text file (offline).")
 @click.option("--seqlen", type=int, default=512,
               help="Tokens per non-overlapping window, at most the model's context (max_position_embeddings).")
 @click.option("--max-tokens", type=int, default=None, help="Compare on the first T tokens only (default: all).")
 @click.option("--device", default="auto", help="cpu, cuda, cuda:N or auto.")
-@click.option("--dtype", default=None, help="Activation dtype (default: fp32 on CPU, fp16/bf16 on GPU).")
+@click.option("--dtype", default=None,
+              help="Activation dtype: float32, float16 or bfloat16 (default: float32 on CPU, float16/bfloat16 on GPU).")
 @click.option("--low-memory", is_flag=True,
               help="Hold one model at a time: the base model's fp32 log-probs are cached on disk "
                    "(tokens x vocab x 4 bytes) and read back while the quantized model runs. Same numbers.")

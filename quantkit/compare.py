@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from quantkit.calibration.data import check_dataset, eval_ids
 from quantkit.checkpoint.files import REPORT_NAME, read_report
 from quantkit.core.errors import QuantkitError
-from quantkit.core.textfile import read_user_text
+from quantkit.core.textfile import check_path_name, read_user_text
 from quantkit.core.units import size_text
 from quantkit.eval import (check_eval_options, check_seqlen, is_quantized_folder, load_any, model_device, model_logits,
                            split_windows)
@@ -194,6 +194,8 @@ def read_prompts(text: str) -> list[str]:
     """A file (one prompt per non-empty line, UTF-8) or the prompt itself. A value that looks like a path (one word
     with a slash or a file suffix, or a folder) but is no readable file is refused: taken as a prompt, a mistyped
     file name would be compared in silence."""
+    if not any(c.isspace() for c in text):
+        check_path_name(text, "--prompts")
     path = Path(text).expanduser()
     if not path.exists():
         if not any(c.isspace() for c in text) and ("/" in text or path.suffix):

@@ -3,9 +3,9 @@ files that are folders, missing, not UTF-8; values out of range; report files of
 import json
 
 import pytest
+from test_validation import assert_user_error, run
 
 from quantkit.demo import bundled_model_path
-from test_validation import assert_user_error, run
 
 NOT_UTF8 = b"bits: 4\n\xff\xfe caf\xe9\n"
 
@@ -166,3 +166,63 @@ def test_a_config_of_another_architecture_is_named_as_such(tmp_path):
     (src / "config.json").write_text(json.dumps(config))
     result = run("quantize", src, "-o", tmp_path / "q", "--method", "rtn")
     assert_user_error(result, "config.json does not describe its weights", "belongs to another model")
+
+
+def _hostile_values(tmp_path):
+    folder, file = tmp_path / "a-folder", tmp_path / "a-file.txt"
+    folder.mkdir(exist_ok=True)
+    file.write_text("text")
+    return ["", "-1", "0", "9" * 30, "nan", "q\udcff", str(folder), str(file), "x" * 5000]
+
+
+def _commands():
+    """(argv before the options, the command) of every command; MODEL / IN / PATH never exist, so that a value an
+    option takes leads to the model's own error instead of a run."""
+    from quantkit.cli import main
+
+    missing = "/nonexistent-quantkit-model"
+    return [(["quantize", missing, "-o", "OUT"], main.commands["quantize"]),
+            (["convert", missing, "-o", "OUT", "--checkpoint-format", "gptq"], main.commands["convert"]),
+            (["eval", "perplexity", missing], main.commands["eval"].commands["perplexity"]),
+            (["eval", "compare", missing, "--base", missing], main.commands["eval"].commands["compare"]),
+            (["inspect", missing], main.commands["inspect"]),
+            (["demo", "-o", "OUT"], main.commands["demo"])]
+
+
+def test_every_option_given_a_hostile_value_is_one_error_line(tmp_path, monkeypatch):
+    """Each option of each command, in turn, given an empty, negative, zero, huge, NaN, non-UTF-8, folder, file or
+    5,000-character value: exit code 2, one error line (quantkit's `error:` or click's `Error:` for a value of the
+    wrong type), no traceback, and nothing written anywhere."""
+    import click
+    from click.testing import CliRunner
+
+    from quantkit import demo
+    from quantkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(demo, "bundled_model_path", lambda: tmp_path / "no-bundled-model")
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # a value read as a hub id: no retries
+    values = _hostile_values(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    tried, failures = 0, []
+    for head, command in _commands():
+        for option in command.params:
+            if not isinstance(option, click.Option) or option.is_flag or option.name == "help":
+                continue
+            for value in values:
+                argv = [a if a != "OUT" else str(tmp_path / "out") for a in head]
+                if option.opts[0] in argv:  # a value of an option the head gives: replace it
+                    argv[argv.index(option.opts[0]) + 1] = value
+                else:
+                    argv += [option.opts[0], value]
+                result = CliRunner().invoke(main, argv)
+                tried += 1
+                lines = [line for line in result.output.splitlines() if line.startswith(("error: ", "Error: "))]
+                if result.exit_code != 2 or "Traceback" in result.output or len(lines) != 1 or not (
+                        result.exception is None or isinstance(result.exception, SystemExit)):
+                    failures.append(f"{' '.join(head[:2])} {option.opts[0]} {value[:20]!r}: exit {result.exit_code}, "
+                                    f"{result.exception!r} {result.output[-300:]}")
+    assert not failures, "\n".join(failures)
+    assert tried > 300 and sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before

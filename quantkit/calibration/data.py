@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.textfile import check_path_name
 
 KNOWN_DATASETS = ("wikitext2", "c4", "pileval")
 PURPOSES = ("calibration", "eval")
@@ -229,6 +230,7 @@ def check_dataset(dataset: str) -> Path | None:
     that is not a file. Reads nothing: commands call it before any weights load, so a typo is named at once."""
     if dataset in KNOWN_DATASETS:
         return None
+    check_path_name(dataset, "--dataset")
     path = Path(dataset).expanduser()
     if path.is_file():
         _check_start(path)
