@@ -63,7 +63,7 @@ def test_a_prompt_of_words_is_still_a_prompt():
 
 
 @pytest.mark.parametrize("edit,words", [
-    (lambda r: r.update(layers=[]), ["'layers' should be an object, not []"]),
+    (lambda r: r.update(layers=[]), ["'layers' should be an object or a count, not []"]),
     (lambda r: r.update(model=7), ["'model' should be a string, not 7"]),
     (lambda r: next(iter(r["layers"].values())).update(error="big"), ["is not an object of numbers"]),
 ])

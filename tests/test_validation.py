@@ -102,7 +102,7 @@ def test_calibration_activations_larger_than_free_memory_are_refused_up_front(tm
     # 2 x 4 x 32 tokens x hidden 64 x 4 bytes = 64 KB of stored activations; pretend 50 KB are free
     monkeypatch.setattr(sequential, "free_bytes", lambda device: 50_000)
     quantize_refused(tmp_path, source, "--method", "gptq", "--dataset", text_file, "--nsamples", 4, "--seqlen", 32,
-                     "--device", "cpu", words=["GiB (4 x 32 tokens x hidden size 64 x 4 bytes",
+                     "--device", "cpu", words=["64.0 KiB (4 x 32 tokens x hidden size 64 x 4 bytes",
                                                "fewer --nsamples"])
     monkeypatch.setattr(sequential, "free_bytes", lambda device: 70_000)
     result = run("quantize", source, "-o", tmp_path / "out", "--group-size", 32, "--method", "gptq", "--dataset",

@@ -91,8 +91,10 @@ def write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
-# the report fields other commands read (inspect, eval compare, convert), and their JSON types
-REPORT_FIELDS = {"model": str, "layers": dict, "flagged": list, "coverage": dict, "experts": dict, "files": list}
+# the report fields other commands read (inspect, eval compare, convert), and their JSON types ("layers": quantize's
+# per-layer figures, or convert's count of the layers it repacked)
+REPORT_FIELDS = {"model": str, "layers": (dict, int), "flagged": list, "coverage": dict, "experts": dict,
+                 "files": list}
 LAYER_NUMBERS = ("error", "cosine", "sqnr_db")
 
 
@@ -106,10 +108,10 @@ def read_report(folder) -> dict:
     fix = "restore it, or delete it (the checkpoint loads without it)"
     for key, kind in REPORT_FIELDS.items():
         if key in report and not isinstance(report[key], kind):
-            want = {str: "a string", dict: "an object", list: "a list"}[kind]
+            want = {str: "a string", dict: "an object", list: "a list", (dict, int): "an object or a count"}[kind]
             raise QuantkitError(f"{path} is damaged: '{key}' should be {want}, not {json.dumps(report[key])[:40]}; "
                                 f"{fix}")
-    for name, layer in report.get("layers", {}).items():
+    for name, layer in (report["layers"] if isinstance(report.get("layers"), dict) else {}).items():
         bad = not isinstance(layer, dict) or any(
             not isinstance(layer.get(k), (int, float, type(None))) or isinstance(layer.get(k), bool) for k in LAYER_NUMBERS)
         if bad or not isinstance(layer.get("method", ""), str):

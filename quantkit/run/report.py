@@ -65,7 +65,7 @@ def inspect_checkpoint(path) -> dict:
     layers = _layer_sizes(tensors, packed)
     report = checkpoint.read_report(folder)
     for name, info in layers.items():
-        stats = report.get("layers", {}).get(name, {})
+        stats = report["layers"].get(name, {}) if isinstance(report.get("layers"), dict) else {}
         info["method"] = stats.get("method", qc.get("meta", {}).get("method", "gptq"))
         info.update({k: stats[k] for k in ("error", "cosine", "sqnr_db") if k in stats})
         info["flagged"] = name in report.get("flagged", [])
