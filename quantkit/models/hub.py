@@ -17,7 +17,8 @@ def parse_dtype(name):
     if name is None or isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise QuantkitError(f"unknown dtype '{name}': use one of {', '.join(DTYPES)}")
+        raise QuantkitError(f"--dtype {name!r} is not a dtype quantkit computes in: use one of {', '.join(DTYPES)} "
+                            "(auto: the dtype the model's config.json declares)")
     return DTYPES[name]
 
 
