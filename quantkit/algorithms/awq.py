@@ -10,7 +10,7 @@
     apply_clip     error (AutoAWQ's auto_clip); never for q/k (attention logits are sensitive)
 The sequential loop's hook that runs them on a block is quantkit.algorithms.awq_block.awq_prepare_block.
 
-Which op feeds which linears is data (`Arch.scale_groups` in quantkit/models/arch.py). A group is
+Which op feeds which linears is data (`Arch.scale_groups` in quantkit/models/families.py). A group is
 skipped, with a reason in the report, when its shapes do not allow folding (v_proj -> o_proj under
 grouped-query attention), when config skips all its linears, or when a trial fold of random
 power-of-two scales changes the block's output (the table does not match the model, e.g. post-LN OPT).
