@@ -226,3 +226,13 @@ def test_every_option_given_a_hostile_value_is_one_error_line(tmp_path, monkeypa
                                     f"{result.exception!r} {result.output[-300:]}")
     assert not failures, "\n".join(failures)
     assert tried > 300 and sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_small_sizes_never_read_zero_and_dtype_refusals_name_the_option():
+    from quantkit.core.units import size_text
+
+    from quantkit.models.hub import parse_dtype
+
+    assert size_text(48_000) == "46.9 KiB" and size_text(5 * 2**20) == "5.0 MiB" and size_text(3 * 2**30) == "3.00 GiB"
+    with pytest.raises(QuantkitError, match="--dtype 'float64' is not a dtype quantkit computes in"):
+        parse_dtype("float64")
