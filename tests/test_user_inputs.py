@@ -5,6 +5,7 @@ import json
 import pytest
 from test_validation import assert_user_error, run
 
+from quantkit.core.errors import QuantkitError
 from quantkit.demo import bundled_model_path
 
 NOT_UTF8 = b"bits: 4\n\xff\xfe caf\xe9\n"
