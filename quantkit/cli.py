@@ -35,6 +35,12 @@ class _Group(click.Group):
             ctx.exit(1)
 
 
+EVAL_DATASET_HELP = ("wikitext2, c4, pileval (their eval split, downloaded from the Hugging Face hub) or a local UTF-8 "
+                     "text file (offline).")
+ACTIVATION_DTYPE_HELP = ("Activation dtype: float32, float16 or bfloat16 (default: float32 on CPU, float16/bfloat16 on "
+                         "GPU).")
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(package_name="quantkit")
 def main():
@@ -69,7 +75,8 @@ _CONFIG_OPTIONS = [
     click.option("--nsamples", type=int, default=128, help="Calibration windows."),
     click.option("--seqlen", type=int, default=512,
                  help="Tokens per calibration window, at most the model's context (max_position_embeddings)."),
-    click.option("--seed", type=int, default=0, help="Seed for choosing calibration windows (and rotation signs): an integer from 0 to 2147483647."),
+    click.option("--seed", type=int, default=0,
+                 help="Seed for choosing calibration windows (and rotation signs): an integer from 0 to 2147483647."),
     click.option("--damp", type=float, default=0.01, help="GPTQ damping, as a fraction of the mean Hessian diagonal "
                                                           "(raised automatically if the Cholesky fails)."),
     click.option("--block-size", type=int, default=128, help="GPTQ columns per lazy-update block."),
@@ -236,14 +243,12 @@ def eval():  # noqa: A001  (the command is called eval)
 
 @eval.command()
 @click.argument("path")
-@click.option("--dataset", default="wikitext2", help="wikitext2, c4, pileval (their eval split, downloaded from the Hugging Face hub) or a local "
-                   "UTF-8 text file (offline).")
+@click.option("--dataset", default="wikitext2", help=EVAL_DATASET_HELP)
 @click.option("--seqlen", type=int, default=512,
               help="Tokens per non-overlapping window, at most the model's context (max_position_embeddings).")
 @click.option("--max-tokens", type=int, default=None, help="Evaluate only the first T tokens (default: all).")
 @click.option("--device", default="auto", help="cpu, cuda, cuda:N or auto.")
-@click.option("--dtype", default=None,
-              help="Activation dtype: float32, float16 or bfloat16 (default: float32 on CPU, float16/bfloat16 on GPU).")
+@click.option("--dtype", default=None, help=ACTIVATION_DTYPE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ppl, nll, tokens, windows, seqlen).")
 @click.option("--stream", is_flag=True, help=STREAM_HELP)
 @click.option("--trust-remote-code", is_flag=True, help=TRUST_HELP)
@@ -265,14 +270,12 @@ def perplexity(path, dataset, seqlen, max_tokens, device, dtype, as_json, stream
 @click.option("--base", default=None,
               help="The floating-point model QUANT was made from (folder or hub id). Default: the source QUANT's "
                    "quantkit_report.json names (quantkit quantize records it).")
-@click.option("--dataset", default="wikitext2", help="wikitext2, c4, pileval (their eval split, downloaded from the Hugging Face hub) or a local "
-                   "UTF-8 text file (offline).")
+@click.option("--dataset", default="wikitext2", help=EVAL_DATASET_HELP)
 @click.option("--seqlen", type=int, default=512,
               help="Tokens per non-overlapping window, at most the model's context (max_position_embeddings).")
 @click.option("--max-tokens", type=int, default=None, help="Compare on the first T tokens only (default: all).")
 @click.option("--device", default="auto", help="cpu, cuda, cuda:N or auto.")
-@click.option("--dtype", default=None,
-              help="Activation dtype: float32, float16 or bfloat16 (default: float32 on CPU, float16/bfloat16 on GPU).")
+@click.option("--dtype", default=None, help=ACTIVATION_DTYPE_HELP)
 @click.option("--low-memory", is_flag=True,
               help="Hold one model at a time: the base model's fp32 log-probs are cached on disk "
                    "(tokens x vocab x 4 bytes) and read back while the quantized model runs. Same numbers.")

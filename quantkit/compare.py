@@ -194,11 +194,12 @@ def read_prompts(text: str) -> list[str]:
     """A file (one prompt per non-empty line, UTF-8) or the prompt itself. A value that looks like a path (one word
     with a slash or a file suffix, or a folder) but is no readable file is refused: taken as a prompt, a mistyped
     file name would be compared in silence."""
-    if not any(c.isspace() for c in text):
+    one_word = not any(c.isspace() for c in text)
+    if one_word:
         check_path_name(text, "--prompts")
     path = Path(text).expanduser()
     if not path.exists():
-        if not any(c.isspace() for c in text) and ("/" in text or path.suffix):
+        if one_word and ("/" in text or path.suffix):
             raise QuantkitError(f"--prompts file {text} not found: pass an existing text file with one prompt per "
                                 "line (or a prompt of more than one word)")
         return [text]

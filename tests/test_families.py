@@ -50,8 +50,8 @@ def config(family):
 
 
 ROWS = [(f, m) for f in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "glm4", "granite",
-                         "olmo2", "cohere", "starcoder2", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "llama4_text", "deepseek_v2",
-                         "deepseek_v3")
+                         "olmo2", "cohere", "starcoder2", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "llama4_text",
+                         "deepseek_v2", "deepseek_v3")
         for m in ("rtn", "gptq", "awq")]
 
 

@@ -111,12 +111,16 @@ def read_report(folder) -> dict:
             want = {str: "a string", dict: "an object", list: "a list", (dict, int): "an object or a count"}[kind]
             raise QuantkitError(f"{path} is damaged: '{key}' should be {want}, not {json.dumps(report[key])[:40]}; "
                                 f"{fix}")
-    for name, layer in (report["layers"] if isinstance(report.get("layers"), dict) else {}).items():
-        bad = not isinstance(layer, dict) or any(
-            not isinstance(layer.get(k), (int, float, type(None))) or isinstance(layer.get(k), bool) for k in LAYER_NUMBERS)
-        if bad or not isinstance(layer.get("method", ""), str):
+    layers = report["layers"] if isinstance(report.get("layers"), dict) else {}
+    for name, layer in layers.items():
+        if not (isinstance(layer, dict) and all(_number_or_none(layer.get(k)) for k in LAYER_NUMBERS)
+                and isinstance(layer.get("method", ""), str)):
             raise QuantkitError(f"{path} is damaged: the entry of layer {name} is not an object of numbers; {fix}")
     return report
+
+
+def _number_or_none(value) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
 def read_json(path: Path) -> dict:

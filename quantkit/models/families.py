@@ -157,8 +157,8 @@ ARCHS: dict[str, Arch] = {
     ),
     # OLMo 2 normalises the sublayers' outputs, not their inputs: the attention and the MLP read the residual
     # stream itself, so only v -> o and up -> down can be scaled
-    "olmo2": replace(_LLAMA, scale_groups=(("self_attn.v_proj", ("self_attn.o_proj",)), ("mlp.up_proj", ("mlp.down_proj",))),
-                     feeds_only=()),
+    "olmo2": replace(_LLAMA, feeds_only=(),
+                     scale_groups=(("self_attn.v_proj", ("self_attn.o_proj",)), ("mlp.up_proj", ("mlp.down_proj",)))),
     # Cohere (Command R): a parallel block, one LayerNorm feeding the attention and the MLP
     "cohere": Arch(
         blocks="model.layers",

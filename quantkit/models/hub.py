@@ -156,8 +156,8 @@ def dequantized_on_load(source, config) -> dict:
     """from_pretrained's extra arguments for a source quantized by its publisher in a format transformers dequantizes
     as it loads: gpt-oss's MXFP4 experts (quant_method mxfp4: 4-bit e2m1 values, a power-of-two scale per 32),
     said on stderr. Any other quantized source is refused."""
+    refuse_quantized(source, config)
     if not is_mxfp4(config):
-        refuse_quantized(source, config)
         return {}
     from transformers import Mxfp4Config
 
@@ -185,8 +185,10 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> torc
 
 
 def refuse_quantized(source, config) -> None:
+    """A source its publisher already quantized is refused by name, but gpt-oss's MXFP4 (transformers dequantizes it
+    as it loads: dequantized_on_load); block-scaled FP8 is read by the streamed reader before this is asked."""
     qc = getattr(config, "quantization_config", None)
-    if qc:
+    if qc and not is_mxfp4(config):
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "?")
         raise QuantkitError(f"model '{source}' is already quantized (quant_method {method}): pass its "
                             "floating-point source to quantize, or `quantkit eval perplexity` to evaluate it")

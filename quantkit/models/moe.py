@@ -117,6 +117,10 @@ class InputScaledExperts(ExpertLinears):
 INPUT_SCALED = {"Llama4TextExperts": "router"}
 
 
+def _input_scaled(module: nn.Module) -> bool:
+    return type(module).__name__ in INPUT_SCALED
+
+
 def _swiglu_chunks(act_fn):
     """Llama 4's gate: the first half of gate_up is the gate, the second the up projection."""
     def apply(gate_up):
@@ -127,7 +131,7 @@ def _swiglu_chunks(act_fn):
 
 def splittable(module: nn.Module) -> bool:
     """A fused experts module whose eager forward ExpertLinears (or InputScaledExperts) reproduces."""
-    if type(module).__name__ in INPUT_SCALED:
+    if _input_scaled(module):
         return True
     flags = [getattr(module, f, None) for f in LAYOUT_FLAGS]
     return (None not in flags and module.has_gate and not module.has_post_expert_norm
@@ -157,7 +161,7 @@ def _experts(gate_up, down, bias, concatenated) -> list:
 def split(fused: nn.Module) -> ExpertLinears:
     """ExpertLinears holding `fused`'s weights (on the meta device too, for a skeleton)."""
     gate_up, down = fused.gate_up_proj.detach(), fused.down_proj.detach()
-    if type(fused).__name__ in INPUT_SCALED:  # [E, H, 2I] and [E, I, H], [gate; up] concatenated
+    if _input_scaled(fused):  # [E, H, 2I] and [E, I, H], [gate; up] concatenated
         experts = _experts(gate_up.transpose(1, 2), down.transpose(1, 2), None, True)
         return InputScaledExperts(experts, True, _swiglu_chunks(fused.act_fn))
     if fused.is_transposed:  # [E, in, out] -> nn.Linear's [E, out, in]
@@ -174,8 +178,9 @@ def split_experts(model: nn.Module) -> nn.Module:
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         setattr(owner, leaf, split(fused))
-        if type(fused).__name__ in INPUT_SCALED:  # the router's input and logits, for --moe-calibration all
-            owner.get_submodule(INPUT_SCALED[type(fused).__name__]).register_forward_hook(getattr(owner, leaf).see_router)
+        if _input_scaled(fused):  # the router's input and logits, for --moe-calibration all
+            router = owner.get_submodule(INPUT_SCALED[type(fused).__name__])
+            router.register_forward_hook(getattr(owner, leaf).see_router)
         for p in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):  # the copies hold them now
             if hasattr(fused, p):
                 setattr(fused, p, None)

@@ -304,8 +304,7 @@ def _streamed(source: str, files: dict, dtype, trust_remote_code, tokenizer_requ
         print(f"note: {source} holds block-scaled FP8 weights ({fp8_block[0]} x {fp8_block[1]} blocks): "
               "they are dequantized as they are read and quantized as any floating-point weight", file=sys.stderr)
     elif getattr(config, "quantization_config", None):
-        if not loader.is_mxfp4(config):
-            loader.refuse_quantized(source, config)
+        loader.refuse_quantized(source, config)  # what passes is MXFP4, which transformers dequantizes as it loads
         return "transformers dequantizes its MXFP4 experts as it loads"
     declared = _declared(config)  # before from_config, which sets config.dtype to the compute dtype
     model = StreamedModel(folder, config, compute_dtype_for(config, dtype), files, source, trust_remote_code,

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from quantkit.calibration.distributed import under_torchrun
 from quantkit.checkpoint.files import REPORT_NAME
 from quantkit.core.errors import QuantkitError, StoppedFromOutside
+from quantkit.core.textfile import check_path_name
 
 STAGING_MARKER = ".quantkit-staging.json"
 RESUME_NAME = ".quantkit-resume.json"  # a resumable run's fingerprint (quantkit.run.resume)
@@ -102,27 +103,7 @@ def check_output(out, overwrite: bool, sources=()) -> Path:
     return path
 
 
-NAME_MAX, PATH_MAX = 255, 4096  # bytes of one path component and of a whole path (Linux, macOS: 1024 for paths)
-STAGING_EXTRA = len(".") + len(".tmp-") + 10  # the staging folder's name: .NAME.tmp-PID
-
-
-def _check_name(out: str) -> None:
-    """OUT's name is one the file systems take, for itself and for its staging folder (.NAME.tmp-PID): UTF-8 (the
-    report and the configs name it), components of at most 255 bytes, the path within 4096 bytes. Found at the
-    start, never after the run."""
-    try:
-        encoded = out.encode("utf-8")
-    except UnicodeEncodeError:
-        raise QuantkitError(f"-o {out!r} holds bytes that are not UTF-8: choose a folder name in UTF-8") from None
-    leaf = Path(out).name.encode("utf-8")
-    too_long = [p for p in Path(out).parts if len(p.encode("utf-8")) > NAME_MAX]
-    if too_long or len(leaf) + STAGING_EXTRA > NAME_MAX:
-        raise QuantkitError(f"-o {out[:60]}...: a folder name of {len((too_long or [Path(out).name])[0].encode())} "
-                            f"bytes is longer than the file systems take ({NAME_MAX - STAGING_EXTRA} bytes for the "
-                            "output folder's own name, which quantkit also stages as .NAME.tmp-PID): choose a shorter name")
-    if len(os.path.abspath(encoded)) + STAGING_EXTRA > PATH_MAX:
-        raise QuantkitError(f"-o {out[:60]}...: the path is {len(os.path.abspath(encoded))} bytes, longer than the "
-                            f"file systems take ({PATH_MAX}): choose a shorter path")
+STAGING_EXTRA = len(".") + len(".tmp-") + 10  # what the staging folder's name .NAME.tmp-PID adds to NAME
 
 
 def _place(out, sources) -> Path:
@@ -130,7 +111,7 @@ def _place(out, sources) -> Path:
     given = Path(out).expanduser()
     if str(out).strip() == "":
         raise QuantkitError("the output folder is empty: pass -o with a folder name")
-    _check_name(str(given))
+    check_path_name(given, "-o", reserve=STAGING_EXTRA)  # at the start, never after the run
     if given.is_symlink():
         raise QuantkitError(f"-o {out} is a symbolic link: pass the real folder path (quantkit never replaces a link)")
     path = Path(os.path.realpath(given))
