@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quantkit
+from quantkit.checkpoint.files import read_tensors
 from quantkit.demo import bundled_model_path
 from quantkit.models.moe import ExpertLinears, set_all_tokens, split_experts
 from test_quantizers import calibration, capture_results, in_loop_logits
@@ -115,10 +116,14 @@ def test_every_expert_is_quantized_and_loads_with_the_in_loop_logits(model_facto
                                calibration_ids=ids)
     # read block by block from Mixtral's own file names (block_sparse_moe.experts.N.w1/w3/w2), not loaded whole
     assert "loaded whole" not in capsys.readouterr().err
-    experts = [f"model.layers.{i}.mlp.experts.{e}.{p}" for i in (0, 1) for e in range(4)
-               for p in ("gate_proj", "up_proj", "down_proj")]
+    # and written under those names (what vLLM's mixtral.py reads); report and files agree
+    experts = [f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}" for i in (0, 1) for e in range(4)
+               for w in ("w1", "w3", "w2")]
     assert set(experts) <= set(report["layers"]) and len(report["layers"]) == 24 + 8
-    assert report["coverage"]["router"] == ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]
+    stored = read_tensors(tmp_path / "q")
+    assert all(f"{e}.qweight" in stored for e in experts) and not any(".mlp." in n for n in stored)
+    routers = ["model.layers.0.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.gate.weight"]
+    assert report["coverage"]["router"] == routers and all(r in stored for r in routers)
     model = quantkit.load_quantized(tmp_path / "q")
     assert type(model.model.layers[1].mlp.experts[2].up_proj).__name__ == "QuantLinear"
     with torch.inference_mode():
@@ -130,9 +135,9 @@ def test_every_expert_is_quantized_and_loads_with_the_in_loop_logits(model_facto
         return
     tokens = report["experts"]["tokens"]
     for i in (0, 1):  # top-2 routing: each token reaches two experts of every block
-        assert sum(tokens[f"model.layers.{i}.mlp.experts.{e}"] for e in range(4)) == 2 * ids.numel()
-    up = report["layers"]["model.layers.0.mlp.experts.1.up_proj"]
-    assert up["routed_tokens"] == tokens["model.layers.0.mlp.experts.1"]  # gate and up read the same tokens
+        assert sum(tokens[f"model.layers.{i}.block_sparse_moe.experts.{e}"] for e in range(4)) == 2 * ids.numel()
+    up = report["layers"]["model.layers.0.block_sparse_moe.experts.1.w3"]
+    assert up["routed_tokens"] == tokens["model.layers.0.block_sparse_moe.experts.1"]  # gate and up read the same tokens
     assert up["tokens"] == ids.numel()  # --moe-calibration all (the default): statistics from every token
 
 
@@ -141,11 +146,11 @@ def test_routed_calibration_sees_the_routed_tokens_only_and_routes_alike(model_f
     reports = {mode: quantkit.quantize(str(src), tmp_path / mode, quantkit.QuantConfig(
         method="gptq", group_size=32, moe_calibration=mode), calibration_ids=ids) for mode in ("all", "routed")}
     every, routed = (reports[m]["layers"] for m in ("all", "routed"))
-    expert = "model.layers.1.mlp.experts.2.down_proj"
+    expert = "model.layers.1.block_sparse_moe.experts.2.w2"
     assert routed[expert]["tokens"] == routed[expert]["routed_tokens"] < every[expert]["tokens"] == ids.numel()
     assert routed[expert]["error"] != every[expert]["error"]  # other statistics, other rounding
     # block 0 sees the same inputs in both modes, routed alike (block 1's differ with block 0's rounding)
-    first = [f"model.layers.0.mlp.experts.{e}" for e in range(4)]
+    first = [f"model.layers.0.block_sparse_moe.experts.{e}" for e in range(4)]
     assert [reports["all"]["experts"]["tokens"][e] for e in first] == \
         [reports["routed"]["experts"]["tokens"][e] for e in first]
     assert "(statistics from all 128 tokens: --moe-calibration all)" in reports["all"]["experts"]["summary"]

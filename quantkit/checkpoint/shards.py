@@ -120,9 +120,10 @@ class Parts:
         return self.where[name][4]
 
 
-def assemble(folder: Path, order: list[str], max_shard_bytes: int) -> None:
-    """The checkpoint's shards (and index) from the part files, tensors planned in `order`. The parts stay
-    (a run killed while copying can be resumed): delete them with delete_parts."""
+def assemble(folder: Path, order: list[str], max_shard_bytes: int, rename=str) -> None:
+    """The checkpoint's shards (and index) from the part files, tensors planned in `order` and written under
+    rename(tensor) (quantkit.models.names: the parts hold the model's names). The parts stay (a run killed while
+    copying can be resumed): delete them with delete_parts."""
     parts = Parts(folder)
     missing = [n for n in order if n not in parts.where]
     if missing:
@@ -137,15 +138,15 @@ def assemble(folder: Path, order: list[str], max_shard_bytes: int) -> None:
         size += nbytes
     shards.append(current)
     if len(shards) == 1:
-        _copy_shard(folder / SINGLE_NAME, shards[0], parts)
+        _copy_shard(folder / SINGLE_NAME, shards[0], parts, rename)
     else:
         weight_map, total = {}, 0
         for i, shard in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            _copy_shard(folder / fname, shard, parts)
-            for name in shard:
-                weight_map[name] = fname
-                total += parts.nbytes(name)
+            _copy_shard(folder / fname, shard, parts, rename)
+            for tensor in shard:
+                weight_map[rename(tensor)] = fname
+                total += parts.nbytes(tensor)
         (folder / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                     indent=2))
 
@@ -155,13 +156,14 @@ def delete_parts(folder: Path) -> None:
         (folder / part_name(key)).unlink()
 
 
-def _copy_shard(path: Path, names: list[str], parts: Parts) -> None:
-    entries = [(n, parts.where[n][2], parts.where[n][3], parts.where[n][4]) for n in names]
+def _copy_shard(path: Path, names: list[str], parts: Parts, rename) -> None:
+    entries = [(rename(n), *parts.where[n][2:5]) for n in names]
     head, order = header_bytes(entries, {"format": "pt"})
+    in_parts = {rename(n): n for n in names}
     with open(path, "wb") as out:
         out.write(head)
-        for name, *_ in order:
-            src, offset, _, _, nbytes = parts.where[name]
+        for stored, *_ in order:
+            src, offset, _, _, nbytes = parts.where[in_parts[stored]]
             with open(src, "rb") as f:
                 f.seek(offset)
                 while nbytes:

@@ -7,17 +7,8 @@ import torch
 from torch import nn
 
 from quantkit.core.errors import QuantkitError
-from quantkit.models.families import ARCHS, SOURCE_NAMES, Arch  # noqa: F401 (ARCHS and Arch re-exported)
+from quantkit.models.families import ARCHS, Arch  # noqa: F401 (ARCHS and Arch re-exported)
 from quantkit.models.moe import ExpertLinears
-
-
-def name_in_files(model_type: str, name: str) -> str:
-    """The name tensor `name` has in the family's original checkpoint files (itself when they agree)."""
-    for pattern, stored in SOURCE_NAMES.get(model_type, ()):
-        renamed = re.sub(pattern, stored, name)
-        if renamed != name:
-            return renamed
-    return name
 
 
 def is_conv1d(module: nn.Module) -> bool:

@@ -235,12 +235,11 @@ ARCHS: dict[str, Arch] = {
 }
 
 
-# How a family's original checkpoint files name tensors that the model holds under other names once transformers
-# (and quantkit.models.moe) converted them: (pattern on the in-memory name, its name in the files). Mixtral's experts
-# are w1 (gate), w3 (up), w2 (down) under block_sparse_moe; the streamed reader reads them block by block so.
-SOURCE_NAMES = {
-    "mixtral": ((r"\.mlp\.experts\.(\d+)\.gate_proj\.", r".block_sparse_moe.experts.\1.w1."),
-                (r"\.mlp\.experts\.(\d+)\.up_proj\.", r".block_sparse_moe.experts.\1.w3."),
-                (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".block_sparse_moe.experts.\1.w2."),
-                (r"\.mlp\.gate\.", r".block_sparse_moe.gate.")),
+# Split experts' names (quantkit.models.moe: experts.E.gate_proj|up_proj|down_proj) as a family's files name them,
+# where they differ: Mixtral's experts are w1 (gate), w3 (up), w2 (down), the names of its release and of vLLM's
+# mixtral.py (FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="w1", ckpt_down_proj_name="w2",
+# ckpt_up_proj_name="w3")). {E} is the expert's number. transformers renames the rest (quantkit.models.names).
+EXPERT_NAMES = {
+    "mixtral": (("experts.{E}.gate_proj", "experts.{E}.w1"), ("experts.{E}.up_proj", "experts.{E}.w3"),
+                ("experts.{E}.down_proj", "experts.{E}.w2")),
 }

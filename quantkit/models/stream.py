@@ -20,8 +20,8 @@ from quantkit.core.errors import QuantkitError
 from quantkit.core.finite import all_finite
 from quantkit.core.folders import INDEX_NAME, SINGLE_NAME, drop_shared, index_map
 from quantkit.models import hub as loader
-from quantkit.models.arch import name_in_files
 from quantkit.models.moe import split_experts
+from quantkit.models.names import FileNames
 
 
 class StreamedModel:
@@ -44,8 +44,9 @@ class StreamedModel:
 
             self.model.generation_config = GenerationConfig.from_pretrained(folder)
         self.names = _distinct_state_names(self.model)
-        # each tensor's name in the files: its own, or the family's original one (Mixtral's block_sparse_moe.w1)
-        self.stored = {n: n if n in files else name_in_files(config.model_type, n) for n in self.names}
+        # each tensor's name in the files: its own, or the one transformers saves (Mixtral's block_sparse_moe.w1)
+        in_files = FileNames(self.model)
+        self.stored = {n: n if n in files else in_files.of_tensor(n) for n in self.names}
         self.files = {n: files[s] for n, s in self.stored.items() if s in files}
         self.seen = {f: _file_state(folder / f) for f in set(self.files.values())}  # checked at every read
 

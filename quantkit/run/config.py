@@ -166,27 +166,28 @@ class QuantConfig:
         return method_spec(self.method).needs_calibration
 
     @staticmethod
-    def _matches(o: dict, name: str, siblings) -> bool:
-        names = (name,) if o.get("split_fused") else (name, *siblings)
+    def _matches(o: dict, name: str, siblings, aliases=()) -> bool:
+        names = (name, *aliases) if o.get("split_fused") else (name, *aliases, *siblings)
         return any(re.search(o["pattern"], n) for n in names)
 
-    def spec_for(self, name: str, siblings=()) -> Optional[LayerSpec]:
+    def spec_for(self, name: str, siblings=(), aliases=()) -> Optional[LayerSpec]:
         """The settings for module `name`, or None when an override skips it. siblings: the other linears of its
-        fused group (quantkit.models.arch.fused_siblings), which an override of any of them covers too."""
+        fused group (quantkit.models.arch.fused_siblings), which an override of any of them covers too; aliases:
+        its other names (its name in the checkpoint's files, quantkit.models.names), which a pattern may match."""
         spec = {"bits": self.bits, "group_size": self.group_size, "sym": self.sym}
         for o in self.modules:
-            if self._matches(o, name, siblings):
+            if self._matches(o, name, siblings, aliases):
                 if o.get("skip"):
                     return None
                 spec.update({k: o[k] for k in ("bits", "group_size", "sym") if k in o})
         return LayerSpec(**spec, quantizer_name=self.quantizer)
 
-    def unmatched_overrides(self, names, siblings=None) -> list[str]:
+    def unmatched_overrides(self, names, siblings=None, aliases=None) -> list[str]:
         """The recipe's overrides whose pattern matches none of `names` (a misspelled pattern changes nothing);
-        siblings: {name: its fused group's other linears}."""
-        siblings = siblings or {}
+        siblings: {name: its fused group's other linears}; aliases: {name: its other names}."""
+        siblings, aliases = siblings or {}, aliases or {}
         return [f"recipe modules[{i}] pattern {o['pattern']!r}" for i, o in enumerate(self.modules)
-                if not any(self._matches(o, n, siblings.get(n, ())) for n in names)]
+                if not any(self._matches(o, n, siblings.get(n, ()), aliases.get(n, ())) for n in names)]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -51,9 +51,10 @@ class Coverage:
         return (f"quantized {100 * self.share:.1f} % of linear weights ({len(self.kinds.get('quantized', {}))} "
                 f"linears); in floating point: {', '.join(floats) or 'nothing'}")
 
-    def to_report(self) -> dict:
+    def to_report(self, name=str) -> dict:
+        """The share, and the weights of each float kind under name(weight) (their names in the files)."""
         return {"quantized_share": round(self.share, 6),
-                **{kind: sorted(names) for kind, names in self.kinds.items() if kind != "quantized"}}
+                **{kind: sorted(map(name, names)) for kind, names in self.kinds.items() if kind != "quantized"}}
 
 
 def weight_coverage(model: nn.Module, blocks_path: str, specs: dict, config) -> Coverage:
@@ -113,13 +114,14 @@ def _unknown_message(unknown, blocks_path) -> str:
             f"'{re.escape(leaf)}' skip: true), or quantize another model")
 
 
-def expert_calibration(layers: dict) -> dict | None:
+def expert_calibration(layers: dict, name=str) -> dict | None:
     """The calibration tokens routed to each expert, from the report's layers (None without experts or calibration):
     {"tokens": {expert: routed tokens}, "calibrated_on": {expert: tokens its statistics saw} (all of them with
     --moe-calibration all), "uncalibrated": [experts no token reached: rounded to nearest], "summary": one line}.
-    An expert is named by its gate_proj's module ("model.layers.1.mlp.experts.3")."""
-    gates = {name.rpartition(".")[0]: layer for name, layer in layers.items()
-             if ROUTED_EXPERT.search(name) and name.endswith(".gate_proj") and "tokens" in layer}
+    layers are keyed by the model's names; an expert is named name(its gate_proj's module), e.g.
+    "model.layers.1.mlp.experts.3"."""
+    gates = {name(n.rpartition(".")[0]): layer for n, layer in layers.items()
+             if ROUTED_EXPERT.search(n) and n.endswith(".gate_proj") and "tokens" in layer}
     if not gates:
         return None
     routed = {e: layer.get("routed_tokens", layer["tokens"]) for e, layer in gates.items()}

@@ -5,6 +5,7 @@ model skeleton with parameters on the meta device (buffers such as rotary tables
 quantized layer becomes the module its codec builds (QuantLinear for the GPTQ layout) -> tensors are
 assigned (no full-precision copy of quantized weights is ever made) -> tied weights re-tied.
 """
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from quantkit.models import offload, placement
 from quantkit.models.arch import arch_for, get_weight
 from quantkit.models.hub import model_class, parse_dtype, resolve_device
 from quantkit.models.moe import split_experts
+from quantkit.models.names import FileNames
 
 
 def _device(device_map):
@@ -86,13 +88,19 @@ def load_quantized(path, device_map=None, dtype=None, stream=False):
     dtype = parse_dtype(dtype) or _default_dtype(parse_dtype(config.get("dtype") or config.get("torch_dtype")), device)
     qc = config["quantization_config"]  # config.json's, or an AutoGPTQ folder's quantize_config.json
     model, qc = _skeleton(folder, dtype, qc)
+    in_files = FileNames(model)  # the files name tensors as transformers saves them (quantkit.models.names)
+    tensors = {in_files.to_model(n): t for n, t in tensors.items()}
+    layers = [dataclasses.replace(layer, name=in_files.to_model(layer.name)) for layer in layers]
     blocks_path = arch_for(model).blocks  # before the swap: an unknown family's blocks are found by their linears
     _swap_quantized(model, layers, codec, qc, dtype)
     units = []
     if stream:
         files = checkpoint.tensor_files(folder)
-        units = offload.stream_model(model, blocks_path, lambda names: checkpoint.read_tensors(folder, names, files),
-                                     set(files), device)
+
+        def read(names):
+            return {in_files.to_model(n): t
+                    for n, t in checkpoint.read_tensors(folder, [in_files.of_tensor(n) for n in names], files).items()}
+        units = offload.stream_model(model, blocks_path, read, {in_files.to_model(n) for n in files}, device)
         tensors = {n: t for n, t in tensors.items() if not offload.under(n, units)}  # their views (pages) go
     buffers = dict(model.named_buffers())
     for name, t in tensors.items():  # float tensors take the activation dtype, unless the module keeps its own

@@ -27,13 +27,14 @@ from quantkit.core.version import __version__
 from quantkit.models.arch import (arch_for, check_window, fused_groups, fused_siblings, get_submodule,
                                   require_scale_groups)
 from quantkit.models.hub import resolve_device
+from quantkit.models.names import FileNames
 from quantkit.models.stream import open_model, return_freed_memory
 from quantkit.run import output
 from quantkit.run import resume as resume_state
 from quantkit.run.block_writer import BlockWriter
 from quantkit.run.config import QuantConfig, write_recipe
 from quantkit.run.coverage import expert_calibration, weight_coverage
-from quantkit.run.precheck import check_compat, layer_specs, quantizable_linears, writer_codec
+from quantkit.run.precheck import check_compat, file_aliases, layer_specs, quantizable_linears, writer_codec
 from quantkit.run.report import flag_outliers
 
 
@@ -93,6 +94,7 @@ class Plan:
     codec: type             # the codec that writes the layers
     compat_lines: list      # the readers' refusals, as warning lines
     coverage: object        # what is quantized and what stays in float (quantkit.run.coverage)
+    in_files: object        # the names the checkpoint gives the model's tensors (quantkit.models.names)
     calibration_ids: object  # [nsamples, seqlen] or None (data-free)
 
     @property
@@ -112,7 +114,8 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
     specs, shapes = layer_specs(fp_model, names, config, siblings)
     coverage = weight_coverage(fp_model, arch.blocks, specs, config)  # refuses weights it would leave in float
     kept = [n.rpartition(".")[0] for n in coverage.kinds.get("recipe", {}) if n.rpartition(".")[0] not in specs]
-    for override in config.unmatched_overrides([*names, *kept], siblings):
+    aliases = file_aliases(fp_model, [*names, *kept])
+    for override in config.unmatched_overrides([*names, *kept], siblings, aliases):
         print(f"warning: {override} matches none of the model's {len(names)} quantizable linears (such as "
               f"{names[-1]}): it changes nothing; check its spelling", file=sys.stderr)
     if all(s is None for s in specs.values()):
@@ -126,7 +129,7 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
         calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
     save_dtype = declared if dtype == "auto" else source.dtype
     return Plan(source, tokenizer, save_dtype, compute_dtype, arch, names, method, writer_codec(config, specs),
-                compat_lines, coverage, calibration_ids if config.needs_calibration else None)
+                compat_lines, coverage, FileNames(fp_model), calibration_ids if config.needs_calibration else None)
 
 
 def _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable, trust_remote_code):
@@ -148,7 +151,7 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
         _quantize_blocks(group, plan, config, writer, tmp, start, device)
         writer.save_outside(tmp)
         report = _report(model, config, device, plan, writer, start, time.perf_counter() - t_start)
-        shards.assemble(tmp, writer.order(), files.parse_size(config.max_shard_size))
+        shards.assemble(tmp, writer.order(), files.parse_size(config.max_shard_size), plan.in_files.of_tensor)
         resume_state.finish(tmp)
         _write_configs(tmp, plan, writer.summaries, config, report)
     return report
@@ -188,18 +191,21 @@ def _quantize_blocks(group, plan, config, writer, tmp, start, device) -> None:
 
 
 def _report(model, config, device, plan, writer, start, seconds) -> dict:
+    """The run's report, every layer, weight and expert under its name in the files."""
+    of_module = plan.in_files.of_module
+    layers = _layer_report(writer.summaries)
     report = {"quantkit_version": __version__, "model": _source_name(model), "method": config.method,
-              "seconds": round(seconds, 2), "device": device, "layers": _layer_report(writer.summaries)}
+              "seconds": round(seconds, 2), "device": device, "layers": {of_module(n): v for n, v in layers.items()}}
     if start:
         report["resumed_at_block"] = start
     report["flagged"] = flag_outliers(report["layers"])
     report["compat"] = plan.compat_lines
-    report["coverage"] = {"summary": plan.coverage.summary(), **plan.coverage.to_report()}
-    experts = expert_calibration(report["layers"])
+    report["coverage"] = {"summary": plan.coverage.summary(), **plan.coverage.to_report(plan.in_files.of_tensor)}
+    experts = expert_calibration(layers, of_module)
     if experts:
         report["experts"] = experts
     if plan.method.awq_report:
-        report["awq"] = plan.method.awq_report
+        report["awq"] = {of_module(n): v for n, v in plan.method.awq_report.items()}
     return report
 
 
@@ -253,10 +259,13 @@ def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids, t
 
 
 def _write_configs(tmp, plan, results, config, report):
-    qc = plan.codec.quantization_config(config, results, plan.names, act_order=plan.method.act_order, extra={
+    of_module = plan.in_files.of_module
+    names = [of_module(n) for n in plan.names]
+    fused = {of_module(f): tuple(map(of_module, members)) for f, members in fused_groups(plan.arch, plan.names).items()}
+    qc = plan.codec.quantization_config(config, {of_module(n): r for n, r in results.items()}, names,
+                                        act_order=plan.method.act_order, extra={
         "true_sequential": config.true_sequential, "damp_percent": config.damp,
-        "quantizer": [f"quantkit:{__version__}"], "meta": {"method": config.method}},
-        fused=fused_groups(plan.arch, plan.names))
+        "quantizer": [f"quantkit:{__version__}"], "meta": {"method": config.method}}, fused=fused)
     model = plan.source.model
     model_config = model.config.to_dict()
     model_config["dtype"] = str(plan.save_dtype).removeprefix("torch.")

@@ -7,6 +7,7 @@ from quantkit.checkpoint import codecs, compat
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import check_shape
 from quantkit.models.arch import block_linears, fused_groups, get_submodule, get_weight, is_linear
+from quantkit.models.names import FileNames
 
 
 def quantizable_linears(model, arch) -> list[str]:
@@ -47,11 +48,18 @@ def writer_codec(config, specs: dict):
     return codecs.codec_for_settings(config.checkpoint_format, quantizers, config.rotate != "none")
 
 
+def file_aliases(model, names) -> dict:
+    """{name: (its name in the checkpoint's files,)}: what the report calls a linear, which recipe patterns match
+    as well as the model's own name (Mixtral's block_sparse_moe.experts.0.w1 is the model's mlp.experts.0.gate_proj)."""
+    in_files = FileNames(model)
+    return {n: (in_files.of_module(n),) for n in names}
+
+
 def layer_specs(model, names, config, siblings=None) -> tuple[dict, dict]:
     """({name: its LayerSpec, None when skipped}, {name: (in_features, out_features)}): what the pre-checks and the
     method read. siblings: {name: the other linears of its fused group} (quantkit.models.arch.fused_siblings)."""
-    siblings = siblings or {}
-    specs = {n: config.spec_for(n, siblings.get(n, ())) for n in names}
+    siblings, aliases = siblings or {}, file_aliases(model, names)
+    specs = {n: config.spec_for(n, siblings.get(n, ()), aliases.get(n, ())) for n in names}
     shapes = {n: tuple(reversed(get_weight(model.get_submodule(n)).shape)) for n in names}
     return specs, shapes
 

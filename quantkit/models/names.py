@@ -1,0 +1,66 @@
+"""Tensor names in the files against names in the model.
+
+transformers 5 renames some families' tensors on load (conversion_mapping.py): Mixtral's `block_sparse_moe` becomes
+`mlp`, Qwen2.5-VL's `model.layers` becomes `model.language_model.layers`, Gemma 3's `language_model.model` becomes
+`model.language_model`; and quantkit.models.moe names split experts `experts.E.gate_proj|up_proj|down_proj`, where
+Mixtral's files say `experts.E.w1|w3|w2`. quantkit works on the names the model holds and writes the names
+transformers' own save_pretrained writes, which are the original releases' names and what vLLM's loaders read
+(docs/FORMAT.md, "Tensor names"). FileNames maps one way and back; the renamings are transformers' own, reversed as
+its save_pretrained reverses them (transformers.core_model_loading.revert_weight_conversion), so a family
+transformers learns to rename needs no entry here. transformers 4 renames nothing on load: names stay as they are.
+"""
+import re
+
+from torch import nn
+
+from quantkit.models.families import EXPERT_NAMES
+
+
+class FileNames:
+    """of_tensor / of_module: a model's name in the files; to_model: the inverse over the model's own names."""
+
+    def __init__(self, model: nn.Module):
+        self.experts = [_expert_rule(a, b) for a, b in EXPERT_NAMES.get(model.config.model_type, ())]
+        self.rename = _saved_renaming(model)
+        self._modules = None
+        self.model = model
+
+    def of_tensor(self, name: str) -> str:
+        for pattern, replacement in self.experts:
+            name, n = pattern.subn(replacement, name)
+            if n:
+                break
+        return self.rename(name)
+
+    def of_module(self, name: str) -> str:
+        # transformers' patterns are written against tensor names (`.mlp.` inside one): give the module a leaf
+        return self.of_tensor(f"{name}.weight").removesuffix(".weight")
+
+    def to_model(self, name: str) -> str:
+        """The model's name of a tensor or module named `name` in the files (itself when no module is so named)."""
+        if self._modules is None:
+            self._modules = {self.of_module(m): m for m, _ in self.model.named_modules() if m}
+        if name in self._modules:
+            return self._modules[name]
+        module, dot, leaf = name.rpartition(".")
+        return self._modules[module] + dot + leaf if module in self._modules else name
+
+
+def _expert_rule(in_model: str, in_files: str):
+    """(pattern, replacement) for one EXPERT_NAMES pair; {E} is the expert's number, matched whole components."""
+    pattern = re.escape(in_model).replace(r"\{E\}", r"(\d+)")
+    return re.compile(rf"(?<=\.){pattern}(?=\.|$)"), in_files.replace("{E}", r"\1")
+
+
+def _saved_renaming(model: nn.Module):
+    """name -> the name transformers' save_pretrained gives it, for `model` (built from a config)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightRenaming, apply_renamings
+    except ImportError:  # transformers 4: the model holds the names of its files
+        return str
+    # as revert_weight_conversion does for a model not loaded by from_pretrained: no legacy renamings, no prefix
+    # changes, the transforms reversed in reverse order (converters fuse experts, which quantkit has split)
+    conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+    renamings = [r for r in (c.reverse_transform() for c in conversions[::-1]) if isinstance(r, WeightRenaming)]
+    return (lambda name: apply_renamings(name, renamings)) if renamings else str
