@@ -71,7 +71,9 @@ def gptq_linear(x, qweight, qzeros, scales, g_idx, bits, in_features, bias=None,
     `path` ("auto", "fused", "prefill") applies to the Triton backend only; see the module docstring."""
     if path is not None and path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    if choose_backend(x, bits, backend) == "torch":
+    # another tool's bf16/fp32 scales that fp16 cannot hold (kept as stored at load time) take the reference
+    # decode: the Triton tiles are written for fp16 scales
+    if choose_backend(x, bits, backend) == "torch" or scales.dtype != torch.float16:
         return gptq_linear_torch(x, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
     from quantkit.kernels.triton_gptq_ops import check_layer, gptq_matmul
 

@@ -39,7 +39,7 @@ def test_sym_4bit_g128_on_aligned_shapes_is_accepted_everywhere():
 
 @pytest.mark.parametrize("bits,sym", [(3, True), (2, True), (4, False), (8, False)])
 def test_vllm_serves_sym_4_and_8_bit_only(bits, sym):
-    problems = _check(QuantConfig(bits=bits, group_size=128, sym=sym))
+    problems = _check(QuantConfig(bits=bits, group_size=128, sym=sym, checkpoint_format="gptq_v2"))
     assert _readers(problems) == ["vllm"]
     assert f"{bits}-bit {'sym' if sym else 'asym'}" in problems[0].reason and "--sym" in problems[0].fix
 
@@ -69,6 +69,32 @@ def test_overrides_spread_over_fused_groups_unless_split():
     problems = _check(split)
     assert _readers(problems) == ["transformers", "vllm"]
     assert any("qkv_proj" in p.reason and "split_fused" in p.fix for p in problems)
+
+
+def test_gptqmodel_refuses_asymmetric_v1_and_3bit_widths_off_32():
+    asym = _check(QuantConfig(bits=4, group_size=128, sym=False))
+    assert [p.fix for p in asym if p.reader == "gptqmodel"] == ["--checkpoint-format gptq_v2 (the zeros as they are)"]
+    assert "gptqmodel" not in _readers(_check(QuantConfig(bits=4, group_size=128, sym=False,
+                                                          checkpoint_format="gptq_v2")))
+    odd = _check(QuantConfig(bits=3, group_size=128, checkpoint_format="gptq_v2"), shapes={n: (512, 48) for n in LLAMA_QKV})
+    assert [p.reason for p in odd if p.reader == "gptqmodel"] == [
+        "its 3-bit layers need out_features divisible by 32, and model.layers.0.self_attn.k_proj has 48"]
+    assert "gptqmodel" not in _readers(_check(QuantConfig(bits=3, group_size=128, checkpoint_format="gptq_v2")))
+
+
+@pytest.mark.parametrize("settings,shape,readers,words", [
+    (dict(bits=3), (512, 512), ["vllm"], "serves 4- and 8-bit weights, not 3-bit"),
+    (dict(bits=4, group_size=256), (512, 512), ["vllm"], "group size 256 has no kernel"),
+    (dict(bits=4, group_size=128), (576, 512), ["transformers", "vllm"], "576 inputs, not a multiple of group size"),
+    (dict(bits=8, group_size=128, sym=False), (512, 512), [], ""),
+])
+def test_compressed_tensors_output_is_checked_against_its_readers(settings, shape, readers, words):
+    config = QuantConfig(**settings, checkpoint_format="compressed-tensors")
+    problems = _check(config, shapes={n: shape for n in LLAMA_QKV})
+    assert _readers(problems) == readers and all(words in p.reason for p in problems)
+    if readers:
+        with pytest.raises(QuantkitError, match="--compat any"):
+            compat.enforce(problems, "any")
 
 
 def test_quantkit_format_is_refused_by_every_reader():

@@ -46,19 +46,50 @@ def test_golden_awq_words():
 
 
 def test_golden_compressed_tensors_words():
-    # 3-bit: 32 // 3 = 10 whole codes per word, code i at bits 3i (so octal digits, lowest first).
-    # Row 0: codes 1..7 then 0s -> 0o7654321; row 1: eleven 7s -> 30 set bits 0x3FFFFFFF, then a word holding 7.
+    # compressed-tensors >= 0.18 packs one dense bit stream: code i at stream bits [3i, 3i + 3), 32 bits a word.
+    # Row 0: codes 1..7 then 0s -> octal digits lowest first, 0o7654321; code 10 (bits 30..32) is 0 -> word 1 = 0.
+    # Row 1: eleven 7s -> codes 0..9 fill bits 0..29, code 10 sets bits 30, 31 (word 0 all ones) and bit 32
+    # (word 1 = 1); ceil(11 * 3 / 32) = 2 words.
     res = _result([[1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0], [7] * 11], [[3], [6]], 3, -1)
     t = ct.to_tensors(res)
     assert t["weight_packed"].dtype == torch.int32 and t["weight_packed"].shape == (2, 2)
-    assert t["weight_packed"].tolist() == [[0o7654321, 0], [0x3FFFFFFF, 7]]
+    assert t["weight_packed"].tolist() == [[0o7654321, 0], [-1, 1]]
+    read = ct.from_tensors({f"l.{k}": v for k, v in t.items()}, "l", ct.weights_args(3, -1, False), "test", "0.20.0")
+    assert torch.equal(read.codes, res.codes) and torch.equal(read.params["zero"], res.params["zero"])
     # zeros packed along the outputs: zero(row 0) = 3 at bits 0..2, zero(row 1) = 6 at bits 3..5 -> 0o63
     assert t["weight_zero_point"].tolist() == [[0o63]]
     assert t["weight_shape"].tolist() == [2, 11] and t["weight_shape"].dtype == torch.int64
     assert t["weight_scale"].dtype == torch.float16 and t["weight_scale"].shape == (2, 1)
+    # 32 3-bit codes take 3 words (10 whole codes a word took 4): codes 1, 0, 0, ... 0, 1 -> bit 0 and bits 93..95
+    # hold 1: word 0 = 1, word 2 = 1 << 29
+    t32 = ct.to_tensors(_result([[1] + [0] * 30 + [1]], [[4]], 3, -1, sym=True))
+    assert t32["weight_packed"].tolist() == [[1, 0, 1 << 29]]
     # 4-bit codes 1..8 of one row: 0x87654321 (stored as a negative int32); symmetric layers have no zero point
     t4 = ct.to_tensors(_result([[1, 2, 3, 4, 5, 6, 7, 8]], [[8]], 4, 8, sym=True))
     assert t4["weight_packed"][0, 0].item() & U32 == 0x87654321 and "weight_zero_point" not in t4
+    # 2-bit: 17 codes of 3 -> a word of ones, then 3; 8-bit: 1..5 -> 0x04030201, 0x05
+    assert ct.to_tensors(_result([[3] * 17], [[2]], 2, -1, sym=True))["weight_packed"].tolist() == [[-1, 3]]
+    assert ct.to_tensors(_result([[1, 2, 3, 4, 5]], [[128]], 8, -1, sym=True))["weight_packed"].tolist() == \
+        [[0x04030201, 5]]
+
+
+@pytest.mark.parametrize("version", ["0.17.0", "0.12.2"])
+def test_compressed_tensors_before_0_18_is_read_in_its_own_packing(version):
+    """<= 0.17: 10 whole 3-bit codes a word. The word counts tell the packings apart, and where they agree (11
+    codes: 2 words either way) the config's version does."""
+    args = ct.weights_args(3, -1, True)
+    old = {"l.weight_packed": torch.tensor([[0o7654321, 0], [0x3FFFFFFF, 7]], dtype=torch.int32),
+           "l.weight_scale": torch.ones(2, 1, dtype=torch.float16), "l.weight_shape": torch.tensor([2, 11])}
+    codes = ct.from_tensors(old, "l", args, "test", version).codes
+    assert codes.tolist() == [[1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0], [7] * 11]
+    assert ct.from_tensors(old, "l", args, "test", "0.20.0").codes[1].tolist() != [7] * 11  # read densely
+    q = torch.randint(0, 8, (3, 32))
+    words = torch.zeros(3, 4, dtype=torch.int64)  # 32 codes, 10 a word: 4 words (dense would be 3)
+    for j in range(32):
+        words[:, j // 10] |= q[:, j].long() << (3 * (j % 10))
+    layer = {"l.weight_packed": words.to(torch.int32), "l.weight_scale": torch.ones(3, 1, dtype=torch.float16),
+             "l.weight_shape": torch.tensor([3, 32])}
+    assert torch.equal(ct.from_tensors(layer, "l", args, "test", None).codes, q.to(torch.int32))
 
 
 @pytest.fixture(scope="module")
@@ -130,16 +161,51 @@ def test_autoawq_folder_loads(v2_folder, tmp_path):
     assert torch.equal(_logits(folder), _logits(v2_folder))
 
 
+LLMCOMPRESSOR_QC = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "version": "0.12.2", "sparsity_config": {}, "transform_config": {}, "kv_cache_scheme": None,
+    "global_compression_ratio": None, "ignore": ["lm_head"],
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                  "format": "pack-quantized", "weights": {
+                                      "num_bits": 4, "type": "int", "symmetric": False, "group_size": 32,
+                                      "strategy": "group", "block_structure": None, "dynamic": False, "actorder": None,
+                                      "observer": "minmax", "observer_kwargs": {}}}}}
+
+
 def test_llmcompressor_folder_loads(v2_folder, tmp_path):
-    weights = {"num_bits": 4, "type": "int", "symmetric": False, "group_size": 32, "strategy": "group",
-               "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}}
-    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-          "version": "0.12.2", "sparsity_config": {}, "transform_config": {}, "kv_cache_scheme": None,
-          "global_compression_ratio": None, "ignore": ["lm_head"],
-          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                        "output_activations": None, "format": "pack-quantized"}}}
-    folder = _foreign_folder(v2_folder, tmp_path / "ct", qc, _llmcompressor_tensors)
+    folder = _foreign_folder(v2_folder, tmp_path / "ct", LLMCOMPRESSOR_QC, _llmcompressor_tensors)
     assert torch.equal(_logits(folder), _logits(v2_folder))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_llmcompressor_fp32_and_bf16_scales_are_read_without_rounding(v2_folder, tmp_path, capsys, dtype):
+    """A folder llm-compressor made from an fp32 (or bf16) model: its scales run as stored (fp32 ones float16
+    cannot hold are kept, and said so); logits equal an fp32 model holding scale * (q - z)."""
+    qc = json.loads(json.dumps(LLMCOMPRESSOR_QC))
+    written = []
+
+    def tensors(res):
+        t = _llmcompressor_tensors(res)
+        t["weight_scale"] = (res.params["scale"].double() * (1 + 2**-13)).to(dtype)  # off the fp16 grid
+        g = res.g_idx.long()
+        written.append(t["weight_scale"].double()[:, g] * (res.codes - res.params["zero"][:, g]).double())
+        return t
+
+    folder = _foreign_folder(v2_folder, tmp_path / "ct", qc, tensors)
+    got = _logits(folder)
+    said = capsys.readouterr().err
+    assert ("float32 scales that float16 cannot hold exactly" in said) == (dtype == torch.float32)
+    reference = load_quantized(v2_folder)
+    for layer, w in zip(checkpoint.read_checkpoint(v2_folder)[2], written):
+        parent, _, leaf = layer.name.rpartition(".")
+        old = reference.get_submodule(layer.name)
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=old.bias is not None)
+        linear.weight.data = w.float()
+        if old.bias is not None:
+            linear.bias.data = old.bias.float()
+        setattr(reference.get_submodule(parent), leaf, linear)
+    with torch.no_grad():
+        torch.testing.assert_close(got, reference(IDS).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["awq", "compressed-tensors"])
@@ -155,10 +221,29 @@ def test_quantize_writes_and_reads_back(model_factory, tmp_path, v2_folder, fmt)
     assert json.loads(shown.output)["layers"]["model.layers.0.mlp.down_proj"]["bits"] == 4
 
 
+def test_3bit_compressed_tensors_round_trip(model_factory, tmp_path):
+    """Written in the dense 3-bit packing and read back: the logits of the same run written as gptq_v2."""
+    src = str(model_factory("llama-tied-bias"))
+    for fmt in ("compressed-tensors", "gptq_v2"):
+        quantize(src, tmp_path / fmt, QuantConfig(bits=3, group_size=32, sym=False, checkpoint_format=fmt), device="cpu")
+    packed = checkpoint.read_tensors(tmp_path / "compressed-tensors")["model.layers.0.mlp.down_proj.weight_packed"]
+    assert packed.shape[1] == 9  # 96 inputs of 3 bits: 9 words (10 whole codes a word took 10)
+    assert torch.equal(_logits(tmp_path / "compressed-tensors"), _logits(tmp_path / "gptq_v2"))
+
+
+def test_awq_names_output_widths_no_group_size_fixes(tmp_path):
+    from quantkit.demo import bundled_model_path
+
+    with pytest.raises(QuantkitError) as err:  # stories260k: every gate_proj has 172 outputs
+        quantize(bundled_model_path(), tmp_path / "q", QuantConfig(method="rtn", group_size=32, checkpoint_format="awq"))
+    assert "172 outputs, not a multiple of 8, which no --group-size changes" in str(err.value)
+    assert "pick" not in str(err.value)
+
+
 @pytest.mark.parametrize("settings,words", [
     (dict(checkpoint_format="awq", bits=3), ["awq stores 4-bit codes only", "--bits 4"]),
     (dict(checkpoint_format="awq", group_size=-1), ["group size dividing", "compressed-tensors"]),
-    (dict(checkpoint_format="awq", group_size=48), ["group size dividing"]),
+    (dict(checkpoint_format="awq", group_size=48), ["group size dividing", "such as 64"]),
     (dict(checkpoint_format="compressed-tensors", rotate="hadamard"), ["unrotated integer grids only"]),
     (dict(checkpoint_format="awq", method="turboquant"), ["unrotated integer grids only"]),
     (dict(checkpoint_format="awq", modules=[{"pattern": "down_proj", "bits": 8}]), ["one bits/group_size"]),

@@ -27,6 +27,7 @@ from quantkit.schemes.grid import Grid, is_int
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # argsort(ORDER): undoes the interleave
 BITS = 4
+PACK = 32 // BITS  # codes per int32 word, packed along the output dim
 TENSORS = ("qweight", "qzeros", "scales")
 
 
@@ -81,7 +82,7 @@ def from_tensors(tensors: dict, name: str, group_size: int, where: str) -> Quant
     scales = repack.tensor(tensors, name, "scales", (torch.float16, torch.bfloat16, torch.float32), (groups, n), where)
     zeros = unpack_outputs(qzeros)
     return QuantResult(codes=unpack_outputs(qweight).t().contiguous(),
-                       params={"scale": repack.fp16_scales(scales, name, where).float().t().contiguous(),
+                       params={"scale": repack.checked_scales(scales, name, where).t().contiguous(),
                                "zero": zeros.t().contiguous()},
                        g_idx=(torch.arange(k) // group_size).to(torch.int32),
                        quantizer=Grid(BITS, bool((zeros == 2 ** (BITS - 1)).all())), group_size=group_size,
@@ -142,7 +143,10 @@ class AWQCodec(Codec):
         stray = [n for n in names if any(s in n for s in skipped)]  # AutoAWQ matches these as substrings
         if stray:
             raise QuantkitError(f"{where}: {stray[0]} holds packed tensors but modules_to_not_convert lists it")
-        return [repack.install(tensors, from_tensors(tensors, n, group_size, where), n, TENSORS) for n in names]
+        layers = [repack.install(tensors, from_tensors(tensors, n, group_size, where), n, TENSORS,
+                                 repack.scale_dtype(tensors[f"{n}.scales"])) for n in names]
+        repack.note_wide_scales(layers, where)
+        return layers
 
     @staticmethod
     def build_module(layer, qc: dict, dtype):
@@ -167,8 +171,14 @@ class AWQCodec(Codec):
             if spec.bits != BITS:
                 raise QuantkitError(f"--checkpoint-format awq stores 4-bit codes only ({name} has {spec.bits}): "
                                     "use --bits 4, or --checkpoint-format compressed-tensors")
-            if spec.group_size == -1 or k % spec.group_size or n % 8:
-                raise QuantkitError(f"--checkpoint-format awq needs a group size dividing every layer's inputs and "
-                                    f"outputs in multiples of 8 ({name}: {k} inputs, {n} outputs, group size "
-                                    f"{spec.group_size}): pick such a --group-size, or use --checkpoint-format "
-                                    "compressed-tensors")
+            if n % PACK:  # qweight and qzeros pack 8 outputs per int32 word: no group size changes that
+                raise QuantkitError(f"--checkpoint-format awq packs {PACK} outputs per int32 word, and {name} has {n} "
+                                    f"outputs, not a multiple of {PACK}, which no --group-size changes: keep such layers "
+                                    "in float with a recipe override (skip: true), or use --checkpoint-format gptq "
+                                    "or compressed-tensors")
+            if spec.group_size == -1 or k % spec.group_size:
+                fits = next((g for g in (128, 64, 32, 16) if k % g == 0), None)
+                raise QuantkitError(f"--checkpoint-format awq needs a group size dividing every layer's inputs "
+                                    f"({name}: {k} inputs, group size {spec.group_size}): pick a --group-size that "
+                                    f"divides them{f' (such as {fits})' if fits else ''}, or use --checkpoint-format "
+                                    "gptq or compressed-tensors")

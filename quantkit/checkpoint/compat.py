@@ -12,6 +12,19 @@ and the source files):
                kernels are GPTQModel's (below).
   GPTQModel    nn_modules/qlinear/torch.py TorchLinear (its most permissive kernel): group_size in
                [-1, 16, 32, 64, 128, 256, 512, 1024] or equal to in_features; short last groups are padded.
+               models/loader.py: an asymmetric checkpoint_format "gptq" (v1) folder loads only when its meta
+               says GPTQModel made it (`not qcfg.sym and not qcfg.is_quantized_by_v2()` raises "Loading of a
+               sym=False model with format=gptq is only supported if produced by gptqmodel"). 3-bit: GPTQModel
+               7.6.0 refused layers whose out_features do not divide by 32 (issue 38's trial: its 3-bit
+               packing works in blocks of 32 values, three words each).
+compressed-tensors output (ct_problems):
+  vLLM         compressed_tensors/schemes/compressed_tensors_wNa16.py: WNA16_SUPPORTED_TYPES_MAP {4: uint4b8,
+               8: uint8b128} (asymmetric: WNA16_ZP_SUPPORTED_TYPES_MAP {4, 8}), scales allocated
+               input_size // group_size columns (no short last group), the kernel Marlin's group sizes.
+  transformers through the compressed-tensors library: quantization/lifecycle/forward_helpers.py raises "tensor
+               column shape must be divisble by the given group_size" (0.17 to 0.20) for a short last group.
+AWQ output: every rule of vLLM's awq.py (4 bits; in_features % group_size; out_features % 8) is a refusal of
+AutoAWQCodec.precheck already, so no reader refuses what it writes.
 Every reader refuses quant_method "quantkit" (rotated or codebook layers): only quantkit reads it.
 """
 from dataclasses import dataclass
@@ -39,7 +52,36 @@ def gptq_problems(config, specs: dict, shapes: dict, fused: dict) -> list[Proble
     (quantkit.checkpoint.codecs); awq and compressed-tensors refuse what they cannot store in their precheck."""
     quantized = {n: s for n, s in specs.items() if s is not None}
     return (_vllm_types(quantized) + _group_sizes(quantized, shapes) + _short_groups(quantized, shapes)
-            + _split_groups(specs, fused) + _overrides(config, specs))
+            + _split_groups(specs, fused) + _overrides(config, specs) + _gptqmodel_v1_asym(config, quantized)
+            + _gptqmodel_3bit(quantized, shapes))
+
+
+def ct_problems(config, specs: dict, shapes: dict, fused: dict) -> list[Problem]:
+    """Problems of a compressed-tensors run's settings per reader (CompressedTensorsCodec.compat_problems)."""
+    quantized = {n: s for n, s in specs.items() if s is not None}
+    bad_bits = sorted({s.bits for s in quantized.values()} - {4, 8})
+    out = [Problem("vllm", f"its WNA16 scheme serves 4- and 8-bit weights, not {bad_bits[0]}-bit", "--bits 4 (or 8)")
+           ] if bad_bits else []
+    out += [p for p in _group_sizes(quantized, shapes) if p.reader == "vllm"]
+    out += _split_groups(specs, fused)
+    short = _short_groups(quantized, shapes)
+    return out + short + [Problem("transformers", p.reason.replace("(a short last group)", "(compressed-tensors "
+                                  "refuses a short last group)"), p.fix) for p in short]
+
+
+def _gptqmodel_v1_asym(config, quantized: dict) -> list[Problem]:
+    if config.checkpoint_format != "gptq" or all(s.sym for s in quantized.values()):
+        return []
+    return [Problem("gptqmodel", "it loads asymmetric layers in checkpoint_format gptq (v1) only from folders its own "
+                                 "quantizer made", "--checkpoint-format gptq_v2 (the zeros as they are)")]
+
+
+def _gptqmodel_3bit(quantized: dict, shapes: dict) -> list[Problem]:
+    odd = sorted(n for n, s in quantized.items() if s.bits == 3 and shapes[n][1] % 32)
+    if not odd:
+        return []
+    return [Problem("gptqmodel", f"its 3-bit layers need out_features divisible by 32, and {odd[0]} has "
+                                 f"{shapes[odd[0]][1]}", "--bits 4, or a recipe override giving such layers 4 bits")]
 
 
 def _vllm_types(quantized: dict) -> list[Problem]:

@@ -1,23 +1,27 @@
 """compressed-tensors "pack-quantized" (what llm-compressor writes, quant_method "compressed-tensors").
 
-Per quantized Linear <name> with K inputs, N outputs, b bits, p = 32 // b codes per int32 word, G groups
-(compressed_tensors/compressors/quantized_compressors/pack_quantized.py, PackedQuantizationCompressor):
-  weight_packed     int32 [N, ceil(K / p)]   signed codes + 2^(b-1) (= quantkit's unsigned code q), packed
-                                             along the input dim, code i of a word at bits [b*i, b*i + b);
-                                             a word holds p whole codes (3-bit: 10 codes, 2 bits unused)
-  weight_scale      fp16  [N, G]             G = ceil(K / group_size) ("group"), 1 ("channel")
-  weight_zero_point int32 [ceil(N / p), G]   asymmetric only: zero + 2^(b-1) (= quantkit's zero), packed
+Per quantized Linear <name> with K inputs, N outputs, b bits, G groups
+(compressed_tensors/compressors/pack_quantized/base.py and helpers.py pack_to_int32, version 0.18 to 0.20):
+  weight_packed     int32 [N, ceil(K*b/32)]  signed codes + 2^(b-1) (= quantkit's unsigned code q), packed
+                                             along the input dim as one dense bit stream: code i at stream bits
+                                             [b*i, b*i + b), word j = bits [32j, 32j + 32) (a 3-bit code may
+                                             straddle two words)
+  weight_scale      fp16  [N, G]             G = ceil(K / group_size) ("group"), 1 ("channel"); bf16 and fp32
+                                             are read too
+  weight_zero_point int32 [ceil(N*b/32), G]  asymmetric only: zero + 2^(b-1) (= quantkit's zero), packed
                                              the same way along the OUTPUT dim; symmetric layers have none
   weight_shape      int64 [2]                [N, K]
   bias              [N]                      when the layer has one
 w[n, k] = weight_scale[n, g] * (q[n, k] - z[n, g]), g = k // group_size, z = 2^(b-1) when symmetric.
-An older layout with an unpacked int8 [N, G] weight_zero_point (the signed zero) is read too.
+Read too: compressed-tensors <= 0.17's packing (32 // b whole codes per word: at 3 bits 10 codes and 2 unused bits,
+ceil(K / 10) words; at 2, 4, 8 bits the same words as the dense stream), and an unpacked int8 [N, G]
+weight_zero_point (the signed zero).
 """
 import re
 
 import torch
 
-from quantkit.checkpoint import repack
+from quantkit.checkpoint import compat, repack
 from quantkit.checkpoint.codecs import Codec, register_codec
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import n_groups
@@ -31,21 +35,65 @@ SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def pack_words(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Unsigned values along `dim` -> int32 words of 32 // bits whole codes each (pack_to_int32's layout)."""
-    per = 32 // bits
+    """Unsigned values along `dim` -> int32 words holding them as one dense bit stream: value i at stream bits
+    [b*i, b*i + b), word j the stream's bits [32j, 32j + 32), a value split across two words where it must;
+    ceil(L * b / 32) words (compressed-tensors >= 0.18 pack_to_int32; at 2, 4 and 8 bits the same words as
+    before, since no value straddles a word)."""
     v = values.movedim(dim, -1).to(torch.int64)
-    pad = -v.shape[-1] % per
-    v = torch.nn.functional.pad(v, (0, pad)).reshape(*v.shape[:-1], -1, per)
-    words = (v << (torch.arange(per) * bits)).sum(-1)
+    start = torch.arange(v.shape[-1]) * bits
+    word, offset = start // 32, start % 32
+    n_words = -(-v.shape[-1] * bits // 32)
+    words = torch.zeros(*v.shape[:-1], n_words + 1, dtype=torch.int64)
+    words.index_add_(-1, word, (v << offset) & 0xFFFFFFFF)  # disjoint bit ranges: adding is or-ing
+    spill = offset + bits > 32
+    words.index_add_(-1, word[spill] + 1, v[..., spill] >> (32 - offset[spill]))
+    words = words[..., :n_words]
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).movedim(-1, dim).contiguous()
 
 
 def unpack_words(words: torch.Tensor, bits: int, length: int, dim: int) -> torch.Tensor:
-    """Inverse of pack_words: int32 [.., W, ..] -> int32 values [.., length, ..] along `dim`."""
+    """Inverse of pack_words: int32 [.., ceil(length * bits / 32), ..] -> int32 values [.., length, ..]."""
+    w = torch.nn.functional.pad(words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF, (0, 1))
+    start = torch.arange(length) * bits
+    word, offset = start // 32, start % 32
+    v = (w[..., word] >> offset) | (w[..., word + 1] << (32 - offset))
+    return (v & (2**bits - 1)).to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def unpack_whole_codes(words: torch.Tensor, bits: int, length: int, dim: int) -> torch.Tensor:
+    """compressed-tensors <= 0.17's packing, read: 32 // bits whole codes per word (3-bit: 10, 2 bits unused)."""
     per = 32 // bits
     w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
     v = (w.unsqueeze(-1) >> (torch.arange(per) * bits)) & (2**bits - 1)
     return v.reshape(*w.shape[:-1], -1)[..., :length].to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def dense_words(length: int, bits: int) -> int:
+    return -(-length * bits // 32)
+
+
+def whole_code_words(length: int, bits: int) -> int:
+    return -(-length // (32 // bits))
+
+
+def unpack_any(words: torch.Tensor, bits: int, length: int, dim: int, version, what: str, where: str):
+    """Values from either packing: told apart by the word count, and where both counts agree (a 3-bit run of up to
+    about 150 values) by the config's compressed-tensors `version` (before 0.18: whole codes)."""
+    count = words.shape[dim]
+    dense, whole = dense_words(length, bits), whole_code_words(length, bits)
+    if count not in (dense, whole):
+        raise QuantkitError(f"{where}: {what} has {count} int32 words along dim {dim}, but {length} values of {bits} "
+                            f"bits take {dense} (compressed-tensors >= 0.18) or {whole} (<= 0.17): the checkpoint is "
+                            "damaged")
+    if count == dense and (dense != whole or not _before_dense(version)):
+        return unpack_words(words, bits, length, dim)
+    return unpack_whole_codes(words, bits, length, dim)
+
+
+def _before_dense(version) -> bool:
+    """Whether the config's compressed-tensors version predates the dense packing (0.18.0); unknown: it does not."""
+    m = re.match(r"(\d+)\.(\d+)", str(version or ""))
+    return m is not None and (int(m[1]), int(m[2])) < (0, 18)
 
 
 def refusal(res: QuantResult) -> str | None:
@@ -90,7 +138,7 @@ def to_tensors(res: QuantResult, bias_dtype=None) -> dict:
     return out
 
 
-def _zeros(tensors, name, args, n, groups, where) -> torch.Tensor:
+def _zeros(tensors, name, args, n, groups, version, where) -> torch.Tensor:
     bits = args["num_bits"]
     if args.get("symmetric", True):  # QuantizationArgs defaults to symmetric
         if f"{name}.weight_zero_point" in tensors:
@@ -99,27 +147,35 @@ def _zeros(tensors, name, args, n, groups, where) -> torch.Tensor:
     zp = tensors.get(f"{name}.weight_zero_point")
     if zp is not None and zp.dtype == torch.int8 and tuple(zp.shape) == (n, groups):  # the unpacked layout
         return zp.to(torch.int32) + 2 ** (bits - 1)
-    zp = repack.tensor(tensors, name, "weight_zero_point", torch.int32, (-(-n // (32 // bits)), groups), where)
-    return unpack_words(zp, bits, n, dim=0)
+    return _unpacked(tensors, name, "weight_zero_point", bits, (n, groups), 0, version, where)
 
 
-def from_tensors(tensors: dict, name: str, args: dict, where: str) -> QuantResult:
-    """A layer's pack-quantized tensors, checked, decoded exactly."""
+def _unpacked(tensors, name, suffix, bits, shape, dim, version, where) -> torch.Tensor:
+    """The values [shape] packed along `dim` in tensor name.suffix (either packing, unpack_any), checked."""
+    t = repack.tensor(tensors, name, suffix, torch.int32, None, where)
+    if t.dim() != 2 or t.shape[1 - dim] != shape[1 - dim]:
+        raise QuantkitError(f"{where}: {name}.{suffix} is {tuple(t.shape)}, but its layer needs {shape[1 - dim]} along "
+                            f"dim {1 - dim}: the tensors and the config disagree")
+    return unpack_any(t, bits, shape[dim], dim, version, f"{name}.{suffix}", where)
+
+
+def from_tensors(tensors: dict, name: str, args: dict, where: str, version=None) -> QuantResult:
+    """A layer's pack-quantized tensors, checked, decoded exactly; version: the config's compressed-tensors
+    version (which packing a 3-bit tensor uses when its size cannot tell)."""
     shape = repack.tensor(tensors, name, "weight_shape", (torch.int64, torch.int32), (2,), where)
     n, k = (int(x) for x in shape)
     bits = args["num_bits"]
     group_size = args["group_size"] if args["strategy"] == "group" else -1
     groups = n_groups(k, group_size)
-    packed = repack.tensor(tensors, name, "weight_packed", torch.int32, (n, -(-k // (32 // bits))), where)
     scale = repack.tensor(tensors, name, "weight_scale", SCALE_DTYPES, (n, groups), where)
     g_idx = tensors.get(f"{name}.weight_g_idx")
     if g_idx is None:
         g_idx = torch.zeros(k, dtype=torch.int32) if group_size == -1 else torch.arange(k) // group_size
     elif tuple(g_idx.shape) != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
         raise QuantkitError(f"{where}: {name}.weight_g_idx must hold {k} groups in 0..{groups - 1}")
-    return QuantResult(codes=unpack_words(packed, bits, k, dim=1),
-                       params={"scale": repack.fp16_scales(scale, name, where).float(),
-                               "zero": _zeros(tensors, name, args, n, groups, where)},
+    return QuantResult(codes=_unpacked(tensors, name, "weight_packed", bits, (n, k), 1, version, where),
+                       params={"scale": repack.checked_scales(scale, name, where),
+                               "zero": _zeros(tensors, name, args, n, groups, version, where)},
                        g_idx=g_idx.to(torch.int32), quantizer=Grid(bits, args.get("symmetric", True)),
                        group_size=group_size, bias=tensors.get(f"{name}.bias"))
 
@@ -205,8 +261,11 @@ class CompressedTensorsCodec(Codec):
         names = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_packed")})
         if not names:
             raise QuantkitError(f"{where} holds no quantized layers (.weight_packed tensors): it is incomplete")
-        results = [(n, from_tensors(tensors, n, scheme_for(qc, n, where), where)) for n in names]
-        return [repack.install(tensors, res, n, TENSORS) for n, res in results]
+        results = [(n, from_tensors(tensors, n, scheme_for(qc, n, where), where, qc.get("version"))) for n in names]
+        layers = [repack.install(tensors, res, n, TENSORS, repack.scale_dtype(tensors[f"{n}.weight_scale"]))
+                  for n, res in results]
+        repack.note_wide_scales(layers, where)
+        return layers
 
     @staticmethod
     def build_module(layer, qc: dict, dtype):
@@ -220,3 +279,7 @@ class CompressedTensorsCodec(Codec):
     @staticmethod
     def precheck(config, specs: dict, shapes: dict) -> None:
         repack.check_integer_settings(config, "compressed-tensors")
+
+    @staticmethod
+    def compat_problems(config, specs: dict, shapes: dict, fused: dict) -> list:
+        return compat.ct_problems(config, specs, shapes, fused)

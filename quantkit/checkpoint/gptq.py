@@ -28,8 +28,9 @@ from quantkit.nn.quant_linear import QuantLinear
 from quantkit.schemes.grid import Grid
 
 
-def to_tensors(res: QuantResult, checkpoint_format: str = "gptq", bias_dtype=None) -> dict:
-    """Tensors (suffix -> tensor) for one Linear, in the GPTQ layout."""
+def to_tensors(res: QuantResult, checkpoint_format: str = "gptq", bias_dtype=None, scale_dtype=torch.float16) -> dict:
+    """Tensors (suffix -> tensor) for one Linear, in the GPTQ layout (fp16 scales, as its readers take them;
+    scale_dtype other for another tool's bf16/fp32 scales kept at load time, quantkit.checkpoint.repack)."""
     offset, bits = V1_ZERO_OFFSET[checkpoint_format], res.quantizer.bits
     zeros = res.params["zero"].to(torch.int32)
     if offset and bool((zeros < offset).any()):  # v1's zero - 1 would wrap to -1 and spill into its neighbours
@@ -38,7 +39,7 @@ def to_tensors(res: QuantResult, checkpoint_format: str = "gptq", bias_dtype=Non
     out = {
         "qweight": bitpack.pack(res.codes.t(), bits, dim=0),
         "qzeros": bitpack.pack((zeros - offset).t(), bits, dim=1),
-        "scales": res.params["scale"].t().to(torch.float16).contiguous(),
+        "scales": res.params["scale"].t().to(scale_dtype).contiguous(),
         "g_idx": res.g_idx.to(torch.int32).contiguous(),
     }
     if res.bias is not None:

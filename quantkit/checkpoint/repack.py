@@ -5,6 +5,8 @@ Reading another layout decodes its integer codes, scales and zeros exactly into 
 them with quantkit.checkpoint.gptq.to_tensors: nothing is rounded on the way, so the loaded model computes
 exactly what the foreign checkpoint says, and `quantkit convert` can reuse the same two steps.
 """
+import sys
+
 import torch
 
 from quantkit.checkpoint.gptq import to_result, to_tensors
@@ -31,29 +33,41 @@ def tensor(tensors: dict, name: str, suffix: str, dtypes, shape, where: str) -> 
     return t
 
 
-def fp16_scales(scales: torch.Tensor, name: str, where: str) -> torch.Tensor:
-    """Scales as float16 (what QuantLinear and the GPTQ layout store), refused when that would round them:
-    bf16 and fp32 scales of real checkpoints are almost always fp16-exact, and a loader must not guess."""
+def checked_scales(scales: torch.Tensor, name: str, where: str) -> torch.Tensor:
+    """A layer's scales (fp16, bf16 or fp32 as stored) as float32, which holds each of them exactly."""
     if not bool(torch.isfinite(scales).all()):
         raise QuantkitError(f"{where}: {name} scales hold NaN/Inf: the checkpoint is damaged")
-    half = scales.to(torch.float16)
-    if not torch.equal(half.to(scales.dtype), scales):
-        raise QuantkitError(f"{where}: {name} has {scales.dtype} scales that float16 cannot hold exactly: quantkit "
-                            "runs integer layers with fp16 scales; requantize with fp16 scales")
-    return half
+    return scales.float()
 
 
-def install(tensors: dict, res: QuantResult, name: str, foreign: tuple) -> LayerInfo:
-    """Replace a layer's foreign tensors by the GPTQ-layout ones (true zeros) in `tensors`; its LayerInfo."""
+def scale_dtype(scales: torch.Tensor) -> torch.dtype:
+    """The dtype a layer's scales run in: float16 when it holds them exactly (every fp16 checkpoint, and the bf16 or
+    fp32 scales of most), else their own (llm-compressor run on an fp32 model writes fp32 scales): kept, never
+    rounded."""
+    return torch.float16 if torch.equal(scales.to(torch.float16).to(scales.dtype), scales) else scales.dtype
+
+
+def note_wide_scales(layers: list, where: str) -> None:
+    """Say once which layers keep bf16/fp32 scales (they run as exactly, a little slower on the GPU)."""
+    wide = [layer for layer in layers if layer.scale_dtype != torch.float16]
+    if wide:
+        dtypes = sorted({str(layer.scale_dtype).removeprefix("torch.") for layer in wide})
+        print(f"note: {where}: {len(wide)} of {len(layers)} layers have {'/'.join(dtypes)} scales that float16 cannot "
+              f"hold exactly ({wide[0].name}, ...): kept as stored", file=sys.stderr)
+
+
+def install(tensors: dict, res: QuantResult, name: str, foreign: tuple, scales=torch.float16) -> LayerInfo:
+    """Replace a layer's foreign tensors by the GPTQ-layout ones (true zeros) in `tensors`; its LayerInfo.
+    scales: the dtype its scales run in (scale_dtype of the stored ones)."""
     for suffix in foreign:
         tensors.pop(f"{name}.{suffix}", None)
-    for suffix, t in to_tensors(res, RUNTIME_FORMAT).items():
+    for suffix, t in to_tensors(res, RUNTIME_FORMAT, scale_dtype=scales).items():
         if suffix != "bias":  # the bias stays as the checkpoint stores it
             tensors[f"{name}.{suffix}"] = t
     q = res.quantizer
     out_features, in_features = res.codes.shape
     settings = {"quantizer": "int", "bits": q.bits, "sym": q.sym, "group_size": res.group_size, "rotation": None}
-    return LayerInfo(name, in_features, out_features, settings, f"{name}.bias" in tensors)
+    return LayerInfo(name, in_features, out_features, settings, f"{name}.bias" in tensors, scale_dtype=scales)
 
 
 def runtime_module(layer: LayerInfo, dtype):

@@ -69,6 +69,7 @@ class LayerInfo:
     settings: dict
     bias: bool
     storage: tuple = ("qweight", "qzeros", "scales")
+    scale_dtype: torch.dtype = torch.float16  # what its scales run in (another tool's bf16/fp32 ones are kept)
 
     @property
     def bits(self) -> int:

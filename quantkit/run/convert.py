@@ -12,6 +12,8 @@ from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
 from quantkit.checkpoint import codecs
 from quantkit.checkpoint import files as checkpoint
 from quantkit.checkpoint import repack
@@ -33,6 +35,10 @@ def source_results(tensors: dict, layers, codec, qc: dict, where: str) -> dict:
             raise QuantkitError(f"{where}: {layer.name} is a {'rotated ' if s.get('rotation') else ''}"
                                 f"{s.get('quantizer')} layer, which only the quantkit format holds: convert repacks "
                                 "unrotated integer layers")
+        if layer.scale_dtype != torch.float16:
+            raise QuantkitError(f"{where}: {layer.name} has {str(layer.scale_dtype).removeprefix('torch.')} scales that "
+                                "float16 cannot hold exactly, and the layouts convert writes store float16 scales: "
+                                "load the folder as it is (load_quantized, eval), which keeps them")
         results[layer.name] = repack.result_of(tensors, layer, zero_format)
     return results
 

@@ -103,8 +103,9 @@ def load_quantized(path, device_map=None, dtype=None, stream=False):
         units = offload.stream_model(model, blocks_path, read, {in_files.to_model(n) for n in files}, device)
         tensors = {n: t for n, t in tensors.items() if not offload.under(n, units)}  # their views (pages) go
     buffers = dict(model.named_buffers())
+    wide = {f"{layer.name}.scales" for layer in layers if layer.scale_dtype != torch.float16}  # kept as stored
     for name, t in tensors.items():  # float tensors take the activation dtype, unless the module keeps its own
-        if t.is_floating_point() and not (name in buffers and buffers[name].dtype != dtype):
+        if t.is_floating_point() and name not in wide and not (name in buffers and buffers[name].dtype != dtype):
             tensors[name] = t.to(dtype)
     try:
         result = model.load_state_dict(tensors, strict=False, assign=True)
