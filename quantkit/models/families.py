@@ -136,6 +136,16 @@ _LLAMA4 = Arch(
     varies=True,
 )
 
+def _one_mlp_input(mlp_in: str, mlp_out: str) -> Arch:
+    """Llama's block with one linear into the MLP (GLM-4's fused gate_up_proj, StarCoder2's c_fc). mlp_in -> mlp_out
+    is not scaled: a SwiGLU over the halves of one output, or GELU, is not positively homogeneous."""
+    return replace(_LLAMA, sequential=(_QKV, ("self_attn.o_proj",), (mlp_in,), (mlp_out,)),
+                   scale_groups=(("input_layernorm", _QKV), ("self_attn.v_proj", ("self_attn.o_proj",)),
+                                 ("post_attention_layernorm", (mlp_in,))),
+                   reusable=(("self_attn", "self_attn.o_proj"), ("mlp", mlp_out)),
+                   fused=(("self_attn.qkv_proj", _QKV),))
+
+
 ARCHS: dict[str, Arch] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
@@ -146,15 +156,7 @@ ARCHS: dict[str, Arch] = {
     "gemma3_text": _GEMMA2,
     "granite": _LLAMA,  # Llama's blocks with scalar multipliers on the residual and the attention
     # GLM-4: Llama's order with a fused gate_up_proj and two more norms on the sublayers' outputs (no fold there)
-    "glm4": Arch(
-        blocks="model.layers",
-        sequential=(_QKV, ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
-        scale_groups=(("input_layernorm", _QKV), ("self_attn.v_proj", ("self_attn.o_proj",)),
-                      ("post_attention_layernorm", ("mlp.gate_up_proj",))),
-        reusable=(("self_attn", "self_attn.o_proj"), ("mlp", "mlp.down_proj")),
-        feeds_only=(("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp")),
-        fused=(("self_attn.qkv_proj", _QKV),),
-    ),
+    "glm4": _one_mlp_input("mlp.gate_up_proj", "mlp.down_proj"),
     # OLMo 2 normalises the sublayers' outputs, not their inputs: the attention and the MLP read the residual
     # stream itself, so only v -> o and up -> down can be scaled
     "olmo2": replace(_LLAMA, feeds_only=(),
@@ -168,16 +170,7 @@ ARCHS: dict[str, Arch] = {
         reusable=(("self_attn", "self_attn.o_proj"), ("mlp", "mlp.down_proj")),
         fused=_LLAMA_FUSED,
     ),
-    "starcoder2": Arch(
-        blocks="model.layers",
-        sequential=(_QKV, ("self_attn.o_proj",), ("mlp.c_fc",), ("mlp.c_proj",)),
-        # c_fc -> GELU -> c_proj: GELU is not positively homogeneous, so that pair is not scaled
-        scale_groups=(("input_layernorm", _QKV), ("self_attn.v_proj", ("self_attn.o_proj",)),
-                      ("post_attention_layernorm", ("mlp.c_fc",))),
-        reusable=(("self_attn", "self_attn.o_proj"), ("mlp", "mlp.c_proj")),
-        feeds_only=(("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp")),
-        fused=(("self_attn.qkv_proj", _QKV),),
-    ),
+    "starcoder2": _one_mlp_input("mlp.c_fc", "mlp.c_proj"),
     # the language models of the Qwen vision-language models (their config's text_config.model_type)
     "qwen2_vl_text": _LLAMA,
     "qwen2_5_vl_text": _LLAMA,

@@ -7,8 +7,9 @@ process's resident memory for as long as it stays mapped, so keeping every shard
 model's size. Modules outside the decoder blocks (embeddings, rotary, final norm, lm_head) load themselves on
 their first forward call (a pre-hook): capturing block 0's inputs touches only what runs before block 0.
 
-Sources that cannot be streamed (no safetensors, tensor names transformers would rename, hub ids) fall back
-to loading the whole model (quantkit.models.hub) behind the same interface: the old memory, the same result.
+Sources that cannot be streamed (no safetensors, tensors transformers fuses or converts as it loads, hub ids)
+fall back to loading the whole model (quantkit.models.hub) behind the same interface: the old memory, the same
+result.
 """
 import sys
 from pathlib import Path

@@ -111,10 +111,11 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
     arch = arch_for(fp_model)
     names = quantizable_linears(fp_model, arch)
     siblings = fused_siblings(arch, names)
-    specs, shapes = layer_specs(fp_model, names, config, siblings)
+    in_files = FileNames(fp_model)  # the names the checkpoint and the report give the model's tensors
+    specs, shapes = layer_specs(fp_model, names, config, siblings, in_files)
     coverage = weight_coverage(fp_model, arch.blocks, specs, config)  # refuses weights it would leave in float
     kept = [n.rpartition(".")[0] for n in coverage.kinds.get("recipe", {}) if n.rpartition(".")[0] not in specs]
-    aliases = file_aliases(fp_model, [*names, *kept])
+    aliases = file_aliases(in_files, [*names, *kept])
     for override in config.unmatched_overrides([*names, *kept], siblings, aliases):
         print(f"warning: {override} matches none of the model's {len(names)} quantizable linears (such as "
               f"{names[-1]}): it changes nothing; check its spelling", file=sys.stderr)
@@ -129,7 +130,7 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
         calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
     save_dtype = declared if dtype == "auto" else source.dtype
     return Plan(source, tokenizer, save_dtype, compute_dtype, arch, names, method, writer_codec(config, specs),
-                compat_lines, coverage, FileNames(fp_model), calibration_ids if config.needs_calibration else None)
+                compat_lines, coverage, in_files, calibration_ids if config.needs_calibration else None)
 
 
 def _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable, trust_remote_code):

@@ -48,17 +48,17 @@ def writer_codec(config, specs: dict):
     return codecs.codec_for_settings(config.checkpoint_format, quantizers, config.rotate != "none")
 
 
-def file_aliases(model, names) -> dict:
+def file_aliases(in_files: FileNames, names) -> dict:
     """{name: (its name in the checkpoint's files,)}: what the report calls a linear, which recipe patterns match
     as well as the model's own name (Mixtral's block_sparse_moe.experts.0.w1 is the model's mlp.experts.0.gate_proj)."""
-    in_files = FileNames(model)
     return {n: (in_files.of_module(n),) for n in names}
 
 
-def layer_specs(model, names, config, siblings=None) -> tuple[dict, dict]:
+def layer_specs(model, names, config, siblings=None, in_files=None) -> tuple[dict, dict]:
     """({name: its LayerSpec, None when skipped}, {name: (in_features, out_features)}): what the pre-checks and the
-    method read. siblings: {name: the other linears of its fused group} (quantkit.models.arch.fused_siblings)."""
-    siblings, aliases = siblings or {}, file_aliases(model, names)
+    method read. siblings: {name: the other linears of its fused group} (quantkit.models.arch.fused_siblings);
+    in_files: the model's FileNames (built here when not given), whose names recipe patterns match too."""
+    siblings, aliases = siblings or {}, file_aliases(in_files or FileNames(model), names)
     specs = {n: config.spec_for(n, siblings.get(n, ()), aliases.get(n, ())) for n in names}
     shapes = {n: tuple(reversed(get_weight(model.get_submodule(n)).shape)) for n in names}
     return specs, shapes
