@@ -15,6 +15,8 @@ process holds: tensors, heap) and RssFile every 10 ms; their peaks are reported 
     python scripts/bench_scale.py --source /tmp/bench_scale/fp --method gptq --workdir /tmp/other   (reuse a model)
     python scripts/bench_scale.py --layers 8 --experts 16 --expert-intermediate 1536 ...   (a Qwen3-MoE: ~90 % of the
                                                                                       block weights in experts)
+    python scripts/bench_scale.py ... --eval-dataset ../shared/assets/text/wikitext2_raw_test.txt --dtype bfloat16
+        (adds a row: `quantkit eval perplexity` of the quantized model, whole in memory, over --eval-tokens tokens)
 The model and the output are deleted afterwards unless --keep is given (a --source model is never deleted).
 """
 import argparse
@@ -90,15 +92,20 @@ def child_load(out, args, stream=False):
     import torch
 
     from quantkit.run.load import load_quantized
-    from quantkit.nn.quant_linear import QuantLinear
 
-    # QuantLinear's CPU path caches each layer's decoded fp32 weight by default (fast repeated evaluation):
-    # that cache alone is twice the fp16 model, so the bound is measured with it off (decode on every call).
-    QuantLinear.cache_dequantized = False
-    model = load_quantized(out, stream=stream)
+    model = load_quantized(out, stream=stream, dtype=args.dtype)
     with torch.inference_mode():
         logits = model(torch.arange(16).unsqueeze(0)).logits
     assert torch.isfinite(logits).all()
+
+
+def child_eval(out, args):
+    """`quantkit eval perplexity OUT --dtype D --max-tokens T` (no --stream): the whole model in memory."""
+    from quantkit.eval import evaluate_path
+
+    result = evaluate_path(out, args.eval_dataset, args.seqlen_eval, args.eval_tokens, "cpu", args.dtype,
+                           progress=False)
+    print(f"perplexity {result['ppl']:.3f} over {result['tokens']} tokens", flush=True)
 
 
 def child_fp_stream(src, args):
@@ -164,6 +171,10 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the synthetic model and the output")
     ap.add_argument("--source", help="an existing model folder (e.g. a kept fp/ of an earlier run) instead of building")
     ap.add_argument("--quantized", help="an existing quantized output of --source (a kept q/): measure the loads only")
+    ap.add_argument("--dtype", help="activation dtype of the loads (default: load_quantized's, float32 on the CPU)")
+    ap.add_argument("--eval-dataset", help="also run `eval perplexity` of the quantized model on this dataset")
+    ap.add_argument("--eval-tokens", type=int, default=1024, help="tokens that evaluation reads (default 1024)")
+    ap.add_argument("--seqlen-eval", type=int, default=512, help="evaluation window (default 512)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -174,6 +185,7 @@ def main():
         result, kind, *paths = args.child
         {"quantize": lambda: child_quantize(*paths, args), "load": lambda: child_load(*paths, args),
          "load-stream": lambda: child_load(*paths, args, stream=True), "fp-stream": lambda: child_fp_stream(*paths, args),
+         "eval": lambda: child_eval(*paths, args),
          "imports": lambda: exec(IMPORTS)}[kind]()
         peaks.update({k: max(peaks.get(k, 0), v) for k, v in _status().items()})
         Path(result).write_text(json.dumps({**peaks, "VmHWM": peak_rss()}))
@@ -193,15 +205,20 @@ def main():
             size = build_model(src, args)
             print(f"built {src}: {size / 1e9:.2f} GB fp16 in {time.perf_counter() - t0:.0f} s", flush=True)
         flags = [f"--{k}={v}" for k, v in (("method", args.method), ("bits", args.bits), ("group-size",
-                 args.group_size), ("nsamples", args.nsamples), ("seqlen", args.seqlen))]
+                 args.group_size), ("nsamples", args.nsamples), ("seqlen", args.seqlen), ("dtype", args.dtype),
+                 ("eval-dataset", args.eval_dataset), ("eval-tokens", args.eval_tokens),
+                 ("seqlen-eval", args.seqlen_eval)) if v is not None]
         rows = [("imports only (torch, transformers, quantkit)", *run_child(["imports"], work))]
         if not args.quantized:
             rows.append((f"quantize {args.method} w{args.bits} g{args.group_size}",
                          *run_child(["quantize", str(src), str(out), *flags], work)))
         out_size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-        rows += [("load_quantized + one forward (16 tokens)", *run_child(["load", str(out)], work)),
-                 ("load_quantized(stream=True) + one forward", *run_child(["load-stream", str(out)], work)),
+        rows += [("load_quantized + one forward (16 tokens)", *run_child(["load", str(out), *flags], work)),
+                 ("load_quantized(stream=True) + one forward", *run_child(["load-stream", str(out), *flags], work)),
                  ("fp model streamed (eval --stream) + one forward", *run_child(["fp-stream", str(src)], work))]
+        if args.eval_dataset:
+            rows.append((f"eval perplexity ({args.eval_tokens} tokens, {args.dtype or 'float32'}, not streamed)",
+                         *run_child(["eval", str(out), *flags], work)))
         print(f"\nfp16 model {size / 1e9:.3f} GB, quantized checkpoint {out_size / 1e9:.3f} GB; bound = model / 4 = "
               f"{size / 4e9:.3f} GB\n")
         print("| step | peak RSS (GB) | peak / model | peak RssAnon (GB) | RssAnon / model | peak RssFile (GB) | "

@@ -13,7 +13,7 @@ from quantkit.schemes.grid import Grid
 from quantkit.algorithms.rtn import rtn
 from quantkit.models.hub import load_fp_model
 from quantkit.calibration.sequential import get_weight, set_weight
-from quantkit.nn.quant_linear import QuantLinear
+from quantkit.nn.kinds import INTEGER_GRID_LINEARS
 from tiny_models import dequantize_gptq
 
 IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -43,7 +43,7 @@ def test_rtn_checkpoint_matches_fake_quant(model_factory, tmp_path, kind, bits, 
     out = tmp_path / "q"
     quantize(str(src), out, config, device="cpu")
     model = load_quantized(out)
-    n_quant = sum(isinstance(m, QuantLinear) for m in model.modules())
+    n_quant = sum(isinstance(m, INTEGER_GRID_LINEARS) for m in model.modules())
     assert n_quant == len(json.loads((out / "quantkit_report.json").read_text())["layers"]) > 0
     ref = fake_quant_reference(src, config)
     torch.testing.assert_close(logits(model), logits(ref), rtol=1e-4, atol=1e-4)
@@ -54,7 +54,7 @@ def test_loaded_model_holds_no_fp_weights_of_quantized_layers(model_factory, tmp
     quantize(str(model_factory("llama-gqa")), out, QuantConfig(bits=4, group_size=32), device="cpu")
     model = load_quantized(out)
     q = model.model.layers[0].self_attn.k_proj
-    assert isinstance(q, QuantLinear) and q.out_features == 32  # GQA: 2 kv heads x 16
+    assert isinstance(q, INTEGER_GRID_LINEARS) and q.out_features == 32  # GQA: 2 kv heads x 16
     assert not any(n.endswith("k_proj.weight") for n, _ in model.named_parameters())
     with safe_open(out / "model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}

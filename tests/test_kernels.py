@@ -417,18 +417,21 @@ def test_quant_linear_cpu_matches_reference(dtype, fmt):
     ref = gptq_linear_torch(x, mod.qweight, mod.qzeros, mod.scales, mod.g_idx, bits, k, mod.bias, zo)
     y = mod(x)
     assert y.dtype == dtype and y.shape == (2, 5, n)
-    # Same decoded weights; the cached path sums in another order (fp32 GEMM for fp16 on CPU), and
-    # both round twice (matmul, then + bias), so they may differ by an ulp of the output's scale.
+    # Same decoded weights; the strip and cached paths sum in another order (fp32 GEMM for fp16 on CPU), and
+    # all round twice (matmul, then + bias), so they may differ by an ulp of the output's scale.
     def tol(r):
         return dict(rtol=0, atol=2 * UNIT_ROUNDOFF.get(dtype, 2.0**-24) * float(r.abs().max()))
 
     torch.testing.assert_close(y, ref, **tol(ref))
+    assert "_weight_cache" not in mod.__dict__  # the default keeps no decoded copy
+    mod.cache_dequantized = True
+    torch.testing.assert_close(mod(x), ref, **tol(ref))
     # The cached decode must follow in-place changes of the buffers.
     mod.scales.mul_(2)
     ref2 = gptq_linear_torch(x, mod.qweight, mod.qzeros, mod.scales, mod.g_idx, bits, k, mod.bias, zo)
     torch.testing.assert_close(mod(x), ref2, **tol(ref2))
     mod.cache_dequantized = False
-    torch.testing.assert_close(mod(x), ref2, rtol=0, atol=0)
+    torch.testing.assert_close(mod(x), ref2, **tol(ref2))
 
 
 @pytest.mark.skipif(triton_gptq_ops is None, reason="triton unavailable")

@@ -152,9 +152,9 @@ def test_quantkit_onednn_0_keeps_torchs_products(monkeypatch):
 @pytest.mark.parametrize("method, bits", [("rtn", 4), ("turboquant", 2)])
 def test_evaluation_multiplies_through_onednn_as_torch_would(method, bits, model_factory, tmp_path, onednn_calls,
                                                            monkeypatch):
-    """perplexity() of a floating-point model (its linears) and of a quantized one (QuantLinear's and DecodedLinear's
-    decoded weights on the CPU): every linear takes oneDNN once per window, and the perplexity is torch's to float32
-    rounding. A quantized layer that kept torch's product, or paid a copy of its weight, fails the call count."""
+    """perplexity() of a floating-point model and of a quantized one: every nn.Linear takes oneDNN once per window,
+    and the perplexity is torch's to float32 rounding. The quantized layers' decoded strips are Wᵀ, which torch's
+    product takes as they are (quantkit.core.strips): they never reach oneDNN, whose weight would need a copy."""
     from quantkit.api import quantize
     from quantkit.eval import perplexity
     from quantkit.run.load import load_quantized
@@ -164,7 +164,7 @@ def test_evaluation_multiplies_through_onednn_as_torch_would(method, bits, model
     quantize(str(src), tmp_path / "q", QuantConfig(method=method, bits=bits, group_size=32), device="cpu")
     stream = torch.randint(0, 512, (1, 3 * 16), generator=torch.Generator().manual_seed(4))
     for model in (load_fp_model(str(src), "float32")[0], load_quantized(tmp_path / "q", device_map="cpu")):
-        linears = [m for m in model.modules() if isinstance(m, nn.Linear) or hasattr(m, "cache_dequantized")]
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         ppl = {}
         for on in (True, False):
             monkeypatch.setattr(matmul, "ENABLED", on)

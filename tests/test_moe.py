@@ -125,7 +125,7 @@ def test_every_expert_is_quantized_and_loads_with_the_in_loop_logits(model_facto
     routers = ["model.layers.0.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.gate.weight"]
     assert report["coverage"]["router"] == routers and all(r in stored for r in routers)
     model = quantkit.load_quantized(tmp_path / "q")
-    assert type(model.model.layers[1].mlp.experts[2].up_proj).__name__ == "QuantLinear"
+    assert type(model.model.layers[1].mlp.experts[2].up_proj).__name__ in ("QuantLinear", "CpuInt4Linear")
     with torch.inference_mode():
         got = model(ids).logits
     folded = {n: p for n, p in model.named_parameters() if "norm" in n}  # AWQ's scales, folded into the norms

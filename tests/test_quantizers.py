@@ -20,7 +20,7 @@ from quantkit.algorithms.rtn import rtn
 from quantkit.models.arch import set_weight
 from quantkit.models.hub import load_fp_model
 from quantkit.nn.decoded_linear import DecodedLinear
-from quantkit.nn.quant_linear import QuantLinear
+from quantkit.nn.kinds import INTEGER_GRID_LINEARS
 
 
 class PairQuantizer:
@@ -142,7 +142,7 @@ def test_writes_loads_and_gives_the_in_loop_logits(model_factory, tmp_path, monk
     assert layer["quantizer"] == quantizer and (layer["rotation"] is not None) == (rotate == "hadamard")
     model = load_quantized(tmp_path / "q")
     module = model.model.layers[0].mlp.down_proj
-    assert isinstance(module, DecodedLinear if quantizer == "test-pair" else QuantLinear)
+    assert isinstance(module, DecodedLinear if quantizer == "test-pair" else INTEGER_GRID_LINEARS)
     ids = calibration()[:2]
     with torch.inference_mode():
         got = model(ids).logits

@@ -6,8 +6,9 @@ torch 2.13) a calibration-sized product ([512, 576] x [576, 1536]) runs at 470-4
 200-220 through MKL, and the Hessian bands of GPTQ 1.6-1.9x faster (docs/notes/quality-log.md, "oneDNN for the calibration
 products"). So calibration's float32 products on a CPU with AVX-512 go through oneDNN: the block linears
 (`onednn_linears`), GPTQ's Hessian (`addmm_nt_`), the fidelity report and AWQ's search (`linear`); so do evaluation's
-(the model's linears in `quantkit.eval.model_logits`) and every CPU forward of a loaded quantized layer (its decoded
-weight). Elsewhere (a GPU, other dtypes, autograd, a CPU without AVX-512 or a torch built without oneDNN) the same
+(the model's linears in `quantkit.eval.model_logits`) and a loaded quantized layer's kept decoded weight
+(cache_dequantized=True; the default strip-wise decode takes torch's product, quantkit.core.strips says why).
+Elsewhere (a GPU, other dtypes, autograd, a CPU without AVX-512 or a torch built without oneDNN) the same
 calls are torch's own.
 
 Both libraries compute in float32 with fused multiply-adds; they differ in the order of the sums, so the last bits

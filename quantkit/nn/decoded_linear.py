@@ -7,21 +7,23 @@ quantizer stores it in 16 bits, else float32), g_idx, bias, and rot_signs when r
 Quantizers that describe a kernel decode (`kernel_decode`, quantkit.schemes.base.KernelDecode: TurboQuant's
 table, w = scale * codebook[code], E8's lattice offset, or E8P's int32 tables and residual ratio) run the codebook
 dequant-GEMM (quantkit.kernels.codebook): a Triton kernel that decodes in registers on CUDA. Everywhere else, and
-for any other quantizer, forward decodes the weight once through the quantizer and keeps it (a dense
-fp32 copy per layer, like QuantLinear's CPU path; `cache_dequantized = False` decodes on every call).
+for any other quantizer, forward decodes the weight through the quantizer a strip of outputs at a time
+(quantkit.core.strips), so the layer never holds a dense copy; `cache_dequantized = True` (as for QuantLinear) decodes
+it once and keeps it instead (a dense fp32 copy per layer, for speed).
 """
 import torch
 from torch import nn
 
-from quantkit.core import bitpack
+from quantkit.core import bitpack, strips
 from quantkit.core.matmul import linear
 from quantkit.kernels.codebook import codebook_linear, decode_table, decode_weight
+from quantkit.kernels.dispatch import choose_backend
 from quantkit.nn.quant_linear import add_rotation, buffers_key, rotate_input
 from quantkit.schemes.base import param_dtype
 
 
 class DecodedLinear(nn.Module):
-    cache_dequantized = True
+    cache_dequantized = False
 
     def __init__(self, in_features, out_features, quantizer, group_size, n_groups, bias, dtype,
                  device=None, rotation_block=None):
@@ -61,10 +63,17 @@ class DecodedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = rotate_input(self, x)
-        if self.kernel is not None and (x.is_cuda or not self.cache_dequantized):
+        if self.kernel is not None and choose_backend(x, self.quantizer.code_bits, None) == "triton":
             return codebook_linear(x, self.codes, self.scale, self.g_idx, self.codebook, self.quantizer,
                                    self.in_features, self.bias)
-        return linear(x, self.weight().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
+        if self.cache_dequantized:
+            return linear(x, self.weight().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
+        row_ranges = strips.ranges(self.out_features, self.in_features, align=1)
+        return strips.strip_linear(x, self._decode_columns, row_ranges, self.bias)
+
+    def _decode_columns(self, a: int, b: int) -> torch.Tensor:
+        params = {k: getattr(self, k)[:, a:b] for k in self.quantizer.param_bits}
+        return decode_weight(self.codes[:, a:b], params, self.g_idx, self.quantizer, self.in_features).t()
 
     def _apply(self, fn, *args, **kwargs):
         self.__dict__.pop("_weight_cache", None)

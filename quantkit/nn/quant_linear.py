@@ -3,16 +3,17 @@
 Buffers mirror the checkpoint (see quantkit.checkpoint.gptq): qweight, qzeros, scales, g_idx, bias, and
 rot_signs for a rotated layer of the quantkit format (its forward computes Ŵ (Π x)).
 forward() calls the custom op torch.ops.quantkit.gptq_linear (kernels.dispatch), which picks the
-Triton kernels on CUDA and a pure-torch path elsewhere; on CPU the decoded weight is cached instead
-(see below).
+Triton kernels on CUDA and a pure-torch path elsewhere; on CPU it decodes strip by strip (quantkit.core.strips), or
+keeps the decoded weight when asked to (see below). load_quantized repacks the layers torch's CPU int4 GEMM can
+take into quantkit.nn.cpu_int4_linear on the CPU; this module's CPU forward serves the others and streamed models.
 """
 import torch
 from torch import nn
 
-from quantkit.core import bitpack
+from quantkit.core import bitpack, gptq_layout, strips
 from quantkit.core.gptq_layout import V1_ZERO_OFFSET
-from quantkit.core.groups import n_groups
-from quantkit.kernels.dispatch import gptq_linear_op
+from quantkit.core.groups import group_index, group_width, n_groups
+from quantkit.kernels.dispatch import choose_backend, gptq_linear_op
 from quantkit.kernels.reference import dequantize_weight, linear_dequantized
 from quantkit.kernels.rotation import rotate_activations
 
@@ -59,23 +60,41 @@ class QuantLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}, rotation_block={self.rotation_block}")
 
-    # CPU forward: decoding the packed weight (unpack, gather a scale and zero per element) costs far
-    # more than the matmul at small batch and would repeat on every call, so on CPU the decoded W^T
-    # is kept after the first call. Trade-off: one dense copy per layer (fp32 for fp16/fp32
-    # activations, i.e. 8x the int4 bytes; bf16 4x) for a forward that is as fast as nn.Linear's.
-    # Fine for CPU evaluation of small models; set `cache_dequantized = False` (class or instance)
-    # when RAM matters more. The copy lives outside state_dict, is rebuilt when a buffer is replaced
-    # or changed in place (data_ptr / _version), and dropped when the module moves (_apply).
-    # On CUDA nothing is cached: the Triton kernel decodes in registers. Under torch.compile the cache
-    # (eager Python state) is bypassed for the op, which the compiled graph calls like any other.
-    cache_dequantized = True
+    # CPU forward: by default the weight is decoded a strip of outputs at a time for each call (quantkit.core.strips),
+    # so the layer costs its packed bytes and never a dense copy. `cache_dequantized = True` (class or instance;
+    # load_quantized(cache_dequantized=True)) keeps the decoded W^T after the first call instead: a forward as fast as
+    # nn.Linear's for one dense copy per layer (fp32 for fp16/fp32 activations, 8x the int4 bytes; bf16 4x). That
+    # copy lives outside state_dict, is rebuilt when a buffer is replaced or changed in place (data_ptr / _version),
+    # and dropped when the module moves (_apply). On CUDA nothing is cached: the Triton kernel decodes in registers.
+    # Under torch.compile the op is called as is (the graph cannot hold eager Python state).
+    cache_dequantized = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = rotate_input(self, x)
-        if x.device.type == "cpu" and self.cache_dequantized and not torch.compiler.is_compiling():
-            return linear_dequantized(x, self._cached_weight(x.dtype), self.bias)
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():
+            if self.cache_dequantized:
+                return linear_dequantized(x, self._cached_weight(x.dtype), self.bias)
+            if choose_backend(x, self.bits, None) == "torch":
+                row_ranges = strips.ranges(self.out_features, self.in_features, align=32)
+                return strips.strip_linear(x, self._decode_columns, row_ranges, self.bias)
         return gptq_linear_op(x, self.qweight, self.qzeros, self.scales, self.g_idx, self.bits,
                               self.in_features, self.bias, self._zero_offset())
+
+    def _decode_columns(self, a: int, b: int) -> torch.Tensor:
+        """W^T[:, a:b] [in_features, b - a] in float32; a and b - a multiples of 32 (or b the last output), the unit
+        the zeros are packed in."""
+        words = slice(bitpack.packed_len(a, self.bits), bitpack.packed_len(b, self.bits))
+        return gptq_layout.decode(self.qweight[:, a:b], self.qzeros[:, words], self.scales[:, a:b], self.g_idx,
+                                  self.bits, self.in_features, self._zero_offset(), self._plain_group_size())
+
+    def _plain_group_size(self):
+        """The group size when g_idx is the plain k // group_size (no act-order), else None; checked once per g_idx."""
+        key = buffers_key((self.g_idx,))
+        known = self.__dict__.get("_plain_groups")
+        if known is None or known[0] != key:
+            plain = torch.equal(self.g_idx.cpu(), group_index(self.in_features, self.group_size))
+            known = self.__dict__["_plain_groups"] = (key, group_width(self.in_features, self.group_size) if plain else None)
+        return known[1]
 
     def _zero_offset(self):
         return V1_ZERO_OFFSET[self.checkpoint_format]

@@ -3,8 +3,10 @@
 config.json -> the codec of its quant_method checks config and tensors (quantkit.checkpoint.codecs) ->
 model skeleton with parameters on the meta device (buffers such as rotary tables are real) -> each
 quantized layer becomes the module its codec builds (QuantLinear for the GPTQ layout) -> tensors are
-assigned (no full-precision copy of quantized weights is ever made) -> tied weights re-tied.
+assigned (no full-precision copy of quantized weights is ever made) -> tied weights re-tied -> on the CPU, the
+layers torch's int4 GEMM can take are repacked for it (quantkit.nn.cpu_int4_linear).
 """
+import ctypes
 import dataclasses
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from quantkit.models.arch import arch_for, get_weight
 from quantkit.models.hub import model_class, parse_dtype, resolve_device
 from quantkit.models.moe import split_experts
 from quantkit.models.names import FileNames
+from quantkit.nn.cpu_int4_linear import repack_for_cpu
 
 
 def _device(device_map):
@@ -71,7 +74,7 @@ def _swap_quantized(model, layers, codec, qc, dtype):
         setattr(model.get_submodule(parent), leaf, codec.build_module(layer, qc, dtype))
 
 
-def load_quantized(path, device_map=None, dtype=None, stream=False):
+def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequantized=False):
     """Load a quantkit/GPTQ-layout checkpoint folder as a transformers model in eval mode.
 
     device_map: None or "cpu" (CPU), "auto" (the GPU when there is one; the decoder blocks spread over all
@@ -81,6 +84,10 @@ def load_quantized(path, device_map=None, dtype=None, stream=False):
     stream: keep the decoder blocks (and an untied lm_head) in the files and read each one when its forward
         runs (quantkit.models.offload): memory ≈ the embedding + one block, for checkpoints larger than
         memory; every forward reads the blocks again, so it is slower (fine for evaluation, slow for generate).
+    cache_dequantized: on the CPU, keep each quantized linear's decoded weight after its first forward (as fast as
+        the unquantized model at float32, and as big). By default the weights stay packed: the layers torch's CPU
+        int4 GEMM takes are repacked for it (fast token-by-token decode with dtype=torch.bfloat16), and every other
+        call decodes a bounded strip of the weight at a time (exact, float32's default).
     """
     folder = Path(path)
     device = _device(device_map)  # before the files are read: a mistyped device is named at once
@@ -120,9 +127,31 @@ def load_quantized(path, device_map=None, dtype=None, stream=False):
                if p.device.type == "meta" and not offload.under(n, units)]
     if missing:
         raise QuantkitError(f"checkpoint is missing tensors {missing[:5]}: it is incomplete, quantize again")
+    del tensors, result  # the GPTQ tensors now live in the modules only: a repacked layer frees them
     if stream:
         move_loaded(model, device)
         return model.eval()
     if device_map in ("auto", "balanced") and device == "cuda":
         return placement.place_on_gpus(model.eval(), blocks_path, always=device_map == "balanced")
+    if device == "cpu":
+        _cpu_layers(model, cache_dequantized)
     return model.to(device).eval()
+
+
+def _cpu_layers(model, cache_dequantized: bool) -> None:
+    if not cache_dequantized:
+        repack_for_cpu(model)
+        _return_freed_memory()
+        return
+    for module in model.modules():
+        if hasattr(module, "cache_dequantized"):
+            module.cache_dequantized = True
+
+
+def _return_freed_memory() -> None:
+    """Give the OS back the heap the repack freed (the GPTQ tensors and the repack's temporaries): glibc keeps freed
+    chunks below its mmap threshold resident, 130 MB of 700 on SmolLM2. A no-op where the C library is not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

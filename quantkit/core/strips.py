@@ -1,0 +1,38 @@
+"""A quantized linear's forward without a full-size decoded weight: decode a strip of outputs' weights, multiply, go on.
+
+Decoding a whole layer to floats for every call would hold a dense copy of it (4 bytes per weight in float32, 8x the
+int4 codes) at the moment of the product; decoding STRIP_ELEMENTS weights at a time bounds that to 16 MB per call
+whatever the layer's size, while each strip is still wide enough for the GEMM to run at full speed. The strips
+partition the outputs, so every output is the same dot product over all inputs as in the whole-weight product.
+
+The product is torch's (x @ Wᵀ strip), not quantkit.core.matmul's oneDNN one: every packed layout decodes to Wᵀ
+([inputs, outputs], the order the codes are stored in), and oneDNN takes the weight as [outputs, inputs] rows only,
+so it would first copy (transpose) each strip: measured on a 4096 x 4096 layer (2-core Xeon, AVX-512), that copy
+and oneDNN's reorder cost 3-4x the decode itself, more than oneDNN's faster float32 product ever saves.
+"""
+import torch
+
+STRIP_ELEMENTS = 1 << 22  # decoded weights held at once: 16 MB in float32
+
+
+def strip_rows(in_features: int, align: int) -> int:
+    """Outputs per strip: about STRIP_ELEMENTS weights, a multiple of `align` (what the packing can slice at)."""
+    return max(align, STRIP_ELEMENTS // max(in_features, 1) // align * align)
+
+
+def ranges(out_features: int, in_features: int, align: int):
+    step = strip_rows(in_features, align)
+    return [(a, min(a + step, out_features)) for a in range(0, out_features, step)]
+
+
+def strip_linear(x: torch.Tensor, decode_columns, row_ranges, bias=None) -> torch.Tensor:
+    """x [..., K] Wᵀ (+ bias), with decode_columns(a, b) -> Wᵀ[:, a:b] as float32 [K, b - a], one range at a time.
+
+    The decoded strip is rounded once to x's dtype, as the reference decode does; float16 on the CPU multiplies in
+    float32 (torch's CPU float16 GEMM is slow and accumulates in float32 anyway) and rounds the result back."""
+    compute = torch.float32 if x.dtype == torch.float16 and x.device.type == "cpu" else x.dtype
+    x2 = x.reshape(-1, x.shape[-1]).to(compute)
+    parts = [x2 @ decode_columns(a, b).to(compute) for a, b in row_ranges]
+    y = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(x.dtype)
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    return y + bias.to(y.dtype) if bias is not None else y

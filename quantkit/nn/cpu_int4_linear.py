@@ -1,0 +1,107 @@
+"""CpuInt4Linear: a GPTQ-layout linear repacked, at load time, for torch's CPU int4 GEMM (quantkit.kernels.cpu_int4).
+
+Why: on the CPU a decode step (a token at a time) is bound by reading the weights, and the int4 GEMM reads half a
+byte per weight where a bf16 linear reads two. load_quantized swaps each QuantLinear the op can take for this module
+(`repack_for_cpu`) and drops the GPTQ tensors, so the layer costs about its packed bytes and no dense copy.
+
+What it holds, per layer of K inputs, N outputs and groups of g:
+  planes  uint8 [P, N, K'/2] the codes in the op's layout (K' = K rounded up to whole groups, zero codes), 4 bits per
+                             plane: one plane for 2-, 3- and 4-bit codes
+                             (2- and 3-bit codes are held as 4-bit ones: faster, at 0.5 byte per weight), two for
+                             8-bit codes (low and high nibble: W = W_low + 16 W_high, each plane an int4 GEMM);
+  scales  [G, N] as stored (fp16), zeros uint8 [G, N] (the true zero point): the exact decode;
+  kernel_scales  bf16 [P, G, N, 2]: the op's per-plane (scale, offset) with w = (q - 8) scale + offset, derived;
+  perm    int64 [K] or None: an act-order layer's inputs sorted by group, so each group is g consecutive inputs.
+Forward: the custom op quantkit::cpu_int4_linear (quantkit.kernels.cpu_int4): bf16 activations of a few rows go
+through torch's op (its precision is bf16's); any other call (float32 activations, prefill, evaluation windows)
+decodes strip by strip from the exact codes and scales (quantkit.core.strips), which equals the reference decode.
+The module runs on the CPU only: the layout is the CPU kernel's (load with device_map="cuda" for the GPU).
+"""
+import torch
+from torch import nn
+
+from quantkit.core import bitpack
+from quantkit.core.errors import QuantkitError
+from quantkit.core.groups import group_index, group_width
+from quantkit.kernels import cpu_int4
+from quantkit.kernels.cpu_int4 import PLANE_BITS
+from quantkit.nn.quant_linear import QuantLinear, add_rotation, rotate_input
+
+
+class CpuInt4Linear(nn.Module):
+    def __init__(self, in_features, out_features, bits, group_size, planes, scales, zeros, perm, bias,
+                 rotation_block=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size = bits, group_width(in_features, group_size)
+        self.register_buffer("planes", planes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        self.register_buffer("perm", perm)
+        self.register_buffer("bias", bias)
+        self.register_buffer("kernel_scales", cpu_int4.kernel_scales(scales, zeros, len(planes)), persistent=False)
+        add_rotation(self, in_features, rotation_block, planes.device)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, planes={len(self.planes)}, act_order={self.perm is not None}, "
+                f"bias={self.bias is not None}, rotation_block={self.rotation_block}")
+
+    @classmethod
+    def from_quant_linear(cls, m: QuantLinear):
+        """The repacked layer, or None where the op cannot take it (N % 16, group size, scattered groups)."""
+        k, n, bits = m.in_features, m.out_features, m.bits
+        g = group_width(k, m.group_size)
+        if bits > 2 * PLANE_BITS or m.qweight.device.type != "cpu" or not cpu_int4.supports(n, g):
+            return None
+        perm = _group_order(m.g_idx, k, g)
+        if perm is False:
+            return None
+        codes = bitpack.unpack(m.qweight, bits, k, dim=0).t()  # [N, K]
+        if perm is not None:
+            codes = codes.index_select(1, perm)
+        codes = torch.nn.functional.pad(codes, (0, -k % g))  # a short last group: zero codes to a whole one
+        zeros = (bitpack.unpack(m.qzeros, bits, n, dim=1) + m._zero_offset()) & (2**bits - 1)
+        try:
+            planes = torch.stack([cpu_int4.pack(codes >> (PLANE_BITS * p) & 15)
+                                  for p in range(-(-bits // PLANE_BITS))])
+        except RuntimeError:
+            return None  # a torch whose layout quantkit cannot read back: the layer stays a QuantLinear
+        new = cls(k, n, bits, m.group_size, planes, m.scales, zeros.to(torch.uint8), perm, m.bias, m.rotation_block)
+        if m.rotation_block is not None:
+            new.rot_signs = m.rot_signs
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = rotate_input(self, x)
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        return cpu_int4.int4_linear(x, self.planes, self.scales, self.zeros, self.kernel_scales, self.group_size,
+                                    self.bias)
+
+    def _apply(self, fn, *args, **kwargs):
+        if fn(torch.empty(0)).device.type != "cpu":
+            raise QuantkitError("this layer was repacked for the CPU's int4 kernel and cannot move to another device: "
+                                "load the checkpoint onto the GPU with load_quantized(path, device_map='cuda')")
+        return super()._apply(fn, *args, **kwargs)
+
+
+def _group_order(g_idx, k: int, g: int):
+    """None when g_idx is k // g; the permutation sorting the inputs by group when that makes every group g
+    consecutive inputs (act-order); False when it does not (groups of unequal sizes)."""
+    g_idx = g_idx.long().cpu()
+    if torch.equal(g_idx, group_index(k, g).long()):
+        return None
+    perm = torch.argsort(g_idx, stable=True)
+    return perm if torch.equal(g_idx[perm], group_index(k, g).long()) else False
+
+
+def repack_for_cpu(model: nn.Module) -> int:
+    """Swap every QuantLinear the CPU int4 GEMM can take for a CpuInt4Linear; returns how many were swapped."""
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is QuantLinear and (new := CpuInt4Linear.from_quant_linear(module)) is not None:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, new)
+            swapped += 1
+    return swapped

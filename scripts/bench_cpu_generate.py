@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""CPU generation: memory and speed of loaded quantized models beside the fp32 and bf16 models, in one run.
+
+Each row is a child process that imports torch, transformers and quantkit and builds the model's skeleton on the
+meta device, which imports its modeling code (its resident memory then is the runtime's baseline); then it loads one
+model, runs a prefill of --prompt tokens and --new-tokens greedy decode steps with the KV cache (batch 1, inference
+mode), and reports:
+  load RSS      resident memory once loaded (VmRSS), minus the baseline
+  peak RSS      the highest resident memory of the whole child (VmHWM), minus the baseline
+  peak / bf16   that peak over the bf16 model's weight bytes (2 bytes per parameter)
+  prefill, decode tokens/s (the fastest of --repeat runs)
+Rows: the source model in float32 and bfloat16, and quantkit checkpoints of it (made in --workdir by `quantize`, reused
+when there): RTN w4 g128 and w3 g128 (GPTQ layout) and TurboQuant w4 (codebook, rotated), loaded in bfloat16 (the
+int4 CPU kernel decodes, quantkit.nn.cpu_int4_linear) and in float32 (exact strip-wise decode), and w4 with
+cache_dequantized=True (the decoded weights kept: the memory of the fp32 model).
+With --llama-cpp (a llama.cpp checkout built with llama-bench) and --gguf files of the same model, llama-bench's
+tg128 and pp128 of each file on the same number of threads are the anchor rows.
+
+    python scripts/bench_cpu_generate.py ~/.cache/quantkit-assets/smollm2-135m --workdir /tmp/bench_cpu_generate \\
+        --llama-cpp /path/to/llama.cpp --gguf smollm2-Q4_0.gguf smollm2-Q4_K_M.gguf
+"""
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CHECKPOINTS = {"rtn-w4-g128": dict(method="rtn", bits=4, group_size=128),
+               "rtn-w3-g128": dict(method="rtn", bits=3, group_size=128),
+               "turboquant-w4-g128": dict(method="turboquant", bits=4, group_size=128)}
+ROWS = [("fp32", "source", "float32", False), ("bf16", "source", "bfloat16", False),
+        ("w4 g128, bf16", "rtn-w4-g128", "bfloat16", False), ("w4 g128, fp32", "rtn-w4-g128", "float32", False),
+        ("w4 g128, fp32, cache_dequantized", "rtn-w4-g128", "float32", True),
+        ("w3 g128, bf16", "rtn-w3-g128", "bfloat16", False),
+        ("turboquant w4 g128, bf16", "turboquant-w4-g128", "bfloat16", False)]
+
+
+def status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit(f"no {key} in /proc/self/status (Linux only)")
+
+
+def child(path: str, dtype: str, cache: bool, args) -> dict:
+    import torch
+    import transformers  # noqa: F401  (part of the baseline: every row pays it)
+
+    from quantkit.models.hub import load_fp_model
+    from quantkit.run.load import load_quantized
+
+    torch.set_num_threads(args.threads)
+    params = sum(p.numel() for p in skeleton(path).parameters())  # tied weights counted once
+    baseline = status("VmRSS")
+    quantized = (Path(path) / "quantkit_report.json").exists()
+    if quantized:
+        model = load_quantized(path, dtype=dtype, cache_dequantized=cache)
+    else:
+        model = load_fp_model(path, dtype)[0].eval()
+    loaded = status("VmRSS")
+    prompt = torch.randint(100, 1000, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    prefill, decode = [], []
+    with torch.inference_mode():
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            out = model(prompt, use_cache=True)
+            t1 = time.perf_counter()
+            cache_kv, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            for _ in range(args.new_tokens):
+                out = model(token, past_key_values=cache_kv, use_cache=True)
+                cache_kv, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            t2 = time.perf_counter()
+            prefill.append(args.prompt / (t1 - t0))
+            decode.append(args.new_tokens / (t2 - t1))
+    return dict(baseline=baseline, load=loaded - baseline, peak=status("VmHWM") - baseline, prefill=max(prefill),
+                decode=max(decode), bf16_bytes=2 * params)
+
+
+def skeleton(path):
+    """The model on the meta device (shapes only, its modeling code imported), weights tied."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()
+    return model
+
+
+def run_child(path, dtype, cache, args) -> dict:
+    argv = [sys.executable, __file__, args.source, "--child", path, dtype, str(int(cache)),
+            "--threads", str(args.threads), "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
+            "--repeat", str(args.repeat)]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def make_checkpoints(args, work: Path) -> dict:
+    from quantkit.api import quantize
+    from quantkit.run.config import QuantConfig
+
+    folders = {}
+    for name, options in CHECKPOINTS.items():
+        folders[name] = work / name
+        if not (folders[name] / "quantkit_report.json").exists():
+            print(f"quantizing {name} into {folders[name]}", flush=True)
+            quantize(args.source, folders[name], QuantConfig(**options), device="cpu")
+    return folders
+
+
+def llama_bench(args) -> list:
+    """(row name, {prefill, decode, size}) per --gguf file, from llama-bench's JSON (pp and tg runs)."""
+    binary = Path(args.llama_cpp) / "build" / "bin" / "llama-bench"
+    rows = []
+    for gguf in args.gguf:
+        out = subprocess.run([str(binary), "-m", gguf, "-t", str(args.threads), "-p", str(args.prompt), "-n",
+                              str(args.new_tokens), "-r", str(args.repeat), "-o", "json"],
+                             check=True, capture_output=True, text=True).stdout
+        runs = json.loads(out)
+        speed = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in runs}
+        kind = re.search(r"(Q\d_K_[SML]|Q\d_\d|Q\d_K|F16|BF16|IQ\w+)", Path(gguf).name, re.I)
+        rows.append((f"llama.cpp {kind.group(1) if kind else Path(gguf).name}",
+                     dict(speed, size=Path(gguf).stat().st_size)))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="the floating-point model folder")
+    p.add_argument("--workdir", default="/tmp/bench_cpu_generate", help="where the checkpoints are made (and reused)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt", type=int, default=128, help="prefill length (tokens)")
+    p.add_argument("--new-tokens", type=int, default=128, help="decode steps")
+    p.add_argument("--repeat", type=int, default=2, help="runs per row (the fastest is kept)")
+    p.add_argument("--llama-cpp", help="a built llama.cpp checkout (build/bin/llama-bench)")
+    p.add_argument("--gguf", nargs="*", default=[], help="GGUF files of the same model for llama-bench")
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        path, dtype, cache = args.child
+        print(json.dumps(child(path, dtype, cache == "1", args)))
+        return
+    import torch
+
+    folders = {"source": Path(args.source), **make_checkpoints(args, Path(args.workdir))}
+    print(f"\nCPU: {cpu_name()}, {args.threads} threads, torch {torch.__version__} "
+          f"({torch.backends.cpu.get_cpu_capability()}); batch 1, prompt {args.prompt}, {args.new_tokens} new tokens\n")
+    results = [(name, run_child(str(folders[src]), dtype, cache, args)) for name, src, dtype, cache in ROWS]
+    bf16 = dict(results)["bf16"]
+    print("| model | load RSS (MB) | peak RSS (MB) | peak / bf16 weights | prefill tok/s | decode tok/s | "
+          "decode / bf16 |\n|---|---|---|---|---|---|---|")
+    for name, r in results:
+        print(f"| {name} | {r['load'] / 1e6:.0f} | {r['peak'] / 1e6:.0f} | {r['peak'] / r['bf16_bytes']:.2f} | "
+              f"{r['prefill']:.0f} | {r['decode']:.1f} | {r['decode'] / bf16['decode']:.2f}x |")
+    print(f"\nbaseline (imports and the meta skeleton): {bf16['baseline'] / 1e6:.0f} MB, subtracted above; bf16 weights "
+          f"{bf16['bf16_bytes'] / 1e6:.0f} MB")
+    if args.llama_cpp and args.gguf:
+        for name, r in llama_bench(args):
+            print(f"| {name} ({r['size'] / 1e6:.0f} MB file) | | | | {r.get('prefill', 0):.0f} | "
+                  f"{r.get('decode', 0):.1f} | {r.get('decode', 0) / bf16['decode']:.2f}x |")
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            flags = Path("/proc/cpuinfo").read_text()
+            return line.split(":", 1)[1].strip() + (" with AVX-512" if "avx512f" in flags else " without AVX-512")
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()

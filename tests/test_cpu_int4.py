@@ -1,0 +1,116 @@
+"""Packed CPU inference (issue 40): torch's int4 layout read back exactly, CpuInt4Linear and the strip-wise decodes
+against the reference decode, and load_quantized keeping every quantized weight packed on the CPU."""
+import pytest
+import torch
+
+import quantkit
+from quantkit.core import bitpack
+from quantkit.core.errors import QuantkitError
+from quantkit.kernels import cpu_int4
+from quantkit.kernels.reference import gptq_linear_torch
+from quantkit.core import strips
+from quantkit.nn.cpu_int4_linear import CpuInt4Linear
+from quantkit.nn.decoded_linear import DecodedLinear
+from quantkit.nn.quant_linear import QuantLinear
+
+FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def quant_linear(k, n, bits, group_size, fmt="gptq", act_order=False, seed=0) -> QuantLinear:
+    gen = torch.Generator().manual_seed(seed)
+    m = QuantLinear(k, n, bits, group_size, bias=True, checkpoint_format=fmt, dtype=torch.float32)
+    groups = m.scales.shape[0]
+    offset = 1 if fmt == "gptq" else 0
+    zeros = torch.randint(0, 2**bits, (groups, n), generator=gen)
+    m.qweight.copy_(bitpack.pack(torch.randint(0, 2**bits, (k, n), generator=gen), bits, dim=0))
+    m.qzeros.copy_(bitpack.pack((zeros - offset) & (2**bits - 1), bits, dim=1))
+    m.scales.copy_((torch.rand(groups, n, generator=gen) * 0.01 + 1e-3).half())
+    g_idx = torch.arange(k) // (k if group_size == -1 else group_size)
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    m.g_idx.copy_(g_idx.to(torch.int32))
+    m.bias.copy_(torch.randn(n, generator=gen))
+    return m
+
+
+def reference(m: QuantLinear, x):
+    return gptq_linear_torch(x.float(), m.qweight, m.qzeros, m.scales, m.g_idx, m.bits, m.in_features, m.bias,
+                             m._zero_offset())
+
+
+@pytest.mark.parametrize("n", [64, 80, 176, 48, 16])
+def test_the_kernel_layout_reads_back_exactly(n):
+    """Whole blocks of 64 (or 32) outputs and the narrower last block, in every strip split."""
+    codes = torch.randint(0, 16, (n, 96), generator=torch.Generator().manual_seed(n))
+    packed = cpu_int4.pack(codes)
+    assert packed.shape == (n, 48)
+    unit = torch.ones(1, n), torch.zeros(1, n, dtype=torch.uint8)  # scale 1, zero 0: the codes themselves
+    for strip in (1, 64, 1000):
+        decoded = [cpu_int4.decode_columns(packed.unsqueeze(0), *unit, 96, a, b) for a, b in cpu_int4.blocks(n, strip)]
+        assert torch.equal(torch.cat(decoded, dim=1), codes.t().float())
+
+
+@pytest.mark.parametrize("k, bits, group_size, act_order, fmt", [
+    (256, 4, 64, False, "gptq"), (256, 4, 128, True, "gptq_v2"), (256, 3, 32, False, "gptq"), (256, 2, 32, True, "gptq"),
+    (256, 8, 128, False, "gptq"), (256, 8, 32, True, "gptq_v2"), (200, 4, 64, False, "gptq"), (200, 4, 128, True, "gptq")])
+def test_cpu_int4_linear_computes_the_reference_decode(k, bits, group_size, act_order, fmt):
+    """Every bit width, act-order, both zero conventions, and a short last group (200 inputs: padded to whole ones)."""
+    m = quant_linear(k, 80, bits, group_size, fmt, act_order)
+    packed = CpuInt4Linear.from_quant_linear(m)
+    assert packed is not None and len(packed.planes) == (2 if bits == 8 else 1)
+    x = torch.randn(3, 7, k, generator=torch.Generator().manual_seed(1))
+    # float32 activations (and bf16 past INT4_MM_MAX_M rows) decode exactly: float32's summation order only
+    torch.testing.assert_close(packed(x), reference(m, x), **FP32_TOL)
+    xb = x[:1, :2].to(torch.bfloat16)  # 2 rows: torch's int4 GEMM, whose weights are bf16-rounded
+    ref = reference(m, xb)
+    y = packed(xb)
+    assert y.dtype == torch.bfloat16
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 4 * 2.0**-8  # a wrong plane or zero is off by O(1)
+    many = x.to(torch.bfloat16)  # 21 rows: the strip decode, rounded once to bf16
+    assert ((packed(many).float() - reference(m, many)).norm() / reference(m, many).norm()).item() < 2 * 2.0**-8
+
+
+@pytest.mark.parametrize("k, n, group_size", [(256, 40, 64), (256, 64, 16), (512, 64, -1)])
+def test_layers_the_kernel_cannot_take_stay_quant_linears(k, n, group_size):
+    """N % 16, group sizes outside 32..256, one group per row (wider than 256)."""
+    assert CpuInt4Linear.from_quant_linear(quant_linear(k, n, 4, group_size)) is None
+
+
+def test_strips_cover_every_output_exactly(monkeypatch):
+    """Many narrow strips (the zeros of 3-bit codes are packed 32 outputs at a time) give the one-strip result."""
+    m = quant_linear(128, 176, 3, 32)
+    packed = CpuInt4Linear.from_quant_linear(quant_linear(128, 176, 4, 32))
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2))
+    whole = m(x), packed(x)
+    monkeypatch.setattr(strips, "STRIP_ELEMENTS", 40 * 128)
+    assert len(strips.ranges(176, 128, 32)) == 6
+    narrow = m(x), packed(x)
+    for a, b in zip(whole, narrow):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(narrow[0], reference(m, x), **FP32_TOL)
+
+
+def test_a_repacked_layer_stays_on_the_cpu():
+    packed = CpuInt4Linear.from_quant_linear(quant_linear(128, 64, 4, 32))
+    packed.to(torch.bfloat16)  # a dtype change is fine
+    with pytest.raises(QuantkitError, match="device_map='cuda'"):
+        packed.to("meta")
+
+
+@pytest.mark.parametrize("method, bits", [("rtn", 4), ("rtn", 8), ("turboquant", 4)])
+def test_load_quantized_keeps_the_weights_packed_on_the_cpu(model_factory, tmp_path, method, bits):
+    src = model_factory("llama-gqa")
+    quantkit.quantize(str(src), tmp_path / "q", quantkit.QuantConfig(method=method, bits=bits, group_size=32),
+                      device="cpu")
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(3))
+    packed = quantkit.load_quantized(tmp_path / "q")
+    cached = quantkit.load_quantized(tmp_path / "q", cache_dequantized=True)
+    kinds = {type(m) for m in packed.modules()}
+    assert (CpuInt4Linear if method == "rtn" else DecodedLinear) in kinds
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(ids).logits, cached(ids).logits, **FP32_TOL)
+        assert not any("_weight_cache" in m.__dict__ for m in packed.modules())  # no dense copy was kept
+        assert any("_weight_cache" in m.__dict__ for m in cached.modules())
+        bf16 = quantkit.load_quantized(tmp_path / "q", dtype=torch.bfloat16)
+        out = bf16.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 16)
