@@ -13,11 +13,11 @@ Rows: the source model in float32 and bfloat16, and quantkit checkpoints of it (
 when there): RTN w4 g128 and w3 g128 (GPTQ layout) and TurboQuant w4 (codebook, rotated), loaded in bfloat16 (the
 int4 CPU kernel decodes, quantkit.nn.cpu_int4_linear) and in float32 (exact strip-wise decode), and w4 with
 cache_dequantized=True (the decoded weights kept: the memory of the fp32 model).
-With --llama-cpp (a llama.cpp checkout built with llama-bench) and --gguf files of the same model, llama-bench's
-tg128 and pp128 of each file on the same number of threads are the anchor rows.
+With --llama-bench (llama.cpp's benchmark binary) and --gguf files of the same model, llama-bench's prefill and
+decode (pp and tg of the same lengths) of each file on the same number of threads are the anchor rows.
 
     python scripts/bench_cpu_generate.py ~/.cache/quantkit-assets/smollm2-135m --workdir /tmp/bench_cpu_generate \\
-        --llama-cpp /path/to/llama.cpp --gguf smollm2-Q4_0.gguf smollm2-Q4_K_M.gguf
+        --llama-bench /path/to/llama.cpp/build/bin/llama-bench --gguf smollm2-Q4_0.gguf smollm2-Q4_K_M.gguf
 """
 import argparse
 import json
@@ -115,10 +115,9 @@ def make_checkpoints(args, work: Path) -> dict:
 
 def llama_bench(args) -> list:
     """(row name, {prefill, decode, size}) per --gguf file, from llama-bench's JSON (pp and tg runs)."""
-    binary = Path(args.llama_cpp) / "build" / "bin" / "llama-bench"
     rows = []
     for gguf in args.gguf:
-        out = subprocess.run([str(binary), "-m", gguf, "-t", str(args.threads), "-p", str(args.prompt), "-n",
+        out = subprocess.run([args.llama_bench, "-m", gguf, "-t", str(args.threads), "-p", str(args.prompt), "-n",
                               str(args.new_tokens), "-r", str(args.repeat), "-o", "json"],
                              check=True, capture_output=True, text=True).stdout
         runs = json.loads(out)
@@ -137,7 +136,7 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=128, help="prefill length (tokens)")
     p.add_argument("--new-tokens", type=int, default=128, help="decode steps")
     p.add_argument("--repeat", type=int, default=2, help="runs per row (the fastest is kept)")
-    p.add_argument("--llama-cpp", help="a built llama.cpp checkout (build/bin/llama-bench)")
+    p.add_argument("--llama-bench", help="llama.cpp's llama-bench binary, for the anchor rows")
     p.add_argument("--gguf", nargs="*", default=[], help="GGUF files of the same model for llama-bench")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -159,7 +158,7 @@ def main(argv=None):
               f"{r['prefill']:.0f} | {r['decode']:.1f} | {r['decode'] / bf16['decode']:.2f}x |")
     print(f"\nbaseline (imports and the meta skeleton): {bf16['baseline'] / 1e6:.0f} MB, subtracted above; bf16 weights "
           f"{bf16['bf16_bytes'] / 1e6:.0f} MB")
-    if args.llama_cpp and args.gguf:
+    if args.llama_bench and args.gguf:
         for name, r in llama_bench(args):
             print(f"| {name} ({r['size'] / 1e6:.0f} MB file) | | | | {r.get('prefill', 0):.0f} | "
                   f"{r.get('decode', 0):.1f} | {r.get('decode', 0) / bf16['decode']:.2f}x |")

@@ -67,7 +67,10 @@ class CpuInt4Linear(nn.Module):
                                   for p in range(-(-bits // PLANE_BITS))])
         except RuntimeError:
             return None  # a torch whose layout quantkit cannot read back: the layer stays a QuantLinear
-        new = cls(k, n, bits, m.group_size, planes, m.scales, zeros.to(torch.uint8), perm, m.bias, m.rotation_block)
+        # scales cloned: the loaded ones may be views of the memory-mapped checkpoint, whose every page read so far
+        # (all of it, after the repack) would stay resident for as long as one view of it lives
+        new = cls(k, n, bits, m.group_size, planes, m.scales.clone(), zeros.to(torch.uint8), perm, m.bias,
+                  m.rotation_block)
         if m.rotation_block is not None:
             new.rot_signs = m.rot_signs
         return new
