@@ -17,6 +17,8 @@ through torch's op (its precision is bf16's); any other call (float32 activation
 decodes strip by strip from the exact codes and scales (quantkit.core.strips), which equals the reference decode.
 The module runs on the CPU only: the layout is the CPU kernel's (load with device_map="cuda" for the GPU).
 """
+import ctypes
+
 import torch
 from torch import nn
 
@@ -107,4 +109,15 @@ def repack_for_cpu(model: nn.Module) -> int:
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, new)
             swapped += 1
+            _return_freed_memory()
     return swapped
+
+
+def _return_freed_memory() -> None:
+    """Give the OS back what a layer's repack freed (its temporaries, 4 bytes per weight and more): glibc keeps freed
+    chunks below its mmap threshold, which the next layers' chunks fragment, so without this the load's peak on
+    SmolLM2 is 570 MB above the model's skeleton instead of 250 (and 130 stay resident). A no-op without glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -6,7 +6,6 @@ quantized layer becomes the module its codec builds (QuantLinear for the GPTQ la
 assigned (no full-precision copy of quantized weights is ever made) -> tied weights re-tied -> on the CPU, the
 layers torch's int4 GEMM can take are repacked for it (quantkit.nn.cpu_int4_linear).
 """
-import ctypes
 import dataclasses
 from pathlib import Path
 
@@ -141,17 +140,8 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
 def _cpu_layers(model, cache_dequantized: bool) -> None:
     if not cache_dequantized:
         repack_for_cpu(model)
-        _return_freed_memory()
         return
     for module in model.modules():
         if hasattr(module, "cache_dequantized"):
             module.cache_dequantized = True
 
-
-def _return_freed_memory() -> None:
-    """Give the OS back the heap the repack freed (the GPTQ tensors and the repack's temporaries): glibc keeps freed
-    chunks below its mmap threshold resident, 130 MB of 700 on SmolLM2. A no-op where the C library is not glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
