@@ -93,7 +93,7 @@ def _runs(out_features: int, a: int, b: int):
 
 
 def decode_columns(planes, scales, zeros, group_size: int, a: int, b: int) -> torch.Tensor:
-    """Wᵀ[:, a:b] as float32 [K, b - a], exactly scale * (q - zero) with q = Σ 16^p plane_p; a and b on block edges."""
+    """Wᵀ[:, a:b] as float32 [K, b - a], exactly scale * (q - zero) with q = Σ 16^p plane_p (a, b on block edges)."""
     n_all, k = planes.shape[1], 2 * planes.shape[2]
     words = torch.full((k, b - a), MAGIC, dtype=torch.int32)
     low_bytes = words.view(torch.uint8).view(k, b - a, 4)[..., 0]

@@ -156,7 +156,7 @@ def main(argv=None):
     for name, r in results:
         print(f"| {name} | {r['load'] / 1e6:.0f} | {r['peak'] / 1e6:.0f} | {r['peak'] / r['bf16_bytes']:.2f} | "
               f"{r['prefill']:.0f} | {r['decode']:.1f} | {r['decode'] / bf16['decode']:.2f}x |")
-    print(f"\nbaseline (imports and the meta skeleton): {bf16['baseline'] / 1e6:.0f} MB, subtracted above; bf16 weights "
+    print(f"\nbaseline (imports, meta skeleton): {bf16['baseline'] / 1e6:.0f} MB, subtracted above; bf16 weights "
           f"{bf16['bf16_bytes'] / 1e6:.0f} MB")
     if args.llama_bench and args.gguf:
         for name, r in llama_bench(args):

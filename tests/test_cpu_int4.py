@@ -51,8 +51,9 @@ def test_the_kernel_layout_reads_back_exactly(n):
 
 
 @pytest.mark.parametrize("k, bits, group_size, act_order, fmt", [
-    (256, 4, 64, False, "gptq"), (256, 4, 128, True, "gptq_v2"), (256, 3, 32, False, "gptq"), (256, 2, 32, True, "gptq"),
-    (256, 8, 128, False, "gptq"), (256, 8, 32, True, "gptq_v2"), (200, 4, 64, False, "gptq"), (200, 4, 128, True, "gptq")])
+    (256, 4, 64, False, "gptq"), (256, 4, 128, True, "gptq_v2"), (256, 3, 32, False, "gptq"),
+    (256, 2, 32, True, "gptq"), (256, 8, 128, False, "gptq"), (256, 8, 32, True, "gptq_v2"),
+    (200, 4, 64, False, "gptq"), (200, 4, 128, True, "gptq")])
 def test_cpu_int4_linear_computes_the_reference_decode(k, bits, group_size, act_order, fmt):
     """Every bit width, act-order, both zero conventions, and a short last group (200 inputs: padded to whole ones)."""
     m = quant_linear(k, 80, bits, group_size, fmt, act_order)

@@ -93,7 +93,8 @@ class QuantLinear(nn.Module):
         known = self.__dict__.get("_plain_groups")
         if known is None or known[0] != key:
             plain = torch.equal(self.g_idx.cpu(), group_index(self.in_features, self.group_size))
-            known = self.__dict__["_plain_groups"] = (key, group_width(self.in_features, self.group_size) if plain else None)
+            size = group_width(self.in_features, self.group_size) if plain else None
+            known = self.__dict__["_plain_groups"] = (key, size)
         return known[1]
 
     def _zero_offset(self):
