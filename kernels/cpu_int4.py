@@ -50,7 +50,8 @@ def _block_n() -> int:
 
 @cache
 def _split(width: int) -> str:
-    """How one k-row of a block of `width` outputs splits into nibbles: 'halves', 'pairs' or '' (unknown)."""
+    """How one k-row of a block of `width` outputs splits into nibbles: 'halves', 'pairs' or '' (unknown: decoded as
+    pairs, which the check in `pack` then refuses)."""
     n = torch.arange(width).unsqueeze(1).expand(width, 2)  # codes that name their output, 4 bits at a time
     low, high = (_nibbles(_convert(part).flatten())[:width] for part in (n % 16, n // 16))
     holds = (low + 16 * high).view(-1, 2)  # [byte, nibble] -> the output it holds
@@ -69,8 +70,7 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
     packed = _convert(codes)
     n, k = codes.shape
     ones, zeros = torch.ones(1, n), torch.zeros(1, n, dtype=torch.uint8)
-    if not all(_split(w) for _, _, w in _runs(n, 0, n)) or not torch.equal(
-            decode_columns(packed.unsqueeze(0), ones, zeros, k, 0, n), codes.t().float()):
+    if not torch.equal(decode_columns(packed.unsqueeze(0), ones, zeros, k, 0, n), codes.t().float()):
         raise RuntimeError("this torch packs int4 weights in a layout quantkit does not know")
     return packed
 
@@ -78,8 +78,7 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
 def blocks(out_features: int, strip: int):
     """(a, b) output ranges covering all outputs, edges on block edges, about `strip` outputs each."""
     block = _block_n()
-    step = max(block, strip // block * block)
-    return [(a, min(a + step, out_features)) for a in range(0, out_features, step)]
+    return strips.spans(out_features, max(block, strip // block * block))
 
 
 def _runs(out_features: int, a: int, b: int):
@@ -142,7 +141,8 @@ def int4_linear(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, zer
     k, padded, n = x.shape[-1], 2 * planes.shape[2], planes.shape[1]
     rows = x.numel() // k
     if x.dtype == torch.bfloat16 and 0 < rows <= INT4_MM_MAX_M:
-        x2 = torch.nn.functional.pad(x.reshape(rows, k), (0, padded - k)).contiguous()
+        x2 = x.reshape(rows, k)
+        x2 = (torch.nn.functional.pad(x2, (0, padded - k)) if padded > k else x2).contiguous()
         parts = [int4_mm(x2, plane, group_size, sz) for plane, sz in zip(planes, kernel_scales)]
         y = (parts[0] if len(parts) == 1 else sum(p.float() for p in parts).to(x.dtype)).reshape(*x.shape[:-1], n)
         return y + bias.to(y.dtype) if bias is not None else y

@@ -165,11 +165,9 @@ def main(argv=None):
 
 
 def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            flags = Path("/proc/cpuinfo").read_text()
-            return line.split(":", 1)[1].strip() + (" with AVX-512" if "avx512f" in flags else " without AVX-512")
-    return "unknown"
+    info = Path("/proc/cpuinfo").read_text()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown")
+    return name + (" with AVX-512" if "avx512f" in info else " without AVX-512")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from quantkit.checkpoint.validate import check_gptq_config, check_packed_layers,
 from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
 from quantkit.core.gptq_layout import V1_ZERO_OFFSET
+from quantkit.core.groups import is_plain
 from quantkit.core.result import QuantResult
 from quantkit.nn.quant_linear import QuantLinear
 from quantkit.schemes.grid import Grid
@@ -90,9 +91,7 @@ def quantization_config(bits, group_size, sym, act_order, checkpoint_format, res
 
 def _reorders(res: QuantResult) -> bool:
     """Whether a layer's g_idx differs from k // group_size (act-order without static groups)."""
-    k = res.g_idx.numel()
-    plain = torch.zeros(k, dtype=torch.long) if res.group_size == -1 else torch.arange(k) // res.group_size
-    return not torch.equal(res.g_idx.long().cpu(), plain)
+    return not is_plain(res.g_idx, res.g_idx.numel(), res.group_size)
 
 
 def _exception(base: tuple, res) -> tuple | None:

@@ -22,6 +22,11 @@ def group_index(cols: int, group_size: int) -> torch.Tensor:
     return (torch.arange(cols) // group_width(cols, group_size)).to(torch.int32)
 
 
+def is_plain(g_idx: torch.Tensor, cols: int, group_size: int) -> bool:
+    """Whether g_idx is the plain k // group_size (no act-order reordering)."""
+    return torch.equal(g_idx.long().cpu(), group_index(cols, group_size).long())
+
+
 def check_shape(quantizer, cols: int, group_size: int) -> None:
     """Units never straddle a group or the end of the row."""
     w = quantizer.width

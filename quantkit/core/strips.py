@@ -20,9 +20,13 @@ def strip_rows(in_features: int, align: int) -> int:
     return max(align, STRIP_ELEMENTS // max(in_features, 1) // align * align)
 
 
-def ranges(out_features: int, in_features: int, align: int):
-    step = strip_rows(in_features, align)
+def spans(out_features: int, step: int):
+    """(a, b) output ranges of `step` outputs (the last one shorter) covering all outputs."""
     return [(a, min(a + step, out_features)) for a in range(0, out_features, step)]
+
+
+def ranges(out_features: int, in_features: int, align: int):
+    return spans(out_features, strip_rows(in_features, align))
 
 
 def strip_linear(x: torch.Tensor, decode_columns, row_ranges, bias=None) -> torch.Tensor:

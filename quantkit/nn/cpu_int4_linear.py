@@ -24,7 +24,7 @@ from torch import nn
 
 from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
-from quantkit.core.groups import group_index, group_width
+from quantkit.core.groups import group_index, group_width, is_plain
 from quantkit.kernels import cpu_int4
 from quantkit.kernels.cpu_int4 import PLANE_BITS
 from quantkit.nn.quant_linear import QuantLinear, add_rotation, rotate_input
@@ -94,9 +94,9 @@ class CpuInt4Linear(nn.Module):
 def _group_order(g_idx, k: int, g: int):
     """None when g_idx is k // g; the permutation sorting the inputs by group when that makes every group g
     consecutive inputs (act-order); False when it does not (groups of unequal sizes)."""
-    g_idx = g_idx.long().cpu()
-    if torch.equal(g_idx, group_index(k, g).long()):
+    if is_plain(g_idx, k, g):
         return None
+    g_idx = g_idx.long().cpu()
     perm = torch.argsort(g_idx, stable=True)
     return perm if torch.equal(g_idx[perm], group_index(k, g).long()) else False
 

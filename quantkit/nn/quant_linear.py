@@ -12,7 +12,7 @@ from torch import nn
 
 from quantkit.core import bitpack, gptq_layout, strips
 from quantkit.core.gptq_layout import V1_ZERO_OFFSET
-from quantkit.core.groups import group_index, group_width, n_groups
+from quantkit.core.groups import group_width, is_plain, n_groups
 from quantkit.kernels.dispatch import choose_backend, gptq_linear_op
 from quantkit.kernels.reference import dequantize_weight, linear_dequantized
 from quantkit.kernels.rotation import rotate_activations
@@ -92,7 +92,7 @@ class QuantLinear(nn.Module):
         key = buffers_key((self.g_idx,))
         known = self.__dict__.get("_plain_groups")
         if known is None or known[0] != key:
-            plain = torch.equal(self.g_idx.cpu(), group_index(self.in_features, self.group_size))
+            plain = is_plain(self.g_idx, self.in_features, self.group_size)
             size = group_width(self.in_features, self.group_size) if plain else None
             known = self.__dict__["_plain_groups"] = (key, size)
         return known[1]
