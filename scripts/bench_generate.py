@@ -46,7 +46,7 @@ def prepare(workdir: Path, preset: str, device: str) -> tuple[Path, Path]:
     if not (fp / "config.json").exists():
         layers, hidden, inter, heads, kv, vocab = PRESETS[preset]
         shape = argparse.Namespace(layers=layers, hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv,
-                                   vocab=vocab, shard_bytes=2 * 10**9, experts=0)
+                                   vocab=vocab, shard_bytes=2 * 10**9, experts=0, source_dtype="float16")
         print(f"building {fp} ...", flush=True)
         build_model(fp, shape)
     if not (q / "config.json").exists():

@@ -1,9 +1,9 @@
 """Peak memory of quantizing and loading a model much larger than one block (issue 17).
 
-Builds a synthetic random Llama (fp16, multi-shard safetensors, shapes from the flags) one tensor at a time,
-quantizes it in a child process, loads the output and runs one forward in another child, and reports each
-child's peak resident memory against the fp model's size on disk. A third child that only imports torch,
-transformers and quantkit gives the fixed cost every run pays whatever the model size.
+Builds a synthetic random Llama (fp16, or --source-dtype bfloat16; multi-shard safetensors, shapes from the flags)
+one tensor at a time, quantizes it in a child process, loads the output and runs one forward in another child, and
+reports each child's peak resident memory against the fp model's size on disk. A third child that only imports
+torch, transformers and quantkit gives the fixed cost every run pays whatever the model size.
 
 Peak RSS is VmHWM from /proc/self/status, read by the child at its end: everything resident, including
 file-backed pages (the shared libraries' code, pages of memory-mapped safetensors files), which the kernel
@@ -41,7 +41,8 @@ def build_model(folder: Path, args) -> int:
     from quantkit.models.moe import split_experts
 
     shape = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                 num_key_value_heads=args.kv_heads, vocab_size=args.vocab, tie_word_embeddings=False, dtype="float16")
+                 num_key_value_heads=args.kv_heads, vocab_size=args.vocab, tie_word_embeddings=False,
+                 dtype=args.source_dtype)
     if args.experts:  # written per expert, as Qwen-MoE releases are (and the streamed reader reads them)
         config = Qwen3MoeConfig(**shape, moe_intermediate_size=args.expert_intermediate, num_experts=args.experts,
                                 num_experts_per_tok=2, head_dim=args.hidden // args.heads)
@@ -52,7 +53,7 @@ def build_model(folder: Path, args) -> int:
     folder.mkdir(parents=True)
     config.save_pretrained(folder)
     AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(folder)
-    gen = torch.Generator().manual_seed(0)
+    gen, dtype = torch.Generator().manual_seed(0), getattr(torch, args.source_dtype)
     shards, current, size, total = [], {}, 0, 0
 
     def flush():
@@ -62,7 +63,7 @@ def build_model(folder: Path, args) -> int:
 
     for name, p in skeleton.state_dict().items():
         std = 1.0 if "norm" not in name else 0.0
-        t = (torch.randn(p.shape, generator=gen) * 0.02 + (1.0 if std == 0.0 else 0.0)).to(torch.float16)
+        t = (torch.randn(p.shape, generator=gen) * 0.02 + (1.0 if std == 0.0 else 0.0)).to(dtype)
         if current and size + t.numel() * 2 > args.shard_bytes:
             flush()
             current, size = {}, 0
@@ -161,6 +162,8 @@ def main():
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--experts", type=int, default=0, help="build a Qwen3-MoE with this many experts a layer (0: Llama)")
     ap.add_argument("--expert-intermediate", type=int, default=1536, help="each expert's intermediate size")
+    ap.add_argument("--source-dtype", choices=["float16", "bfloat16"], default="float16",
+                    help="the built model's dtype (Llama-3's own is bfloat16; default float16)")
     ap.add_argument("--shard-bytes", type=int, default=500 * 10**6, help="source shard size (default 500 MB)")
     ap.add_argument("--method", default="rtn", help="rtn (default) or gptq (calibrated on random token ids)")
     ap.add_argument("--bits", type=int, default=4)
@@ -203,7 +206,7 @@ def main():
             size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         else:
             size = build_model(src, args)
-            print(f"built {src}: {size / 1e9:.2f} GB fp16 in {time.perf_counter() - t0:.0f} s", flush=True)
+            print(f"built {src}: {size / 1e9:.2f} GB {args.source_dtype} in {time.perf_counter() - t0:.0f} s", flush=True)
         flags = [f"--{k}={v}" for k, v in (("method", args.method), ("bits", args.bits), ("group-size",
                  args.group_size), ("nsamples", args.nsamples), ("seqlen", args.seqlen), ("dtype", args.dtype),
                  ("eval-dataset", args.eval_dataset), ("eval-tokens", args.eval_tokens),
@@ -219,13 +222,15 @@ def main():
         if args.eval_dataset:
             rows.append((f"eval perplexity ({args.eval_tokens} tokens, {args.dtype or 'float32'}, not streamed)",
                          *run_child(["eval", str(out), *flags], work)))
-        print(f"\nfp16 model {size / 1e9:.3f} GB, quantized checkpoint {out_size / 1e9:.3f} GB; bound = model / 4 = "
+        print(f"\nfp model {size / 1e9:.3f} GB, quantized checkpoint {out_size / 1e9:.3f} GB; bound = model / 4 = "
               f"{size / 4e9:.3f} GB\n")
-        print("| step | peak RSS (GB) | peak / model | peak RssAnon (GB) | RssAnon / model | peak RssFile (GB) | "
-              "seconds |\n|---|---|---|---|---|---|---|")
+        base = rows[0][1]["VmHWM"]  # the imports-only child: the runtime's fixed cost
+        print("| step | peak RSS (GB) | peak / model | (peak - imports) / model | peak RssAnon (GB) | RssAnon / model | "
+              "peak RssFile (GB) | seconds |\n|---|---|---|---|---|---|---|---|")
         for what, peak, secs in rows:
-            print(f"| {what} | {peak['VmHWM'] / 1e9:.3f} | {peak['VmHWM'] / size:.3f} | {peak['RssAnon'] / 1e9:.3f} | "
-                  f"{peak['RssAnon'] / size:.3f} | {peak['RssFile'] / 1e9:.3f} | {secs:.0f} |")
+            print(f"| {what} | {peak['VmHWM'] / 1e9:.3f} | {peak['VmHWM'] / size:.3f} | "
+                  f"{(peak['VmHWM'] - base) / size:.3f} | {peak['RssAnon'] / 1e9:.3f} | {peak['RssAnon'] / size:.3f} | "
+                  f"{peak['RssFile'] / 1e9:.3f} | {secs:.0f} |")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -1,9 +1,14 @@
 """Packed CPU inference (issue 40): torch's int4 layout read back exactly, CpuInt4Linear and the strip-wise decodes
 against the reference decode, and load_quantized keeping every quantized weight packed on the CPU."""
+import gc
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import quantkit
+from quantkit.checkpoint import reads
 from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
 from quantkit.kernels import cpu_int4
@@ -115,3 +120,42 @@ def test_load_quantized_keeps_the_weights_packed_on_the_cpu(model_factory, tmp_p
         bf16 = quantkit.load_quantized(tmp_path / "q", dtype=torch.bfloat16)
         out = bf16.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 16)
+
+
+def test_a_loaded_model_maps_no_more_of_its_files_than_the_input_embedding(model_factory, tmp_path):
+    """Every tensor is read into memory of its own, but an input embedding stored in the load's dtype, which stays a
+    view of the memory-mapped file (only the rows looked up become resident). Any other view would keep every
+    page read so far resident for the model's lifetime."""
+    maps = Path("/proc/self/maps")
+    if not maps.is_file():
+        pytest.skip("needs Linux's /proc")
+    quantkit.quantize(str(model_factory("llama-gqa")), tmp_path / "q", quantkit.QuantConfig(bits=4, group_size=32),
+                      device="cpu")  # float tensors stored in float32
+    for kwargs in ({"dtype": torch.bfloat16}, {"dtype": torch.float16, "cache_dequantized": True}, {}):
+        model = quantkit.load_quantized(tmp_path / "q", **kwargs)
+        gc.collect()
+        assert (str(tmp_path / "q") in maps.read_text()) == (kwargs == {}), kwargs
+        del model
+    gc.collect()
+    assert str(tmp_path / "q") not in maps.read_text()
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16])
+def test_the_tensor_reader_reads_what_safetensors_reads(tmp_path, monkeypatch, dtype):
+    """Every stored dtype, a scalar and an empty tensor, in chunks that end inside a tensor; converted on the way
+    where a float dtype is asked for, as Tensor.to converts."""
+    monkeypatch.setattr(reads, "CHUNK_BYTES", 40)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"f16": torch.randn(7, 9, generator=gen).half(), "bf16": torch.randn(33, generator=gen).bfloat16(),
+               "f32": torch.randn(3, 5, 2, generator=gen), "i32": torch.randint(-9, 9, (11,), dtype=torch.int32),
+               "u8": torch.randint(0, 255, (5, 13), dtype=torch.uint8), "scalar": torch.tensor(2.5),
+               "empty": torch.zeros(0, 4)}
+    save_file(tensors, tmp_path / "t.safetensors")
+    reader = reads.TensorReader(dict.fromkeys(tensors, tmp_path / "t.safetensors"))
+    for name, t in tensors.items():
+        want = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        got = reader.read(name, dtype if t.is_floating_point() else None)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    (tmp_path / "t.safetensors").write_bytes((tmp_path / "t.safetensors").read_bytes()[:-8])
+    with pytest.raises(QuantkitError, match="truncated"):
+        reads.TensorReader({"u8": tmp_path / "t.safetensors"}).read("u8")  # the file's last tensor

@@ -178,11 +178,19 @@ def has_quantization_config(folder) -> bool:
 
 def read_checkpoint(folder):
     """(config, tensors, layers, codec) of a quantized folder, validated as a whole before any model is built."""
+    return read_checkpoint_as_stored(folder)[:4]
+
+
+def read_checkpoint_as_stored(folder):
+    """read_checkpoint's four, and the names of the tensors that are the files' own: those the codec's check did not
+    rewrite (a foreign layout's tensors are repacked to quantkit's, some under the same names)."""
     config = read_config(folder)
     qc = config["quantization_config"]
     codec = codecs.codec_named(qc, str(folder))
     tensors = read_tensors(folder)
-    return config, tensors, codec.read_layers(qc, tensors, str(folder)), codec
+    as_read = dict(tensors)
+    layers = codec.read_layers(qc, tensors, str(folder))
+    return config, tensors, layers, codec, {n for n, t in tensors.items() if as_read.get(n) is t}
 
 
 def shard_files(folder: Path) -> list[Path]:

@@ -69,10 +69,7 @@ class CpuInt4Linear(nn.Module):
                                   for p in range(-(-bits // PLANE_BITS))])
         except RuntimeError:
             return None  # a torch whose layout quantkit cannot read back: the layer stays a QuantLinear
-        # scales cloned: the loaded ones may be views of the memory-mapped checkpoint, whose every page read so far
-        # (all of it, after the repack) would stay resident for as long as one view of it lives
-        new = cls(k, n, bits, m.group_size, planes, m.scales.clone(), zeros.to(torch.uint8), perm, m.bias,
-                  m.rotation_block)
+        new = cls(k, n, bits, m.group_size, planes, m.scales, zeros.to(torch.uint8), perm, m.bias, m.rotation_block)
         if m.rotation_block is not None:
             new.rot_signs = m.rot_signs
         return new
@@ -103,14 +100,19 @@ def _group_order(g_idx, k: int, g: int):
 
 def repack_for_cpu(model: nn.Module) -> int:
     """Swap every QuantLinear the CPU int4 GEMM can take for a CpuInt4Linear; returns how many were swapped."""
-    swapped = 0
-    for name, module in list(model.named_modules()):
-        if type(module) is QuantLinear and (new := CpuInt4Linear.from_quant_linear(module)) is not None:
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent), leaf, new)
-            swapped += 1
-            _return_freed_memory()
-    return swapped
+    return sum(repack_layer(model, name) for name, module in list(model.named_modules())
+               if type(module) is QuantLinear)
+
+
+def repack_layer(model: nn.Module, name: str) -> bool:
+    """Swap the QuantLinear `name` for a CpuInt4Linear where the op takes it (its GPTQ tensors are then freed)."""
+    module = model.get_submodule(name)
+    if type(module) is not QuantLinear or (new := CpuInt4Linear.from_quant_linear(module)) is None:
+        return False
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, new)
+    _return_freed_memory()
+    return True
 
 
 def _return_freed_memory() -> None:

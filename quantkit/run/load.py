@@ -2,9 +2,10 @@
 
 config.json -> the codec of its quant_method checks config and tensors (quantkit.checkpoint.codecs) ->
 model skeleton with parameters on the meta device (buffers such as rotary tables are real) -> each
-quantized layer becomes the module its codec builds (QuantLinear for the GPTQ layout) -> tensors are
-assigned (no full-precision copy of quantized weights is ever made) -> tied weights re-tied -> on the CPU, the
-layers torch's int4 GEMM can take are repacked for it (quantkit.nn.cpu_int4_linear).
+quantized layer becomes the module its codec builds (QuantLinear for the GPTQ layout) -> tensors are read
+into memory of their own and assigned one quantized layer at a time (no full-precision copy of quantized weights
+is ever made), and on the CPU each layer torch's int4 GEMM can take is repacked for it as soon as it is in
+(quantkit.nn.cpu_int4_linear) -> tied weights re-tied.
 """
 import dataclasses
 from pathlib import Path
@@ -13,13 +14,14 @@ import torch
 
 from quantkit.calibration.sequential import move_loaded
 from quantkit.checkpoint import files as checkpoint
+from quantkit.checkpoint.reads import TensorReader
 from quantkit.core.errors import QuantkitError
 from quantkit.models import offload, placement
 from quantkit.models.arch import arch_for, get_weight
 from quantkit.models.hub import model_class, parse_dtype, resolve_device
 from quantkit.models.moe import split_experts
 from quantkit.models.names import FileNames
-from quantkit.nn.cpu_int4_linear import repack_for_cpu
+from quantkit.nn.cpu_int4_linear import repack_layer
 
 
 def _device(device_map):
@@ -90,7 +92,7 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
     """
     folder = Path(path)
     device = _device(device_map)  # before the files are read: a mistyped device is named at once
-    config, tensors, layers, codec = checkpoint.read_checkpoint(folder)
+    config, tensors, layers, codec, stored = checkpoint.read_checkpoint_as_stored(folder)
     dtype = parse_dtype(dtype) or _default_dtype(parse_dtype(config.get("dtype") or config.get("torch_dtype")), device)
     qc = config["quantization_config"]  # config.json's, or an AutoGPTQ folder's quantize_config.json
     model, qc = _skeleton(folder, dtype, qc)
@@ -99,7 +101,11 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
     layers = [dataclasses.replace(layer, name=in_files.to_model(layer.name)) for layer in layers]
     blocks_path = arch_for(model).blocks  # before the swap: an unknown family's blocks are found by their linears
     _swap_quantized(model, layers, codec, qc, dtype)
-    units = []
+    units, keep = [], _kept_dtypes(model, layers, dtype)
+
+    def as_loaded(name, stored_dtype):  # float tensors take the activation dtype, unless the module keeps its own
+        return dtype if stored_dtype.is_floating_point and name not in keep else stored_dtype
+
     if stream:
         files = checkpoint.tensor_files(folder)
 
@@ -107,12 +113,76 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
             return {in_files.to_model(n): t
                     for n, t in checkpoint.read_tensors(folder, [in_files.of_tensor(n) for n in names], files).items()}
         units = offload.stream_model(model, blocks_path, read, {in_files.to_model(n) for n in files}, device)
-        tensors = {n: t for n, t in tensors.items() if not offload.under(n, units)}  # their views (pages) go
-    buffers = dict(model.named_buffers())
-    wide = {f"{layer.name}.scales" for layer in layers if layer.scale_dtype != torch.float16}  # kept as stored
-    for name, t in tensors.items():  # float tensors take the activation dtype, unless the module keeps its own
-        if t.is_floating_point() and name not in wide and not (name in buffers and buffers[name].dtype != dtype):
-            tensors[name] = t.to(dtype)
+        _assign(model, folder, {n: t.to(as_loaded(n, t.dtype)) for n, t in tensors.items()
+                                if not offload.under(n, units)})  # the streamed blocks' views (pages) go
+    else:
+        stored = {in_files.to_model(n) for n in stored} - _kept_as_views(model, tensors, device, as_loaded)
+        _read_layer_by_layer(model, folder, tensors, stored, layers, in_files, as_loaded,
+                             repack=device == "cpu" and not cache_dequantized)
+    model.tie_weights()
+    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
+               if p.device.type == "meta" and not offload.under(n, units)]
+    if missing:
+        raise QuantkitError(f"checkpoint is missing tensors {missing[:5]}: it is incomplete, quantize again")
+    if stream:
+        move_loaded(model, device)
+        return model.eval()
+    if device_map in ("auto", "balanced") and device == "cuda":
+        return placement.place_on_gpus(model.eval(), blocks_path, always=device_map == "balanced")
+    if device == "cpu" and cache_dequantized:
+        for module in model.modules():
+            if hasattr(module, "cache_dequantized"):
+                module.cache_dequantized = True
+    return model.to(device).eval()
+
+
+def _kept_dtypes(model, layers, dtype) -> set:
+    """Names of the float tensors loaded as stored: scales that float16 does not hold (quantkit.checkpoint.codecs)
+    and buffers a module keeps in a dtype of its own."""
+    keep = {f"{layer.name}.scales" for layer in layers if layer.scale_dtype != torch.float16}
+    return keep | {n for n, b in model.named_buffers() if b.is_floating_point() and b.dtype != dtype}
+
+
+def _read_layer_by_layer(model, folder, tensors: dict, stored: set, layers, in_files, as_loaded, repack: bool):
+    """One quantized layer at a time, and on the CPU each layer repacked for the int4 GEMM as soon as its tensors are
+    in: the load's peak is the loaded model plus one layer, not the files' pages plus float copies plus every
+    layer's GPTQ tensors. `tensors` are views of the memory-mapped files, which validated them; the `stored` ones
+    (not rewritten by the codec) are read again into memory of their own (quantkit.checkpoint.reads)."""
+    reader = TensorReader(checkpoint.tensor_files(folder))
+
+    def read(group):
+        out = {}
+        for name in group:
+            view = tensors.pop(name)  # the last view of a file unmaps it
+            if name in stored:
+                out[name] = reader.read(in_files.of_tensor(name), as_loaded(name, view.dtype))
+            else:
+                out[name] = view.to(as_loaded(name, view.dtype))
+        return out
+
+    by_module = {}
+    for name in list(tensors):
+        by_module.setdefault(name.rpartition(".")[0], []).append(name)
+    for layer in layers:
+        _assign(model, folder, read(by_module.pop(layer.name, [])))
+        if repack:
+            repack_layer(model, layer.name)
+    _assign(model, folder, read([n for group in by_module.values() for n in group]))
+
+
+def _kept_as_views(model, tensors: dict, device: str, as_loaded) -> set:
+    """The input embedding, on the CPU, where it is stored in the load's dtype: it stays a view of the memory-mapped
+    file, of which a forward makes resident only the rows it looks up (Llama-3-8B's untied one is 1 GB in bf16)."""
+    try:
+        embedding = model.get_input_embeddings() if device == "cpu" else None
+    except (NotImplementedError, AttributeError):
+        return set()
+    name = next((f"{n}.weight" for n, m in model.named_modules() if m is embedding), None)
+    view = tensors.get(name)
+    return {name} if view is not None and view.dtype == as_loaded(name, view.dtype) else set()
+
+
+def _assign(model, folder, tensors: dict) -> None:
     try:
         result = model.load_state_dict(tensors, strict=False, assign=True)
     except RuntimeError as e:
@@ -121,27 +191,3 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
                             "the checkpoint is damaged, quantize again") from e
     if result.unexpected_keys:
         raise QuantkitError(f"checkpoint has tensors the model does not: {result.unexpected_keys[:5]}")
-    model.tie_weights()
-    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
-               if p.device.type == "meta" and not offload.under(n, units)]
-    if missing:
-        raise QuantkitError(f"checkpoint is missing tensors {missing[:5]}: it is incomplete, quantize again")
-    del tensors, result  # the GPTQ tensors now live in the modules only: a repacked layer frees them
-    if stream:
-        move_loaded(model, device)
-        return model.eval()
-    if device_map in ("auto", "balanced") and device == "cuda":
-        return placement.place_on_gpus(model.eval(), blocks_path, always=device_map == "balanced")
-    if device == "cpu":
-        _cpu_layers(model, cache_dequantized)
-    return model.to(device).eval()
-
-
-def _cpu_layers(model, cache_dequantized: bool) -> None:
-    if not cache_dequantized:
-        repack_for_cpu(model)
-        return
-    for module in model.modules():
-        if hasattr(module, "cache_dequantized"):
-            module.cache_dequantized = True
-
