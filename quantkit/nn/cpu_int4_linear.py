@@ -2,7 +2,8 @@
 
 Why: on the CPU a decode step (a token at a time) is bound by reading the weights, and the int4 GEMM reads half a
 byte per weight where a bf16 linear reads two. load_quantized swaps each QuantLinear the op can take for this module
-(`repack_for_cpu`) and drops the GPTQ tensors, so the layer costs about its packed bytes and no dense copy.
+as soon as its tensors are read (`repack_layer`), dropping the GPTQ tensors, so the layer costs about its packed
+bytes and no dense copy.
 
 What it holds, per layer of K inputs, N outputs and groups of g:
   planes  uint8 [P, N, K'/2] the codes in the op's layout (K' = K rounded up to whole groups, zero codes), 4 bits per
@@ -96,12 +97,6 @@ def _group_order(g_idx, k: int, g: int):
     g_idx = g_idx.long().cpu()
     perm = torch.argsort(g_idx, stable=True)
     return perm if torch.equal(g_idx[perm], group_index(k, g).long()) else False
-
-
-def repack_for_cpu(model: nn.Module) -> int:
-    """Swap every QuantLinear the CPU int4 GEMM can take for a CpuInt4Linear; returns how many were swapped."""
-    return sum(repack_layer(model, name) for name, module in list(model.named_modules())
-               if type(module) is QuantLinear)
 
 
 def repack_layer(model: nn.Module, name: str) -> bool:
