@@ -151,11 +151,11 @@ def test_the_tensor_reader_reads_what_safetensors_reads(tmp_path, monkeypatch, d
                "u8": torch.randint(0, 255, (5, 13), dtype=torch.uint8), "scalar": torch.tensor(2.5),
                "empty": torch.zeros(0, 4)}
     save_file(tensors, tmp_path / "t.safetensors")
-    reader = reads.TensorReader(dict.fromkeys(tensors, tmp_path / "t.safetensors"))
+    reader = reads.TensorReader([tmp_path / "t.safetensors"])
     for name, t in tensors.items():
         want = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         got = reader.read(name, dtype if t.is_floating_point() else None)
         assert got.dtype == want.dtype and torch.equal(got, want), name
     (tmp_path / "t.safetensors").write_bytes((tmp_path / "t.safetensors").read_bytes()[:-8])
     with pytest.raises(QuantkitError, match="truncated"):
-        reads.TensorReader({"u8": tmp_path / "t.safetensors"}).read("u8")  # the file's last tensor
+        reads.TensorReader([tmp_path / "t.safetensors"]).read("u8")  # the file's last tensor

@@ -10,36 +10,36 @@ from pathlib import Path
 
 import torch
 
-from quantkit.checkpoint.shards import read_header
+from quantkit.checkpoint.shards import DTYPES, read_header
 from quantkit.core.errors import QuantkitError
 
 CHUNK_BYTES = 64 * 2**20
-_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-           "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
-           "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "U64": torch.uint64,
-           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class TensorReader:
-    """Reads tensors by name from a checkpoint's safetensors files ({name: file}, as files.tensor_files gives)."""
+    """Reads tensors by name from safetensors files (a checkpoint's shards; every header is read once, here)."""
 
-    def __init__(self, files: dict):
-        self.files = files
-        self.headers = {}
-
-    def stored_dtype(self, name: str) -> torch.dtype:
-        return self._entry(name)[2]
+    def __init__(self, paths):
+        self.where = {}  # name -> (path, offset of its bytes, header entry)
+        for path in map(Path, paths):
+            try:
+                base, header = read_header(path)
+            except (OSError, ValueError, KeyError) as e:
+                raise QuantkitError(f"{path} is truncated or corrupted ({e}): copy it again or quantize again") from e
+            self.where.update({name: (path, base + info["data_offsets"][0], info) for name, info in header.items()})
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor in `dtype` (default: as stored), in memory of its own."""
-        path, offset, stored, shape = self._entry(name)
-        out = torch.empty(shape, dtype=dtype or stored)
-        flat = out.view(-1)
+        path, offset, info = self.where[name]
+        if info["dtype"] not in DTYPES:
+            raise QuantkitError(f"{path}: tensor {name} is stored as {info['dtype']}, which quantkit does not read")
+        stored = DTYPES[info["dtype"]]
+        out = torch.empty(info["shape"], dtype=dtype or stored)
         step = max(1, CHUNK_BYTES // stored.itemsize)
         with open(path, "rb") as f:
             f.seek(offset)
-            for start in range(0, flat.numel(), step):
-                part = flat[start:start + step]
+            for start in range(0, out.numel(), step):
+                part = out.view(-1)[start:start + step]
                 scratch = part if part.dtype == stored else torch.empty(part.numel(), dtype=stored)
                 wanted = scratch.numel() * stored.itemsize
                 if f.readinto(memoryview(scratch.view(torch.uint8).numpy())) != wanted:
@@ -48,16 +48,3 @@ class TensorReader:
                 if scratch is not part:
                     part.copy_(scratch)
         return out
-
-    def _entry(self, name: str):
-        path = Path(self.files[name])
-        if path not in self.headers:
-            try:
-                self.headers[path] = read_header(path)
-            except (OSError, ValueError, KeyError) as e:
-                raise QuantkitError(f"{path} is truncated or corrupted ({e}): copy it again or quantize again") from e
-        base, header = self.headers[path]
-        info = header[name]
-        if info["dtype"] not in _DTYPES:
-            raise QuantkitError(f"{path}: tensor {name} is stored as {info['dtype']}, which quantkit does not read")
-        return path, base + info["data_offsets"][0], _DTYPES[info["dtype"]], info["shape"]

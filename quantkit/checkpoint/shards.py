@@ -30,6 +30,10 @@ _DTYPE_ORDER = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E
                 "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64"]
 _NAMES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.float16: "F16",
           torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}
+# What a header's dtype reads as (quantkit.checkpoint.reads): the names above, and those other writers use.
+DTYPES = {name: dtype for dtype, name in _NAMES.items()} | {
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2}
 
 
 def part_name(key: str) -> str:

@@ -148,7 +148,7 @@ def _read_layer_by_layer(model, folder, tensors: dict, stored: set, layers, in_f
     in: the load's peak is the loaded model plus one layer, not the files' pages plus float copies plus every
     layer's GPTQ tensors. `tensors` are views of the memory-mapped files, which validated them; the `stored` ones
     (not rewritten by the codec) are read again into memory of their own (quantkit.checkpoint.reads)."""
-    reader = TensorReader(checkpoint.tensor_files(folder))
+    reader = TensorReader(checkpoint.shard_files(folder))
 
     def read(group):
         out = {}
@@ -173,9 +173,11 @@ def _read_layer_by_layer(model, folder, tensors: dict, stored: set, layers, in_f
 def _kept_as_views(model, tensors: dict, device: str, as_loaded) -> set:
     """The input embedding, on the CPU, where it is stored in the load's dtype: it stays a view of the memory-mapped
     file, of which a forward makes resident only the rows it looks up (Llama-3-8B's untied one is 1 GB in bf16)."""
+    if device != "cpu":
+        return set()
     try:
-        embedding = model.get_input_embeddings() if device == "cpu" else None
-    except (NotImplementedError, AttributeError):
+        embedding = model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):  # a model class without one (transformers' base raises)
         return set()
     name = next((f"{n}.weight" for n, m in model.named_modules() if m is embedding), None)
     view = tensors.get(name)
