@@ -94,6 +94,12 @@ _CONFIG_OPTIONS = [
                       "token, so each expert's statistics cover them all (the block's output keeps the true "
                       "routing); routed: each expert's statistics from the tokens routed to it (an expert none "
                       "reaches is rounded to nearest). The tokens routed to each expert are reported either way."),
+    click.option("--lm-head/--no-lm-head", default=False,
+                 help="Quantize lm_head too (after the last block, calibrated on the final norm's outputs; GPTQ "
+                      "methods round it with GPTQ, the others to nearest). A tied lm_head is untied: the embeddings "
+                      "stay in float. Saves vocab x hidden weights (SmolLM2: 57 MB of its 269 in bf16) and makes "
+                      "CPU decode read 4 bits per weight there; a recipe override (pattern: lm_head) sets its bits. "
+                      "vLLM and GPTQModel load it, transformers does not."),
     click.option("--awq-grid", type=int, default=20, help="AWQ: number of alpha values tried on [0, 1)."),
     click.option("--awq-clip/--no-awq-clip", default=True, help="AWQ: search a per-group clipping range too."),
     click.option("--checkpoint-format", type=click.Choice(write_formats()), default="gptq",

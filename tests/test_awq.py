@@ -12,7 +12,8 @@ from quantkit.algorithms import awq, awq_block
 from quantkit.schemes.grid import Grid
 from quantkit.algorithms.rtn import rtn
 from quantkit.models.arch import ARCHS, Arch, arch_for, get_submodule, require_scale_groups
-from quantkit.calibration.sequential import BlockRunner, capture_block_inputs, get_weight
+from quantkit.calibration.runner import BlockRunner
+from quantkit.calibration.sequential import capture_block_inputs, get_weight
 
 VOCAB = 512
 

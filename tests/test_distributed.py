@@ -33,9 +33,9 @@ def run_env(home):
     return {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(home)}
 
 
-def quantize_cli(nproc, src, out, text, method, launch="torchrun"):
+def quantize_cli(nproc, src, out, text, method, launch="torchrun", extra=()):
     """launch: torchrun, or quantkit's own --processes."""
-    args = quantize_args(src, out, text, method)
+    args = quantize_args(src, out, text, method) + list(extra)
     launcher = [sys.executable]
     if nproc > 1 and launch == "torchrun":
         launcher = [*TORCHRUN, f"--nproc-per-node={nproc}"]
@@ -47,13 +47,13 @@ def quantize_cli(nproc, src, out, text, method, launch="torchrun"):
     return done
 
 
-@pytest.mark.parametrize("method,launch", [("gptq", "torchrun"), ("turboquant+gptq", "torchrun"),
-                                           ("gptq", "--processes")])
-def test_two_gloo_ranks_write_what_one_process_writes(model_factory, tmp_path, method, launch):
+@pytest.mark.parametrize("method,launch,extra", [("gptq", "torchrun", ()), ("turboquant+gptq", "torchrun", ()),
+                                                 ("gptq", "--processes", ()), ("gptq", "torchrun", ("--lm-head",))])
+def test_two_gloo_ranks_write_what_one_process_writes(model_factory, tmp_path, method, launch, extra):
     text = calib_text(tmp_path)
     src = model_factory("llama-gqa")
-    quantize_cli(1, src, tmp_path / "one", text, method)
-    two = quantize_cli(2, src, tmp_path / "two", text, method, launch)
+    quantize_cli(1, src, tmp_path / "one", text, method, extra=extra)
+    two = quantize_cli(2, src, tmp_path / "two", text, method, launch, extra)
     assert two.stdout.count("wrote ") == 1  # rank 0 reports, the other rank stays quiet
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("one", "two"))
     assert a.keys() == b.keys()

@@ -101,6 +101,21 @@ def test_sigkilled_run_resumes_to_a_byte_identical_checkpoint(world, method, key
     assert json.loads((out / api.REPORT_NAME).read_text())["resumed_at_block"] == done
 
 
+@pytest.mark.parametrize("key,done", [("block-00003", "blocks 0-3 of 4 are done"),
+                                      ("block-00004", "blocks 0-3 of 4 and lm_head are done")])
+def test_a_run_quantizing_lm_head_resumes_to_a_byte_identical_checkpoint(world, key, done):
+    """lm_head's part follows the last block's: killed before it, the resumed run replays every block to calibrate
+    it; killed after it, only the outside tensors are left to write."""
+    root = world[0]
+    ref, out = root / f"ref-head-{key}", root / f"out-head-{key}"
+    assert cli(*args_for(world, ref, "gptq", "--lm-head")).exit_code == 0
+    killed(world, out, key, args_for(world, out, "gptq", "--lm-head"))
+    result = cli(*args_for(world, out, "gptq", "--lm-head", "--resume"))
+    assert result.exit_code == 0, result.output
+    assert done in result.output
+    assert_same_checkpoint(ref, out)
+
+
 @pytest.mark.parametrize("stop,code,words", [
     (KeyboardInterrupt, 1, "interrupted: the 2 of 4 blocks finished are kept"),  # Ctrl-C, SIGTERM; click: Aborted!
     (MemoryError, 1, "out of memory: the 2 of 4 blocks finished are kept"),

@@ -11,7 +11,7 @@ from quantkit.algorithms.gptq import GPTQ
 from quantkit.algorithms.method import Method
 from quantkit.models.arch import arch_for, block_linears, get_submodule
 from quantkit.calibration.replay import ReplayedOutputs
-from quantkit.calibration.sequential import _observe_stage, input_hooks
+from quantkit.calibration.runner import input_hooks, observe_stage
 from tiny_models import run_sequential
 from test_awq import _block_runner, ids, tiny_model
 
@@ -45,7 +45,7 @@ def test_shared_hessians_equal_separately_accumulated_ones():
     _, block, runner = _block_runner(model, n=3)
     names = QKV + ["self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     observers = {n: GPTQ(block.get_submodule(n).weight) for n in names}
-    _observe_stage(runner, names, observers)
+    observe_stage(runner, names, observers)
 
     separate = {n: GPTQ(block.get_submodule(n).weight) for n in names}
     with input_hooks(block, names, lambda n, x: separate[n].add_batch(x)):

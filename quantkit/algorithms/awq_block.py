@@ -67,7 +67,7 @@ def _label(prev: Optional[str], names: Sequence[str]) -> str:
 def awq_prepare_block(runner, block: nn.Module, prefix: str, arch, config, spec_of=None) -> dict:
     """Search and fold AWQ scales for every scale group of `block`, then clip; weights change in place.
 
-    runner: quantkit.calibration.sequential.BlockRunner for this block (calibration inputs + kwargs).
+    runner: quantkit.calibration.runner.BlockRunner for this block (calibration inputs + kwargs).
     prefix: the block's full name ("model.layers.3"); spec_of(f"{prefix}.{name}") (its LayerSpec; by default
     config.spec_for) picks the
     quantizer (the group's first quantized linear decides for the group) and skips linears.

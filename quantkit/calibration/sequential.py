@@ -10,27 +10,22 @@ Only the current block sits on the compute device; calibration activations live 
 The model may be a streamed skeleton (quantkit.models.stream): each block is loaded from the source shards
 when its turn comes and released after it is written, so only one block is ever held.
 """
-import contextlib
 from contextlib import contextmanager
-from typing import Callable
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from quantkit.calibration.distributed import SINGLE
-from quantkit.calibration.replay import ReplayedOutputs, free_bytes, to_device
+from quantkit.calibration.head import calibrated_head, data_free_head
+from quantkit.calibration.replay import free_bytes
+from quantkit.calibration.runner import BlockRunner, StopForward, check_activations, observe_stage, stage_results
 from quantkit.core.errors import QuantkitError
-from quantkit.core.finite import all_finite
 from quantkit.core.matmul import onednn_linears
 from quantkit.core.units import size_text
-from quantkit.models.arch import (Arch, block_linears, first_tensor, for_block,  # noqa: F401 (re-exported)
+from quantkit.models.arch import (Arch, block_linears, for_block,  # noqa: F401 (re-exported)
                                   get_submodule, get_weight, set_weight)
-from quantkit.models.moe import expert_of, is_routed, set_all_tokens
-
-
-class _StopForward(Exception):
-    pass
+from quantkit.models.moe import expert_of, set_all_tokens
 
 
 def _move_except_blocks(model: nn.Module, blocks_path: str, device) -> None:
@@ -77,7 +72,7 @@ def capture_block_inputs(model, arch: Arch, input_ids: torch.Tensor, device, sto
         hidden = args[0] if args else kwargs.pop("hidden_states")
         inputs.append(check_activations(hidden.detach(), "the inputs of block 0").to(store_device))
         kwargs_box.update({k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")})
-        raise _StopForward
+        raise StopForward
 
     _move_except_blocks(model, arch.blocks, device)
     move_loaded(blocks[0], device)  # its weights are not needed (the hook stops before), so a streamed one may be meta
@@ -87,7 +82,7 @@ def capture_block_inputs(model, arch: Arch, input_ids: torch.Tensor, device, sto
             for row in input_ids:
                 try:
                     model(row.unsqueeze(0).to(device), use_cache=False)
-                except _StopForward:
+                except StopForward:
                     pass
     finally:
         handle.remove()
@@ -97,111 +92,8 @@ def capture_block_inputs(model, arch: Arch, input_ids: torch.Tensor, device, sto
     return inputs, kwargs_box
 
 
-@contextmanager
-def input_hooks(block: nn.Module, names, sink: Callable[[str, torch.Tensor], None]):
-    """While active, every call of block.<name> first passes its input to sink(name, x)."""
-    handles = []
-    for name in names:
-        module = block.get_submodule(name)
-        handles.append(module.register_forward_pre_hook(lambda m, args, n=name: sink(n, args[0].detach())))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@contextmanager
-def _outputs_not_computed(block: nn.Module, names):
-    """While active, the named linears return zeros of their output shape instead of computing it."""
-    modules = [block.get_submodule(n) for n in names]
-    for m in modules:
-        m.forward = lambda x, *args, n_out=get_weight(m).shape[0], **kwargs: x.new_zeros(*x.shape[:-1], n_out)
-    try:
-        yield
-    finally:
-        for m in modules:
-            del m.forward  # the class's forward again
-
-
-class BlockRunner:
-    """Forwards the calibration samples through one block on the compute device."""
-
-    def __init__(self, block, inputs, kwargs, device, store_device="cpu", feeds_only=()):
-        self.block, self.inputs, self.device = block, inputs, device
-        self.kwargs = {k: to_device(v, device) for k, v in kwargs.items()}
-        self.replayed = ReplayedOutputs(block, device, store_device, len(inputs), feeds_only)
-
-    def _samples(self, indices=None):
-        """The inputs (all, or those at `indices`) on the compute device, one at a time (the replayed outputs
-        follow the sample)."""
-        for i in range(len(self.inputs)) if indices is None else indices:
-            self.replayed.sample = i
-            yield self.inputs[i].to(self.device)
-
-    def forward_all(self, keep_outputs=False, store_device="cpu", name="block"):
-        """Outputs (when kept) checked finite: `name` says which block overflowed. The block's final forward: it
-        consumes the replayed outputs."""
-        outs = []
-        with torch.inference_mode(), self.replayed.active(consume=True):
-            for x in self._samples():
-                y = first_tensor(self.block(x, **self.kwargs))
-                if keep_outputs:
-                    outs.append(check_activations(y.detach(), f"the outputs of {name}").to(store_device))
-        return outs
-
-    def observe(self, names, sink: Callable[[str, torch.Tensor, str], None], parallel=False, samples=None) -> None:
-        """Per sample, sink(name, x, source) gets the input x of every named linear, `source` being the first
-        of them that was fed the very same tensor (q/k/v read one normed input: a sink accumulates it once).
-        A sample's forward stops as soon as all of them have been fed: the modules after them (the MLP
-        while observing q/k/v, and the last of the named linears) are never computed. parallel: no named
-        linear's input depends on another's output (a true-sequential stage), so they are not computed at all
-        (zeros stand in for their outputs: gate_proj ran in full before up_proj was reached). samples: the indices
-        of the samples to forward (default all)."""
-        fed = {}  # this sample: name -> its input (held, so no later tensor can reuse the address)
-        seen = set()  # over all samples
-
-        def hook(name, x):
-            same = (x.data_ptr(), x.shape, x.stride())
-            source = next((n for n, y in fed.items() if (y.data_ptr(), y.shape, y.stride()) == same), name)
-            fed[name] = x
-            last = len(fed) == len(names)
-            self.replayed.fed(name, x, last)
-            sink(name, x, source)
-            if last:
-                raise _StopForward
-
-        skipped = _outputs_not_computed(self.block, names) if parallel else contextlib.nullcontext()
-        with torch.inference_mode(), input_hooks(self.block, names, hook), skipped, self.replayed.active():
-            for x in self._samples(samples):
-                fed.clear()
-                try:
-                    self.block(x, **self.kwargs)
-                except _StopForward:
-                    pass
-                seen.update(fed)
-        missing = [n for n in names if n not in seen and not is_routed(self.block, n)]  # an expert may get none
-        if missing:
-            raise QuantkitError(f"the block never calls {', '.join(missing)} in its forward: nothing to calibrate "
-                                "it on; skip it in the recipe (modules: ... skip: true)")
-
-    def capture(self, names, samples=None) -> dict[str, torch.Tensor]:
-        """Inputs of the named linears over all samples (or those at `samples`), as [tokens, in] on the compute
-        device."""
-        got = {n: [] for n in names}
-        self.observe(names, lambda n, x, source: got[n].append(x.reshape(-1, x.shape[-1])), samples=samples)
-        return {n: torch.cat(v) for n, v in got.items() if v}  # a routed expert no sample reached has none
-
-
-def check_activations(x: torch.Tensor, where: str) -> torch.Tensor:
-    if not all_finite(x):  # runs on every block output of every sample
-        raise QuantkitError(f"calibration activations are NaN/Inf at {where} ({x.dtype}): the model overflows on "
-                            "this data; quantize with --dtype float32, or check the calibration text")
-    return x
-
-
 def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequential=True, store_device="cpu",
-                      start=0, replay=None, on_result=None, group=None):
+                      start=0, replay=None, on_result=None, group=None, head=None):
     """Quantize the blocks of `source` (quantkit.models.stream) in order, yielding (index, block, its results)
     while the block is still loaded (its norms may carry AWQ's folded scales, to be written).
 
@@ -216,6 +108,8 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
     block's int32 codes are never all held at once).
     group (quantkit.calibration.distributed.Group, under torchrun): this process calibrates on its share of the samples, the
     statistics are summed over the processes and the linears of each stage quantized a share per process.
+    head (quantkit.models.head.HeadPaths, --lm-head): lm_head is quantized after the last block, on the final norm of
+    its outputs, and yielded as (number of blocks, None, its results); with start past the last block it is done.
     """
     group = group or SINGLE
     model = source.model
@@ -246,6 +140,8 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
         source.release(prefix)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if head is not None and start <= len(blocks):
+        yield len(blocks), None, calibrated_head(source, head, inputs, method, device, store_device, on_result, group)
 
 
 def _quantize_block(runner, block, prefix, method, stages, reusable, on_result, group) -> dict:
@@ -291,7 +187,7 @@ def _quantize_stage(runner, block, prefix, method, stage, parallel, on_result, g
         return {}
     observers = {n: method.observer(f"{prefix}.{n}", get_weight(block.get_submodule(n))) for n in names}
     with routed_tokens(block, names, observers, group):
-        _observe_stage(runner, names, observers, parallel)
+        observe_stage(runner, names, observers, parallel)
     group.reduce_statistics([observers[n] for n in names])
 
     def quantize_one(n):
@@ -301,7 +197,7 @@ def _quantize_stage(runner, block, prefix, method, stage, parallel, on_result, g
             raise QuantkitError(f"{prefix}.{n}: {e}") from e
 
     results = {}
-    for n, res in _stage_results(names, quantize_one, group):
+    for n, res in stage_results(names, quantize_one, group):
         set_weight(block.get_submodule(n), res.dequantize())
         results[f"{prefix}.{n}"] = on_result(f"{prefix}.{n}", res) if on_result else res
         del res  # its codes, before the next layer's are made
@@ -328,38 +224,10 @@ def routed_tokens(block, names, observers, group=SINGLE):
             m.routed_counts = None
 
 
-def _stage_results(names, quantize_one, group):
-    """(name, result) in stage order. One process: each linear quantized when its turn comes (one layer's codes
-    held at a time). Under torchrun: each process first quantizes its own share (at the same time as the others),
-    then every result is sent from its owner to all."""
-    if not group.active:
-        for n in names:
-            yield n, quantize_one(n)
-        return
-    own = {n: quantize_one(n) for j, n in enumerate(names) if group.owner(j) == group.rank}
-    for j, n in enumerate(names):
-        yield n, group.broadcast(own.pop(n, None), group.owner(j))
-
-
-def _observe_stage(runner, names, observers, parallel=False) -> None:
-    """Accumulate each linear's input statistics; linears fed one tensor share the first one's (once)."""
-    shared = {}
-
-    def sink(name, x, source):
-        if source == name:
-            observers[name].add_batch(x)
-        else:
-            shared[name] = source
-
-    runner.observe(names, sink, parallel)
-    for name, source in shared.items():
-        observers[name].share_statistics(observers[source])
-
-
-def data_free_blocks(source, arch: Arch, method, start=0, on_result=None):
+def data_free_blocks(source, arch: Arch, method, start=0, on_result=None, head=None):
     """RTN-style methods: each block's linears rounded one at a time, yielded, released; no activations.
     Only one quantized linear's weight is loaded at a time (the block's other tensors stay loaded for the writer);
-    on_result as in calibrated_blocks."""
+    on_result and head as in calibrated_blocks."""
     blocks = get_submodule(source.model, arch.blocks)
     for i in tqdm(range(start, len(blocks)), desc=method.config.method, unit="block", initial=start,
                   total=len(blocks)):
@@ -376,3 +244,5 @@ def data_free_blocks(source, arch: Arch, method, start=0, on_result=None):
             del res  # its codes, before the next layer's are made
         yield i, block, results
         source.release(prefix)
+    if head is not None and start <= len(blocks):
+        yield len(blocks), None, data_free_head(source, head, method, on_result)

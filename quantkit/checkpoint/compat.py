@@ -10,6 +10,8 @@ and the source files):
   transformers utils/quantization_config.py GPTQConfig has no "dynamic": every linear is built with the
                base bits/group size, so a recipe with per-module overrides or skips does not load; its
                kernels are GPTQModel's (below).
+               A quantized lm_head (quantization_config "lm_head": true, what vLLM's GPTQConfig reads as
+               lm_head_quantized) is not loaded: its quantizer keeps the output embeddings in float.
   GPTQModel    nn_modules/qlinear/torch.py TorchLinear (its most permissive kernel): group_size in
                [-1, 16, 32, 64, 128, 256, 512, 1024] or equal to in_features; short last groups are padded.
                models/loader.py: an asymmetric checkpoint_format "gptq" (v1) folder loads only when its meta
@@ -53,7 +55,7 @@ def gptq_problems(config, specs: dict, shapes: dict, fused: dict) -> list[Proble
     quantized = {n: s for n, s in specs.items() if s is not None}
     return (_vllm_types(quantized) + _group_sizes(quantized, shapes) + _short_groups(quantized, shapes)
             + _split_groups(specs, fused) + _overrides(config, specs) + _gptqmodel_v1_asym(config, quantized)
-            + _gptqmodel_3bit(quantized, shapes))
+            + _gptqmodel_3bit(quantized, shapes) + _lm_head(config))
 
 
 def ct_problems(config, specs: dict, shapes: dict, fused: dict) -> list[Problem]:
@@ -134,6 +136,16 @@ def _overrides(config, specs: dict) -> list[Problem]:
     return [Problem("transformers", f"its GPTQConfig drops the 'dynamic' map, so {odd[0]} (a recipe override"
                                     f"{' or skip' if any(specs[n] is None for n in odd) else ''}) would be built "
                                     "with the base settings", "remove the recipe's modules: overrides")]
+
+
+def _lm_head(config) -> list[Problem]:
+    """A quantized lm_head is declared by quantization_config "lm_head": true, which vLLM (lm_head_quantized) and
+    GPTQModel read; transformers keeps the output embeddings out of its quantized modules and builds lm_head in
+    float, so its packed tensors do not load."""
+    if not getattr(config, "lm_head", False):
+        return []
+    return [Problem("transformers", "it builds lm_head in float and cannot load a quantized one (--lm-head)",
+                    "drop --lm-head, or load with quantkit, vLLM or GPTQModel")]
 
 
 def lines(problems: list[Problem]) -> list[str]:

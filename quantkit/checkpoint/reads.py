@@ -13,7 +13,7 @@ import torch
 from quantkit.checkpoint.shards import DTYPES, read_header
 from quantkit.core.errors import QuantkitError
 
-CHUNK_BYTES = 64 * 2**20
+CHUNK_BYTES = 16 * 2**20  # a float16 SmolLM2 embedding (57 MB) loaded in bfloat16 was one 64 MB chunk: +57 MB of peak
 
 
 class TensorReader:

@@ -58,7 +58,7 @@ def streamed_units(model: nn.Module, blocks_path: str) -> list[str]:
     """The decoder blocks, and the output head when it is not the input embedding (tied heads stay resident)."""
     units = [f"{blocks_path}.{i}" for i in range(len(model.get_submodule(blocks_path)))]
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is not None and head.weight is not embedding.weight:
+    if head is not None and getattr(head, "weight", None) is not embedding.weight:  # a quantized head has none
         units.append(next(n for n, m in model.named_modules() if m is head))
     return units
 

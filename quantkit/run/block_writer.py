@@ -129,16 +129,22 @@ class BlockWriter:
         return dataclasses.replace(res, quantizer=quantizer_of(settings), rotation=rotation, bias=None)
 
     def save_outside(self, tmp):
-        """Embeddings, final norm, lm_head: one tensor at a time from the source, in the stored dtype."""
-        outside = [n for n in self.source.names if not n.startswith(self.arch.blocks + ".")]
+        """Embeddings, final norm, lm_head (unless quantized): one tensor at a time from the source, in the stored
+        dtype."""
+        quantized = self._quantized_tensors()  # a quantized lm_head is a packed layer of its own part
+        outside = [n for n in self.source.names if not n.startswith(self.arch.blocks + ".") and n not in quantized]
         for j, name in enumerate(outside):
             shards.save_part(tmp, f"top-{j:05d}", self.source.read([name], self.save_dtype))
             return_freed_memory()
 
     def order(self) -> list[str]:
         """The checkpoint's tensor order: unquantized tensors in state-dict order, then packed layers."""
-        quantized = {f"{m}.{leaf}" for m in self.summaries for leaf in ("weight", "bias")}
+        quantized = self._quantized_tensors()
         return [n for n in self.source.names if n not in quantized] + self.packed
+
+    def _quantized_tensors(self) -> set:
+        """The source's float tensors the packed layers replace (their weights and biases)."""
+        return {f"{m}.{leaf}" for m in self.summaries for leaf in ("weight", "bias")}
 
 
 def _restored_summary(layer: dict, g_idx):

@@ -88,6 +88,7 @@ class QuantConfig:
     max_shard_size: str = "4GB"
     compat: str = "none"             # reader(s) whose refusal is an error before any work; none: warnings only
     moe_calibration: str = "all"     # all: every expert's statistics from every token; routed: its routed ones
+    lm_head: bool = False            # quantize the output projection too (untied from the embeddings)
     modules: list = field(default_factory=list)
 
     def __post_init__(self):

@@ -71,7 +71,8 @@ def convert(src, out, checkpoint_format: str, overwrite: bool = False) -> dict:
     all_linears = sorted([*results, *float_linears(tensors, results)])
     new_qc = target.quantization_config(_target_config(results, checkpoint_format), results, all_linears,
                                         act_order=bool(qc.get("static_groups", False)),
-                                        extra={"quantizer": [f"quantkit:{__version__}"]})
+                                        extra={"quantizer": [f"quantkit:{__version__}"],
+                                               "lm_head": any(n.rpartition(".")[2] == "lm_head" for n in results)})
     kept = {k: t for k, t in tensors.items()
             if k.rpartition(".")[0] not in results or k.rpartition(".")[2] not in (*repack.GPTQ_SUFFIXES, "bias")}
     for name, res in results.items():

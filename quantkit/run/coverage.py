@@ -4,7 +4,8 @@ Every weight of the model (a floating-point parameter of two or more dims) is of
   quantized      the weight of a linear the run quantizes
   recipe         a linear (or another weight) a recipe override keeps in float (`skip: true`)
   router         a mixture-of-experts router: [experts, hidden], kept in float (routing decisions must not move)
-  lm_head        the output projection, kept in float (tied to the embeddings or not)
+  lm_head        the output projection, kept in float (tied to the embeddings or not) unless --lm-head quantizes
+                 it (then "quantized"; a tied one is untied, the embeddings stay)
   embeddings     input embedding tables (not linear weights: left out of the share)
   outside        another weight outside the decoder blocks (position tables, a vision tower)
 A weight inside the decoder blocks that is none of these (transformers 5's fused 3-D expert tensors, a linear the
@@ -75,6 +76,10 @@ def weight_coverage(model: nn.Module, blocks_path: str, specs: dict, config) -> 
             coverage.add(kind, name, p.numel())
     if unknown:
         raise QuantkitError(_unknown_message(unknown, blocks_path))
+    head_name = next((n for n, m in model.named_modules() if m is head), None)
+    if head_name in specs and id(head.weight) in embeddings:  # --lm-head of a tied model: two weights once written
+        coverage.add("quantized" if specs[head_name] is not None else "lm_head", f"{head_name}.weight",
+                     head.weight.numel())
     return coverage
 
 

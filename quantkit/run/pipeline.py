@@ -26,6 +26,7 @@ from quantkit.core.errors import QuantkitError
 from quantkit.core.version import __version__
 from quantkit.models.arch import (arch_for, check_window, fused_groups, fused_siblings, get_submodule,
                                   require_scale_groups)
+from quantkit.models.head import head_paths, untie
 from quantkit.models.hub import resolve_device
 from quantkit.models.names import FileNames
 from quantkit.models.stream import open_model, return_freed_memory
@@ -96,10 +97,16 @@ class Plan:
     coverage: object        # what is quantized and what stays in float (quantkit.run.coverage)
     in_files: object        # the names the checkpoint gives the model's tensors (quantkit.models.names)
     calibration_ids: object  # [nsamples, seqlen] or None (data-free)
+    head: object = None     # quantkit.models.head.HeadPaths when lm_head is quantized (--lm-head)
 
     @property
     def n_blocks(self) -> int:
         return len(get_submodule(self.source.model, self.arch.blocks))
+
+    @property
+    def n_parts(self) -> int:
+        """The units the loop saves as parts: the blocks, and lm_head after them when it is quantized."""
+        return self.n_blocks + (self.head is not None)
 
 
 def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) -> Plan:
@@ -109,10 +116,12 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
     source, tokenizer, declared = open_model(model, compute_dtype, trust_remote_code, tokenizer_required=needs_text)
     fp_model = source.model
     arch = arch_for(fp_model)
-    names = quantizable_linears(fp_model, arch)
+    head = head_paths(fp_model) if config.lm_head else None
+    names = quantizable_linears(fp_model, arch, head)
     siblings = fused_siblings(arch, names)
     in_files = FileNames(fp_model)  # the names the checkpoint and the report give the model's tensors
     specs, shapes = layer_specs(fp_model, names, config, siblings, in_files)
+    head = head if head is not None and specs[head.lm_head] is not None else None  # a recipe may skip it
     coverage = weight_coverage(fp_model, arch.blocks, specs, config)  # refuses weights it would leave in float
     kept = [n.rpartition(".")[0] for n in coverage.kinds.get("recipe", {}) if n.rpartition(".")[0] not in specs]
     aliases = file_aliases(in_files, [*names, *kept])
@@ -130,7 +139,7 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
         calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
     save_dtype = declared if dtype == "auto" else source.dtype
     return Plan(source, tokenizer, save_dtype, compute_dtype, arch, names, method, writer_codec(config, specs),
-                compat_lines, coverage, in_files, calibration_ids if config.needs_calibration else None)
+                compat_lines, coverage, in_files, calibration_ids if config.needs_calibration else None, head)
 
 
 def _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable, trust_remote_code):
@@ -149,7 +158,7 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
     keep = (lambda folder: resume_state.progress(folder, plan.n_blocks)) if resumable else None
     with output.staged_folder(out, overwrite, sources=[model], adopt=partial, keep=keep) as tmp:
         start = _start(tmp, partial, fingerprint, writer, device, out, plan.n_blocks)
-        _quantize_blocks(group, plan, config, writer, tmp, start, device)
+        _quantize_parts(group, plan, config, writer, tmp, start, device)
         writer.save_outside(tmp)
         report = _report(model, config, device, plan, writer, start, time.perf_counter() - t_start)
         shards.assemble(tmp, writer.order(), files.parse_size(config.max_shard_size), plan.in_files.of_tensor)
@@ -166,14 +175,16 @@ def _start(tmp, partial, fingerprint, writer, device, out, n_blocks) -> int:
     resume_state.clean(tmp)
     resume_state.set_aside_damaged(tmp)
     start = writer.restore(tmp, resume_state.finished_blocks(tmp), device)
-    finished = "no block" if start == 0 else "block 0" if start == 1 else f"blocks 0-{start - 1}"
-    print(f"resuming {out}: {finished} of {n_blocks} {'are' if start > 1 else 'is'} done", file=sys.stderr)
+    blocks = min(start, n_blocks)
+    finished = "no block" if blocks == 0 else "block 0" if blocks == 1 else f"blocks 0-{blocks - 1}"
+    finished += f" of {n_blocks}" + (" and lm_head" if start > n_blocks else "")
+    print(f"resuming {out}: {finished} {'are' if start > 1 else 'is'} done", file=sys.stderr)
     return start
 
 
-def _quantize_blocks(group, plan, config, writer, tmp, start, device) -> None:
-    """Every block from `start` on, each saved as a part as soon as it is quantized."""
-    if start == plan.n_blocks:
+def _quantize_parts(group, plan, config, writer, tmp, start, device) -> None:
+    """Every block from `start` on (and the quantized lm_head), each saved as a part as soon as it is quantized."""
+    if start == plan.n_parts:
         return
     if config.needs_calibration:
         # Stage by stage also for RTN rounding (awq), which ignores the data: its error report then sees the
@@ -181,9 +192,10 @@ def _quantize_blocks(group, plan, config, writer, tmp, start, device) -> None:
         # in all, where one observing pass and a final forward of the whole block cost two.
         blocks = calibrated_blocks(plan.source, plan.arch, plan.calibration_ids, plan.method, device,
                                    config.true_sequential, start=start, replay=writer.replay,
-                                   on_result=writer.pack, group=group)
+                                   on_result=writer.pack, group=group, head=plan.head)
     else:  # data-free: the same per-layer path, without an observer
-        blocks = data_free_blocks(plan.source, plan.arch, plan.method, start=start, on_result=writer.pack)
+        blocks = data_free_blocks(plan.source, plan.arch, plan.method, start=start, on_result=writer.pack,
+                                  head=plan.head)
     # closing: a failure ends the generator (and its progress bar) before the error line is printed
     with contextlib.closing(blocks):
         for i, block, results in blocks:
@@ -248,11 +260,13 @@ def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids, t
         return None
     source, tokenizer, _ = open_model(model, _compute_dtype(device, dtype), trust_remote_code)
     arch = arch_for(source.model)
-    names = quantizable_linears(source.model, arch)
+    head = head_paths(source.model) if config.lm_head else None
+    names = quantizable_linears(source.model, arch, head)
     specs, _ = layer_specs(source.model, names, config, fused_siblings(arch, names))
+    head = head if head is not None and specs[head.lm_head] is not None else None
     method = Method(config, arch, specs)
     ids = _calibration(config, tokenizer, calibration_ids, source.model.config)
-    blocks = calibrated_blocks(source, arch, ids, method, device, config.true_sequential, group=group)
+    blocks = calibrated_blocks(source, arch, ids, method, device, config.true_sequential, group=group, head=head)
     with contextlib.closing(blocks):
         for _ in blocks:
             return_freed_memory()
@@ -265,12 +279,14 @@ def _write_configs(tmp, plan, results, config, report):
     fused = {of_module(f): tuple(map(of_module, members)) for f, members in fused_groups(plan.arch, plan.names).items()}
     qc = plan.codec.quantization_config(config, {of_module(n): r for n, r in results.items()}, names,
                                         act_order=plan.method.act_order, extra={
-        "true_sequential": config.true_sequential, "damp_percent": config.damp,
+        "true_sequential": config.true_sequential, "damp_percent": config.damp, "lm_head": plan.head is not None,
         "quantizer": [f"quantkit:{__version__}"], "meta": {"method": config.method}}, fused=fused)
     model = plan.source.model
     model_config = model.config.to_dict()
     model_config["dtype"] = str(plan.save_dtype).removeprefix("torch.")
     model_config["quantization_config"] = qc
+    if plan.head is not None:  # the embedding stays in float, lm_head is quantized: two tensors now
+        untie(model_config)
     files.write_json(tmp / "config.json", model_config)
     files.write_json(tmp / "quantize_config.json", qc)
     if getattr(model, "generation_config", None) is not None:

@@ -10,8 +10,9 @@ from quantkit.models.arch import block_linears, fused_groups, get_submodule, get
 from quantkit.models.names import FileNames
 
 
-def quantizable_linears(model, arch) -> list[str]:
-    """Full names of the linears inside the decoder blocks (embeddings and lm_head are left alone)."""
+def quantizable_linears(model, arch, head=None) -> list[str]:
+    """Full names of the linears inside the decoder blocks, then lm_head when `head` (quantkit.models.head.HeadPaths)
+    is given (--lm-head); the embeddings are left alone."""
     blocks = get_submodule(model, arch.blocks)
     names = []
     for i, block in enumerate(blocks):
@@ -26,7 +27,7 @@ def quantizable_linears(model, arch) -> list[str]:
             if not is_linear(module):
                 raise QuantkitError(f"{arch.blocks}.{i}.{rel} is a {type(module).__name__}, not a linear layer")
             names.append(f"{arch.blocks}.{i}.{rel}")
-    return names
+    return names + ([head.lm_head] if head is not None else [])
 
 
 def check_compat(config, arch, names, specs, shapes) -> list[str]:
