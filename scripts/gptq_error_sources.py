@@ -20,7 +20,7 @@ import torch
 
 from quantkit.algorithms.gptq import GPTQ
 from quantkit.calibration.data import calibration_ids
-from quantkit.calibration.sequential import input_hooks
+from quantkit.calibration.runner import input_hooks
 from quantkit.models.hub import load_fp_model
 from quantkit.schemes.grid import Grid
 

@@ -18,7 +18,8 @@ from quantkit.schemes.rotation import Rotation
 from quantkit.algorithms.rtn import rtn
 from quantkit.models.arch import arch_for, get_submodule, get_weight
 from quantkit.models.hub import load_fp_model
-from quantkit.calibration.sequential import BlockRunner, capture_block_inputs
+from quantkit.calibration.runner import BlockRunner
+from quantkit.calibration.sequential import capture_block_inputs
 
 
 def errors(W, x, bits, group_size, name):
