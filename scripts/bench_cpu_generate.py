@@ -4,13 +4,14 @@
 Each row is a child process that imports torch, transformers and quantkit and builds the model's skeleton on the
 meta device, which imports its modeling code (its resident memory then is the runtime's baseline); then it loads one
 model, runs a prefill of --prompt tokens and --new-tokens greedy decode steps with the KV cache (batch 1, inference
-mode), and reports:
+mode; the prefill computes the last position's logits only, as generate() does), and reports:
   load RSS      resident memory once loaded (VmRSS), minus the baseline
   peak RSS      the highest resident memory of the whole child (VmHWM), minus the baseline
   peak / bf16   that peak over the bf16 model's weight bytes (2 bytes per parameter)
   prefill, decode tokens/s (the fastest of --repeat runs)
 Rows: the source model in float32 and bfloat16, and quantkit checkpoints of it (made in --workdir by `quantize`, reused
-when there): RTN w4 g128 and w3 g128 (GPTQ layout) and TurboQuant w4 (codebook, rotated), loaded in bfloat16 (the
+when there) from the source stored in --source-dtype: RTN w4 g128 (also with --lm-head: lm_head quantized, the
+embedding then only looked up) and w3 g128 (GPTQ layout) and TurboQuant w4 (codebook, rotated), loaded in bfloat16 (the
 int4 CPU kernel decodes, quantkit.nn.cpu_int4_linear) and in float32 (exact strip-wise decode), and w4 with
 cache_dequantized=True (the decoded weights kept: the memory of the fp32 model).
 With --llama-bench (llama.cpp's benchmark binary) and --gguf files of the same model, llama-bench's prefill and
@@ -28,11 +29,13 @@ import time
 from pathlib import Path
 
 CHECKPOINTS = {"rtn-w4-g128": dict(method="rtn", bits=4, group_size=128),
+               "rtn-w4-g128-lm-head": dict(method="rtn", bits=4, group_size=128, lm_head=True),
                "rtn-w3-g128": dict(method="rtn", bits=3, group_size=128),
                "turboquant-w4-g128": dict(method="turboquant", bits=4, group_size=128)}
 ROWS = [("fp32", "source", "float32", False), ("bf16", "source", "bfloat16", False),
         ("w4 g128, bf16", "rtn-w4-g128", "bfloat16", False), ("w4 g128, fp32", "rtn-w4-g128", "float32", False),
         ("w4 g128, fp32, cache_dequantized", "rtn-w4-g128", "float32", True),
+        ("w4 g128 + lm_head, bf16", "rtn-w4-g128-lm-head", "bfloat16", False),
         ("w3 g128, bf16", "rtn-w3-g128", "bfloat16", False),
         ("turboquant w4 g128, bf16", "turboquant-w4-g128", "bfloat16", False)]
 
@@ -65,7 +68,7 @@ def child(path: str, dtype: str, cache: bool, args) -> dict:
     with torch.inference_mode():
         for _ in range(args.repeat):
             t0 = time.perf_counter()
-            out = model(prompt, use_cache=True)
+            out = model(prompt, use_cache=True, logits_to_keep=1)  # as generate() prefills: the last logits only
             t1 = time.perf_counter()
             cache_kv, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
             for _ in range(args.new_tokens):
@@ -113,6 +116,25 @@ def make_checkpoints(args, work: Path) -> dict:
     return folders
 
 
+def source_in(source: str, dtype: str, work: Path) -> Path:
+    """The source model stored in `dtype` (a copy in `work` when it is stored otherwise): the checkpoints then keep
+    their float tensors in it, and a bf16 load keeps the input embedding a view of the file."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    declared = json.loads((Path(source) / "config.json").read_text()).get("dtype")
+    if dtype == "as-stored" or declared == dtype:
+        return Path(source)
+    copy = work / f"source-{dtype}"
+    if not (copy / "config.json").exists():
+        print(f"writing {source} in {dtype} to {copy}", flush=True)
+        AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype)).save_pretrained(copy)
+        AutoTokenizer.from_pretrained(source).save_pretrained(copy)
+    return copy
+
+
 def llama_bench(args) -> list:
     """(row name, {prefill, decode, size}) per --gguf file, from llama-bench's JSON (pp and tg runs)."""
     rows = []
@@ -133,6 +155,9 @@ def main(argv=None):
     p.add_argument("source", help="the floating-point model folder")
     p.add_argument("--workdir", default="/tmp/bench_cpu_generate", help="where the checkpoints are made (and reused)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--source-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "as-stored"],
+                   help="the dtype the source is stored in for every row (a copy is made in --workdir when it differs; "
+                        "SmolLM2 is bf16 on the hub, the asset builder writes fp16)")
     p.add_argument("--prompt", type=int, default=128, help="prefill length (tokens)")
     p.add_argument("--new-tokens", type=int, default=128, help="decode steps")
     p.add_argument("--repeat", type=int, default=2, help="runs per row (the fastest is kept)")
@@ -146,6 +171,7 @@ def main(argv=None):
         return
     import torch
 
+    args.source = str(source_in(args.source, args.source_dtype, Path(args.workdir)))
     folders = {"source": Path(args.source), **make_checkpoints(args, Path(args.workdir))}
     print(f"\nCPU: {cpu_name()}, {args.threads} threads, torch {torch.__version__} "
           f"({torch.backends.cpu.get_cpu_capability()}); batch 1, prompt {args.prompt}, {args.new_tokens} new tokens\n")
