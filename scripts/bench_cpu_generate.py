@@ -119,8 +119,6 @@ def make_checkpoints(args, work: Path) -> dict:
 def source_in(source: str, dtype: str, work: Path) -> Path:
     """The source model stored in `dtype` (a copy in `work` when it is stored otherwise): the checkpoints then keep
     their float tensors in it, and a bf16 load keeps the input embedding a view of the file."""
-    import json
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import dequantize_gptq
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantkit.algorithms.hessian import fidelity
@@ -16,7 +17,6 @@ from quantkit.run.config import QuantConfig
 from quantkit.run.convert import convert
 from quantkit.run.load import load_quantized
 from quantkit.schemes.grid import Grid
-from tiny_models import dequantize_gptq
 
 IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 41, 3, 8, 60, 12]])
 NSAMPLES, SEQLEN = 4, 32

@@ -23,8 +23,8 @@ from quantkit.calibration.runner import BlockRunner, StopForward, check_activati
 from quantkit.core.errors import QuantkitError
 from quantkit.core.matmul import onednn_linears
 from quantkit.core.units import size_text
-from quantkit.models.arch import (Arch, block_linears, for_block,  # noqa: F401 (re-exported)
-                                  get_submodule, get_weight, set_weight)
+from quantkit.models.arch import (Arch, block_linears, for_block, get_submodule, get_weight,  # noqa: F401 (re-exported)
+                                  set_weight)
 from quantkit.models.moe import expert_of, set_all_tokens
 
 

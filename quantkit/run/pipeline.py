@@ -35,7 +35,7 @@ from quantkit.run import resume as resume_state
 from quantkit.run.block_writer import BlockWriter
 from quantkit.run.config import QuantConfig, write_recipe
 from quantkit.run.coverage import expert_calibration, weight_coverage
-from quantkit.run.precheck import check_compat, file_aliases, layer_specs, quantizable_linears, writer_codec
+from quantkit.run.precheck import check_compat, file_aliases, kept_head, layer_specs, quantizable_linears, writer_codec
 from quantkit.run.report import flag_outliers
 
 
@@ -121,7 +121,7 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
     siblings = fused_siblings(arch, names)
     in_files = FileNames(fp_model)  # the names the checkpoint and the report give the model's tensors
     specs, shapes = layer_specs(fp_model, names, config, siblings, in_files)
-    head = head if head is not None and specs[head.lm_head] is not None else None  # a recipe may skip it
+    head = kept_head(head, specs)
     coverage = weight_coverage(fp_model, arch.blocks, specs, config)  # refuses weights it would leave in float
     kept = [n.rpartition(".")[0] for n in coverage.kinds.get("recipe", {}) if n.rpartition(".")[0] not in specs]
     aliases = file_aliases(in_files, [*names, *kept])
@@ -263,7 +263,7 @@ def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids, t
     head = head_paths(source.model) if config.lm_head else None
     names = quantizable_linears(source.model, arch, head)
     specs, _ = layer_specs(source.model, names, config, fused_siblings(arch, names))
-    head = head if head is not None and specs[head.lm_head] is not None else None
+    head = kept_head(head, specs)
     method = Method(config, arch, specs)
     ids = _calibration(config, tokenizer, calibration_ids, source.model.config)
     blocks = calibrated_blocks(source, arch, ids, method, device, config.true_sequential, group=group, head=head)

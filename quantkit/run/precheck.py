@@ -30,6 +30,11 @@ def quantizable_linears(model, arch, head=None) -> list[str]:
     return names + ([head.lm_head] if head is not None else [])
 
 
+def kept_head(head, specs: dict):
+    """The HeadPaths of --lm-head (quantkit.models.head), or None when none was asked for or a recipe skips lm_head."""
+    return head if head is not None and specs[head.lm_head] is not None else None
+
+
 def check_compat(config, arch, names, specs, shapes) -> list[str]:
     """Before any calibration (specs and shapes from layer_specs): each layer's shape against its quantizer (an
     error), then the readers that would refuse the checkpoint (quantkit.checkpoint.compat):
