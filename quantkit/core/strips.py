@@ -35,7 +35,7 @@ def strip_linear(x: torch.Tensor, decode_columns, row_ranges, bias=None) -> torc
     The decoded strip is rounded once to x's dtype, as the reference decode does; float16 and bfloat16 on the CPU
     multiply in float32 and round the result back: torch's CPU half-precision GEMMs accumulate in float32 anyway, and
     without AMX they are far slower (x [128, 576] @ Wᵀ [576, 1536] in bfloat16: 186 ms against 2.2 ms in float32 on
-    a 2-core AMD EPYC with AVX-512 BF16)."""
+    a 2-core AMD EPYC with AVX2, no AVX-512)."""
     half_on_cpu = x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cpu"
     compute = torch.float32 if half_on_cpu else x.dtype
     x2 = x.reshape(-1, x.shape[-1]).to(compute)
