@@ -11,12 +11,14 @@ imports them all). It subclasses Codec and declares:
   read_layers(qc, tensors, where)    -> [LayerInfo], each layer's tensors checked against the config
   build_module(layer, qc, dtype)     -> nn.Module on the meta device, buffers named as the tensors
   layer_result(tensors, name, settings, checkpoint_format) -> QuantResult   a written layer back, exactly (resume)
-and may override the hooks below (precheck, compat_problems, check_folder, int_zero_format).
+and may override the hooks below (precheck, check_source, compat_problems, check_folder, int_zero_format,
+write_files).
 
 A format either writes its layout or refuses (`fallback` None), or hands the layers it cannot hold to the codec
 its `fallback` names: --checkpoint-format gptq writes the GPTQ layout whenever every layer fits it (what serving
 stacks read) and the quantkit format otherwise.
 """
+from quantkit.checkpoint import shards
 from quantkit.core.errors import QuantkitError
 from quantkit.core.registry import Registry
 
@@ -35,6 +37,8 @@ class Codec:
     checkpoint_formats = {}
     fallback = None                # quant_method of the codec that takes layers this one does not accept
     writes_quantize_config = False  # also write quantize_config.json (the AutoGPTQ / GPTQModel convention)
+    needs_tokenizer = False         # write_files puts the tokenizer in the weights file (GGUF)
+    safetensors = True              # the weights are safetensors files that read_layers reads (not GGUF's one file)
 
     @classmethod
     def refusal(cls, res) -> str | None:
@@ -43,6 +47,18 @@ class Codec:
     @staticmethod
     def precheck(config, specs: dict, shapes: dict) -> None:
         """Refuse, before any calibration, what the settings alone say this format cannot store."""
+
+    @staticmethod
+    def check_source(model_config: dict, tokenizer, names: list) -> None:
+        """Refuse, before any calibration, a model (config.json as a dict, its tokenizer or None, its tensors' names
+        as the checkpoint stores them) the format cannot describe."""
+
+    @staticmethod
+    def write_files(folder, order: list, max_shard_bytes: int, rename, written) -> None:
+        """The checkpoint's weight files from the run's part files (quantkit.checkpoint.shards), tensors in `order`
+        (model names; rename gives the names in the files). written: .config (config.json as it is written, with
+        its quantization_config), .tokenizer and .name. Default: safetensors shards."""
+        shards.assemble(folder, order, max_shard_bytes, rename)
 
     @staticmethod
     def compat_problems(config, specs: dict, shapes: dict, fused: dict) -> list:

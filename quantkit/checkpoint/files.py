@@ -187,6 +187,9 @@ def read_checkpoint_as_stored(folder):
     config = read_config(folder)
     qc = config["quantization_config"]
     codec = codecs.codec_named(qc, str(folder))
+    if not codec.safetensors:
+        raise QuantkitError(f"{folder} is a {codec.quant_method} checkpoint: load_quantized and `quantkit eval` read "
+                            "it (dequantized); convert and inspect read safetensors checkpoints")
     tensors = read_tensors(folder)
     as_read = dict(tensors)
     layers = codec.read_layers(qc, tensors, str(folder))

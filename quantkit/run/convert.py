@@ -16,10 +16,11 @@ import torch
 
 from quantkit.checkpoint import codecs
 from quantkit.checkpoint import files as checkpoint
-from quantkit.checkpoint import repack
+from quantkit.checkpoint import repack, shards
 from quantkit.core.errors import QuantkitError
 from quantkit.core.folders import INDEX_NAME
 from quantkit.core.version import __version__
+from quantkit.models.hub import load_tokenizer
 from quantkit.run import output
 
 SKIP_FILES = {"config.json", "quantize_config.json", INDEX_NAME, checkpoint.RECIPE_NAME, checkpoint.REPORT_NAME}
@@ -81,18 +82,23 @@ def convert(src, out, checkpoint_format: str, overwrite: bool = False) -> dict:
                                               bias.dtype if bias is not None else None).items():
             kept[f"{name}.{suffix}"] = t
     config["quantization_config"] = new_qc
+    tokenizer = load_tokenizer(src) if target.needs_tokenizer else None
+    written = SimpleNamespace(config=config, tokenizer=tokenizer, name=src.name)
+    target.check_source(config, written.tokenizer, list(kept))
     made_from = checkpoint.read_report(src).get("model")  # a quantkit checkpoint's source carries over
     report = {"quantkit_version": __version__, **({"model": made_from} if made_from else {}),
               "converted_from": str(src), "source_quant_method": qc["quant_method"],
               "source_format": qc.get("checkpoint_format", qc["quant_method"]),  # gptq_v2 shows, not only "gptq"
               "checkpoint_format": checkpoint_format, "layers": len(results)}
     with output.staged_folder(out, overwrite, sources=[src]) as tmp:
-        checkpoint.write_tensors(tmp, kept, checkpoint.parse_size("4GB"))
+        shards.save_part(tmp, "convert", kept)  # the target's files are written from parts, as quantize's are
+        target.write_files(tmp, list(kept), checkpoint.parse_size("4GB"), str, written)
+        shards.delete_parts(tmp)
         checkpoint.write_json(tmp / "config.json", config)
         if target.writes_quantize_config:
             checkpoint.write_json(tmp / "quantize_config.json", new_qc)
         for f in src.iterdir():  # tokenizer, generation config: everything that is not weights or configs
-            if f.is_file() and f.name not in SKIP_FILES and f.suffix != ".safetensors":
+            if f.is_file() and f.name not in SKIP_FILES and f.suffix not in (".safetensors", ".gguf"):
                 shutil.copy2(f, tmp / f.name)
         report["files"] = output.file_list(tmp)
         checkpoint.write_json(tmp / checkpoint.REPORT_NAME, report)

@@ -14,6 +14,8 @@ import torch
 
 from quantkit.calibration.sequential import move_loaded
 from quantkit.checkpoint import files as checkpoint
+from quantkit.checkpoint import gguf_read
+from quantkit.checkpoint.gguf import GGUF_FILE
 from quantkit.checkpoint.reads import TensorReader
 from quantkit.core.errors import QuantkitError
 from quantkit.models import offload, placement
@@ -92,6 +94,8 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
     """
     folder = Path(path)
     device = _device(device_map)  # before the files are read: a mistyped device is named at once
+    if checkpoint.read_config(folder)["quantization_config"]["quant_method"] == "gguf":
+        return _load_gguf(folder, device, dtype)
     config, tensors, layers, codec, stored = checkpoint.read_checkpoint_as_stored(folder)
     dtype = parse_dtype(dtype) or _default_dtype(parse_dtype(config.get("dtype") or config.get("torch_dtype")), device)
     qc = config["quantization_config"]  # config.json's, or an AutoGPTQ folder's quantize_config.json
@@ -133,6 +137,20 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
         for module in model.modules():
             if hasattr(module, "cache_dequantized"):
                 module.cache_dequantized = True
+    return model.to(device).eval()
+
+
+def _load_gguf(folder: Path, device: str, dtype) -> torch.nn.Module:
+    """A GGUF checkpoint (quantkit.checkpoint.gguf), every weight dequantized into a float model of config.json's."""
+    config = checkpoint.read_config(folder)
+    dtype = parse_dtype(dtype) or _default_dtype(parse_dtype(config.get("dtype") or config.get("torch_dtype")), device)
+    model, _ = _skeleton(folder, dtype, config["quantization_config"])
+    del model.config.quantization_config  # the model is a float one now: save_pretrained must not call it quantized
+    _assign(model, folder, gguf_read.read_tensors(folder / GGUF_FILE, config, dtype))
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise QuantkitError(f"{folder / GGUF_FILE} is missing tensors {missing[:5]}: it is incomplete, quantize again")
     return model.to(device).eval()
 
 

@@ -21,7 +21,7 @@ from quantkit.calibration import distributed
 from quantkit.calibration.data import calibration_ids as load_calibration
 from quantkit.calibration.data import check_dataset
 from quantkit.calibration.sequential import calibrated_blocks, check_activation_memory, data_free_blocks
-from quantkit.checkpoint import files, shards
+from quantkit.checkpoint import files
 from quantkit.core.errors import QuantkitError
 from quantkit.core.version import __version__
 from quantkit.models.arch import (arch_for, check_window, fused_groups, fused_siblings, get_submodule,
@@ -131,6 +131,8 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
     if all(s is None for s in specs.values()):
         raise QuantkitError(f"the recipe's module overrides skip all {len(names)} quantizable linears: nothing to "
                             "quantize; remove a skip: true or narrow its pattern")
+    writer_codec(config, specs).check_source(fp_model.config.to_dict(), tokenizer,  # the model, then its layers
+                                             [in_files.of_tensor(n) for n in source.names])
     compat_lines = check_compat(config, arch, names, specs, shapes)
     method = Method(config, arch, specs)
     if config.needs_calibration:
@@ -161,9 +163,12 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
         _quantize_parts(group, plan, config, writer, tmp, start, device)
         writer.save_outside(tmp)
         report = _report(model, config, device, plan, writer, start, time.perf_counter() - t_start)
-        shards.assemble(tmp, writer.order(), files.parse_size(config.max_shard_size), plan.in_files.of_tensor)
+        written = SimpleNamespace(config=_model_config(plan, writer.summaries, config), tokenizer=plan.tokenizer,
+                                  name=Path(_source_name(model)).name)
+        plan.codec.write_files(tmp, writer.order(), files.parse_size(config.max_shard_size), plan.in_files.of_tensor,
+                               written)
         resume_state.finish(tmp)
-        _write_configs(tmp, plan, writer.summaries, config, report)
+        _write_configs(tmp, plan, written.config, config, report)
     return report
 
 
@@ -273,7 +278,8 @@ def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids, t
     return None
 
 
-def _write_configs(tmp, plan, results, config, report):
+def _model_config(plan, results, config) -> dict:
+    """config.json as the checkpoint holds it: the source's, its dtype, quantization_config (and lm_head untied)."""
     of_module = plan.in_files.of_module
     names = [of_module(n) for n in plan.names]
     fused = {of_module(f): tuple(map(of_module, members)) for f, members in fused_groups(plan.arch, plan.names).items()}
@@ -287,8 +293,13 @@ def _write_configs(tmp, plan, results, config, report):
     model_config["quantization_config"] = qc
     if plan.head is not None:  # the embedding stays in float, lm_head is quantized: two tensors now
         untie(model_config)
+    return model_config
+
+
+def _write_configs(tmp, plan, model_config, config, report):
+    model = plan.source.model
     files.write_json(tmp / "config.json", model_config)
-    files.write_json(tmp / "quantize_config.json", qc)
+    files.write_json(tmp / "quantize_config.json", model_config["quantization_config"])
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(tmp)
     if plan.tokenizer is not None:

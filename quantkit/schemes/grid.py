@@ -119,7 +119,7 @@ def fit(w: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
     # whenever fp16 rounded up (about half the groups), shrinking the group's largest weight by half a step.
     # Rounding the scale down gives it the full code -2^(bits-1) in every group: same weight MSE, but the
     # outliers keep their size (SmolLM2 RTN w4 g64: ppl 42.84 -> 41.56, llm-compressor's fp32 grid 41.57).
-    scale = (_fp16_at_most(scale) if grid.sym else scale.half().float()).clamp(min=2**-24)
+    scale = (fp16_at_most(scale) if grid.sym else scale.half().float()).clamp(min=2**-24)
     if grid.sym:
         zero = torch.full_like(scale, float(2 ** (grid.bits - 1)))
     else:
@@ -151,7 +151,7 @@ def _better_scale(w, scale_a, scale_b, zero, maxq, importance=None) -> torch.Ten
     return torch.where(error(scale_b) < error(scale_a), scale_b, scale_a)
 
 
-def _fp16_at_most(x: torch.Tensor) -> torch.Tensor:
+def fp16_at_most(x: torch.Tensor) -> torch.Tensor:
     """The largest fp16 value not above each (positive) x, as float32."""
     h = x.half()
     return torch.where(h.float() > x, torch.nextafter(h, torch.zeros_like(h)), h).float()

@@ -1,0 +1,131 @@
+"""The GGUF codec (quant_method "gguf", --checkpoint-format gguf): llama.cpp's file, its block types, its names.
+
+The folder holds model.gguf, which llama.cpp (llama-cli, llama-perplexity, ollama, LM Studio) runs as it is, beside
+config.json, the tokenizer files and quantkit's report, with which quantkit reads the checkpoint back:
+
+    "quantization_config": {"quant_method": "gguf", "gguf_file": "model.gguf", "group_size": 32,
+                            "types": {"model.layers.0.mlp.down_proj": "Q4_0", ...}, ... (the run's options)}
+
+A layer is stored as one of llama.cpp's block types (quantkit.checkpoint.gguf_blocks) when its codes are that
+type's codes exactly: an unrotated integer grid of groups of 32, symmetric 4- or 8-bit (Q4_0, Q8_0; GPTQ's
+groups, act-order with static groups included), or the ggml quantizer (quantkit.schemes.ggml_legacy: Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0). While the run lasts each layer's part holds its blocks as uint8 rows ([out, in / 32 * block
+bytes], under `<layer>.weight`); at the end quantkit.checkpoint.gguf_export writes model.gguf from the parts.
+"""
+import torch
+
+from quantkit.checkpoint import gguf_blocks, gguf_export
+from quantkit.checkpoint.codecs import Codec, register_codec
+from quantkit.core.errors import QuantkitError
+from quantkit.core.result import QuantResult
+from quantkit.schemes.base import make_quantizer
+
+GGUF_FILE = "model.gguf"
+INT_TYPES = {4: "Q4_0", 8: "Q8_0"}  # the symmetric integer grid's widths a block type holds as they are
+FIX = ("use --group-size 32 with --bits 4 or 8 (Q4_0, Q8_0), or --quantizer ggml for Q4_1 / Q5_0 / Q5_1, "
+       "without --rotate")
+
+
+def type_of_settings(quantizer: str, bits: int, sym: bool) -> str | None:
+    """The block type a layer's quantizer settings give when its groups are 32 wide, or None."""
+    if quantizer == "ggml":
+        return make_quantizer("ggml", bits=bits, sym=sym).ggml_type
+    return INT_TYPES.get(bits) if quantizer == "int" and sym else None
+
+
+def block_type(res: QuantResult) -> str | None:
+    q = res.quantizer
+    return type_of_settings(q.name, q.bits, q.sym) if q.name in ("int", "ggml") else None
+
+
+@register_codec
+class GGUFCodec(Codec):
+    quant_method = "gguf"
+    needs_tokenizer = True
+    safetensors = False
+    checkpoint_formats = {"gguf": "one llama.cpp file, model.gguf (Q4_0 / Q8_0 from groups of 32; Q4_1 / Q5_0 / "
+                                  "Q5_1 with --quantizer ggml), beside config.json and the tokenizer"}
+
+    @staticmethod
+    def refusal(res: QuantResult) -> str | None:
+        rows, cols = res.shape
+        if res.rotation is not None:
+            return f"it is rotated, and llama.cpp applies no rotation: {FIX}"
+        if block_type(res) is None or res.group_size != gguf_blocks.BLOCK:
+            return f"llama.cpp has no block type for this {res.quantizer.name} layer in groups of {res.group_size}: {FIX}"
+        if cols % gguf_blocks.BLOCK:
+            return f"its {cols} inputs are not whole blocks of {gguf_blocks.BLOCK}: keep it in float with a recipe skip"
+        if not torch.equal(res.g_idx.cpu().long(), torch.arange(cols) // gguf_blocks.BLOCK):
+            return f"its groups are not consecutive blocks of {gguf_blocks.BLOCK} (act-order needs --static-groups)"
+        return None
+
+    @classmethod
+    def accepts(cls, res: QuantResult) -> bool:
+        return cls.refusal(res) is None
+
+    @staticmethod
+    def precheck(config, specs: dict, shapes: dict) -> None:
+        if config.rotate != "none":
+            raise QuantkitError(f"--checkpoint-format gguf cannot store rotated layers (--rotate {config.rotate}): "
+                                f"llama.cpp applies no rotation; {FIX}")
+        for name, spec in specs.items():
+            if spec is None:
+                continue
+            q = spec.quantizer()
+            kind = type_of_settings(q.name, spec.bits, spec.sym) if q.name in ("int", "ggml") else None
+            if kind is None or spec.group_size != gguf_blocks.BLOCK:
+                raise QuantkitError(f"--checkpoint-format gguf cannot store {name} ({spec.bits}-bit {q.name}, groups "
+                                    f"of {spec.group_size}): {FIX}")
+            if shapes[name][0] % gguf_blocks.BLOCK:
+                raise QuantkitError(f"--checkpoint-format gguf cannot store {name}: its {shapes[name][0]} inputs are "
+                                    f"not whole blocks of {gguf_blocks.BLOCK}; keep it in float with a recipe skip")
+
+    @staticmethod
+    def check_source(model_config: dict, tokenizer, names: list) -> None:
+        gguf_export.check_source(model_config, tokenizer, names)
+
+    @staticmethod
+    def quantization_config(config, results: dict, all_linears, act_order: bool, extra=None, fused=None) -> dict:
+        types = {name: block_type(results[name]) for name in all_linears if name in results}
+        return {"quant_method": "gguf", "gguf_file": GGUF_FILE, "group_size": gguf_blocks.BLOCK,
+                "desc_act": act_order, "types": types, **(extra or {})}
+
+    @staticmethod
+    def layer_tensors(res: QuantResult, config, bias_dtype) -> dict:
+        kind = gguf_blocks.TYPES[block_type(res)]
+        rows, cols = res.shape
+        d = res.params["d" if res.quantizer.name == "ggml" else "scale"]
+        out = {"weight": gguf_blocks.encode(kind, res.codes, d, res.params.get("m"))}
+        if res.bias is not None:
+            out["bias"] = res.bias.detach().to(bias_dtype or torch.float16).contiguous()
+        return out
+
+    @staticmethod
+    def layer_result(tensors: dict, name: str, settings: dict, fmt: str) -> QuantResult:
+        """A layer back from its blocks, exactly: codes, fp16 d (and m) as they were rounded with."""
+        kind = type_of_settings(settings["quantizer"], settings["bits"], settings["sym"])
+        codes, d, m = gguf_blocks.decode(gguf_blocks.TYPES[kind], tensors[f"{name}.weight"])
+        quantizer = make_quantizer(settings["quantizer"], bits=settings["bits"], sym=settings["sym"])
+        if quantizer.name == "ggml":
+            params = {"d": d.float(), **({"m": m.float()} if m is not None else {})}
+        else:
+            params = {"scale": d.float(), "zero": torch.full_like(d, 2 ** (settings["bits"] - 1), dtype=torch.float32)}
+        cols = codes.shape[1]
+        return QuantResult(codes=codes, params=params, g_idx=(torch.arange(cols) // gguf_blocks.BLOCK).to(torch.int32),
+                           quantizer=quantizer, group_size=gguf_blocks.BLOCK, bias=tensors.get(f"{name}.bias"))
+
+    @staticmethod
+    def write_files(folder, order, max_shard_bytes, rename, written) -> None:
+        source = gguf_export.GGUFSource(written.config, written.tokenizer, written.name,
+                                        written.config["quantization_config"]["types"])
+        gguf_export.write_from_parts(folder / GGUF_FILE, folder, order, rename, source)
+
+    @staticmethod
+    def check_config(qc: dict, where: str) -> None:
+        types = qc.get("types")
+        if not isinstance(types, dict) or any(t not in gguf_blocks.TYPES for t in types.values()):
+            raise QuantkitError(f"{where}: the gguf quantization_config's 'types' must map layers to "
+                                f"{', '.join(gguf_blocks.TYPES)}: the checkpoint is damaged")
+        if qc.get("gguf_file") != GGUF_FILE:
+            raise QuantkitError(f"{where}: the gguf quantization_config names file {qc.get('gguf_file')!r}, not "
+                                f"{GGUF_FILE}: the checkpoint is damaged")

@@ -1,0 +1,132 @@
+"""model.gguf from a run's part files (or a convert's tensors): llama.cpp's metadata, names and tensor layout.
+
+What llama.cpp's converter writes for the same model, quantkit writes: general.* and the architecture's
+hyperparameters (quantkit.models.gguf_arch), the tokenizer (quantkit.checkpoint.gguf_vocab), and each tensor under
+its GGUF name; q_proj / k_proj rows reordered for llama's interleaved rotary; 1-D tensors (norms, biases) as F32,
+2-D float tensors in the checkpoint's float type (F16, BF16 or F32), quantized layers as their block type.
+Tensors are read and written one at a time.
+"""
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantkit.checkpoint import gguf_blocks, gguf_file, shards
+from quantkit.checkpoint.gguf_file import BF16, F16, F32, FLOAT32, STRING, UINT32, TensorInfo
+from quantkit.checkpoint.gguf_vocab import vocab_metadata
+from quantkit.core.errors import QuantkitError
+from quantkit.models import gguf_arch
+
+FLOAT_TYPES = {"F32": F32, "F16": F16, "BF16": BF16}  # a float tensor's safetensors dtype name -> ggml type
+TORCH_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+# llama_ftype: what general.file_type says of a file whose commonest layer type is this one
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32}
+
+
+@dataclass
+class GGUFSource:
+    """What the file says besides the tensors: config.json as written (dict), the tokenizer, the name, and the block
+    type of each quantized layer ({module name in the files: "Q4_0"})."""
+    config: dict
+    tokenizer: object
+    name: str
+    types: dict
+
+
+def check_source(config: dict, tokenizer, names) -> None:
+    """Refuse, before any work, a model llama.cpp's layout or tokenizer metadata cannot describe (names: its
+    tensors, as transformers saves them)."""
+    arch = gguf_arch.arch_of(config)
+    unplaced = [n for n in names if gguf_arch.gguf_name(n) is None]
+    if unplaced:
+        raise QuantkitError(_no_place(unplaced[0], arch))
+    if tokenizer is None:
+        raise QuantkitError("--checkpoint-format gguf puts the tokenizer in the file, and this model has none: add "
+                            "its tokenizer files to the model folder")
+    vocab_metadata(tokenizer, config["vocab_size"])
+
+
+def _no_place(name: str, arch) -> str:
+    return (f"--checkpoint-format gguf: tensor {name} has no place in llama.cpp's {arch.name} layout; write this "
+            "model in another format (gptq, awq, compressed-tensors)")
+
+
+def model_metadata(source: GGUFSource) -> list:
+    """[(key, type, value)]: general.*, the architecture's hyperparameters, rotary settings, tokenizer."""
+    config, arch = source.config, gguf_arch.arch_of(source.config)
+    commonest = max(set(source.types.values()), key=list(source.types.values()).count) if source.types else "F16"
+    meta = [("general.architecture", STRING, arch.name), ("general.name", STRING, source.name),
+            ("general.file_type", UINT32, FILE_TYPES.get(commonest, 1)), ("general.quantization_version", UINT32, 2)]
+    for key, (fields, kind) in gguf_arch.HPARAMS.items():
+        value = next((config[f] for f in fields if config.get(f) is not None), None)
+        if value is not None:
+            meta.append((f"{arch.name}.{key}", UINT32 if kind == "u32" else FLOAT32, value))
+    rope = gguf_arch.rope_settings(config)
+    meta.append((f"{arch.name}.rope.dimension_count", UINT32, gguf_arch.head_dim(config)))
+    if "rope_theta" in rope:
+        meta.append((f"{arch.name}.rope.freq_base", FLOAT32, float(rope["rope_theta"])))
+    if rope.get("rope_type") == "linear":
+        meta += [(f"{arch.name}.rope.scaling.type", STRING, "linear"),
+                 (f"{arch.name}.rope.scaling.factor", FLOAT32, float(rope["factor"]))]
+    if config.get("head_dim"):
+        meta += [(f"{arch.name}.attention.key_length", UINT32, config["head_dim"]),
+                 (f"{arch.name}.attention.value_length", UINT32, config["head_dim"])]
+    return meta + vocab_metadata(source.tokenizer, config["vocab_size"])
+
+
+def _layout(name: str, dtype: str, shape: list, source: GGUFSource) -> TensorInfo:
+    """The GGUF entry of a checkpoint tensor (its name as transformers saves it, its stored dtype and shape)."""
+    target = gguf_arch.gguf_name(name)
+    if target is None:
+        raise QuantkitError(_no_place(name, gguf_arch.arch_of(source.config)))
+    module, _, leaf = name.rpartition(".")
+    if module in source.types and leaf == "weight":
+        kind = gguf_blocks.TYPES[source.types[module]]
+        rows, row_bytes = shape
+        cols = row_bytes // kind.block_bytes * gguf_blocks.BLOCK
+        return TensorInfo(target, (rows, cols), kind.ggml_type, rows * row_bytes)
+    ggml_type = F32 if len(shape) == 1 else FLOAT_TYPES[dtype]
+    numel = int(torch.tensor(shape).prod())
+    return TensorInfo(target, tuple(shape), ggml_type, numel * TORCH_TYPES[ggml_type].itemsize)
+
+
+def _gguf_bytes(name: str, t: torch.Tensor, info: TensorInfo, config: dict) -> torch.Tensor:
+    """A checkpoint tensor as the bytes of its GGUF entry: converted (1-D to F32), q/k rows reordered."""
+    if info.ggml_type in TORCH_TYPES:
+        t = t.to(TORCH_TYPES[info.ggml_type])
+    heads = gguf_arch.rotary_heads(name, config)
+    if heads is not None:
+        t = t[gguf_arch.rotary_rows(t.shape[0], heads)]
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def write_gguf(path: Path, names: list, entries: dict, read, source: GGUFSource) -> None:
+    """model.gguf at `path`: `names` (as transformers saves them) in order, entries {name: (dtype name, shape)},
+    read(name) -> the tensor as stored."""
+    infos = {n: _layout(n, *entries[n], source) for n in names}
+    by_target = {info.name: n for n, info in infos.items()}
+
+    def write_tensor(info, out):
+        name = by_target[info.name]
+        out.write(memoryview(_gguf_bytes(name, read(name), info, source.config).numpy()))
+
+    tmp = path.with_suffix(".partial")
+    gguf_file.write_gguf(tmp, model_metadata(source), list(infos.values()), write_tensor)
+    tmp.replace(path)
+
+
+def write_from_parts(path: Path, folder: Path, order: list, rename, source: GGUFSource) -> None:
+    """model.gguf from a streamed run's part files (quantkit.checkpoint.shards), tensors in checkpoint `order`
+    (model names; rename gives the names in the files)."""
+    parts = shards.Parts(folder)
+    entries = {rename(n): tuple(parts.where[n][2:4]) for n in order}
+    by_file = {rename(n): n for n in order}
+
+    def read(name):
+        part, offset, dtype, shape, nbytes = parts.where[by_file[name]]
+        with open(part, "rb") as f:
+            f.seek(offset)
+            data = bytearray(f.read(nbytes))
+        return torch.frombuffer(data, dtype=shards.DTYPES[dtype]).reshape(shape) if nbytes else torch.empty(shape)
+
+    write_gguf(path, list(entries), entries, read, source)

@@ -1,0 +1,48 @@
+"""model.gguf back to transformers tensors, dequantized: what load_quantized and eval read of a GGUF checkpoint.
+
+The inverse of quantkit.checkpoint.gguf_export, tensor by tensor: GGUF name -> transformers name, block types
+decoded as llama.cpp decodes them (quantkit.checkpoint.gguf_blocks), F16 / BF16 / F32 as stored, q/k rows put back
+in transformers' order.
+"""
+from pathlib import Path
+
+import torch
+
+from quantkit.checkpoint import gguf_blocks, gguf_file
+from quantkit.checkpoint.gguf_export import TORCH_TYPES
+from quantkit.core.errors import QuantkitError
+from quantkit.models import gguf_arch
+
+BLOCK_TYPES = {t.ggml_type: t for t in gguf_blocks.TYPES.values()}
+
+
+def _nbytes(ggml_type: int, shape: tuple) -> int | None:
+    numel = int(torch.tensor(shape).prod()) if shape else 1
+    if ggml_type in TORCH_TYPES:
+        return numel * TORCH_TYPES[ggml_type].itemsize
+    if ggml_type in BLOCK_TYPES:
+        return numel // gguf_blocks.BLOCK * BLOCK_TYPES[ggml_type].block_bytes
+    return None
+
+
+def read_tensors(path: Path, config: dict, dtype: torch.dtype) -> dict:
+    """{transformers name: tensor in `dtype`} of every tensor of a GGUF file written for `config` (config.json)."""
+    _, infos, data_start = gguf_file.read_gguf(path, _nbytes)
+    tensors = {}
+    with open(path, "rb") as f:
+        for info in infos:
+            f.seek(data_start + info.offset)
+            data = bytearray(f.read(info.nbytes))
+            if len(data) != info.nbytes:
+                raise QuantkitError(f"{path} ends inside tensor {info.name}: the file is truncated, copy it again")
+            raw = torch.frombuffer(data, dtype=torch.uint8)
+            if info.ggml_type in TORCH_TYPES:
+                t = raw.view(TORCH_TYPES[info.ggml_type]).reshape(info.shape)
+            else:
+                t = gguf_blocks.dequantize(BLOCK_TYPES[info.ggml_type], raw.reshape(info.shape[0], -1))
+            name = gguf_arch.hf_name(info.name)
+            heads = gguf_arch.rotary_heads(name, config)
+            if heads is not None:
+                t = t[gguf_arch.rotary_rows(t.shape[0], heads, inverse=True)]
+            tensors[name] = t.to(dtype)
+    return tensors
