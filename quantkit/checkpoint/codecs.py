@@ -38,7 +38,8 @@ class Codec:
     fallback = None                # quant_method of the codec that takes layers this one does not accept
     writes_quantize_config = False  # also write quantize_config.json (the AutoGPTQ / GPTQModel convention)
     needs_tokenizer = False         # write_files puts the tokenizer in the weights file (GGUF)
-    safetensors = True              # the weights are safetensors files that read_layers reads (not GGUF's one file)
+    safetensors = True              # the weights are safetensors files that read_layers reads; else one file of
+                                    # another tool's (GGUF), which read_dequantized(folder, config, dtype) decodes
 
     @classmethod
     def refusal(cls, res) -> str | None:

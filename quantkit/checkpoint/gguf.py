@@ -14,7 +14,7 @@ bytes], under `<layer>.weight`); at the end quantkit.checkpoint.gguf_export writ
 """
 import torch
 
-from quantkit.checkpoint import gguf_blocks, gguf_export
+from quantkit.checkpoint import gguf_blocks, gguf_export, gguf_read
 from quantkit.checkpoint.codecs import Codec, register_codec
 from quantkit.core.errors import QuantkitError
 from quantkit.core.result import QuantResult
@@ -129,3 +129,8 @@ class GGUFCodec(Codec):
         if qc.get("gguf_file") != GGUF_FILE:
             raise QuantkitError(f"{where}: the gguf quantization_config names file {qc.get('gguf_file')!r}, not "
                                 f"{GGUF_FILE}: the checkpoint is damaged")
+
+    @staticmethod
+    def read_dequantized(folder, config: dict, dtype) -> dict:
+        """{transformers name: float tensor} of model.gguf, decoded as llama.cpp decodes it."""
+        return gguf_read.read_tensors(folder / GGUF_FILE, config, dtype)

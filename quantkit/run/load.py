@@ -8,14 +8,14 @@ is ever made), and on the CPU each layer torch's int4 GEMM can take is repacked 
 (quantkit.nn.cpu_int4_linear) -> tied weights re-tied.
 """
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
 
 from quantkit.calibration.sequential import move_loaded
+from quantkit.checkpoint import codecs
 from quantkit.checkpoint import files as checkpoint
-from quantkit.checkpoint import gguf_read
-from quantkit.checkpoint.gguf import GGUF_FILE
 from quantkit.checkpoint.reads import TensorReader
 from quantkit.core.errors import QuantkitError
 from quantkit.models import offload, placement
@@ -94,8 +94,13 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
     """
     folder = Path(path)
     device = _device(device_map)  # before the files are read: a mistyped device is named at once
-    if checkpoint.read_config(folder)["quantization_config"]["quant_method"] == "gguf":
-        return _load_gguf(folder, device, dtype)
+    config = checkpoint.read_config(folder)
+    codec = codecs.codec_named(config["quantization_config"], str(folder))
+    if not codec.safetensors:  # one file of another tool's (GGUF): its weights decoded, a float model
+        if stream:
+            print(f"note: {folder} is a {codec.quant_method} checkpoint: it is loaded whole, dequantized (--stream "
+                  "reads safetensors checkpoints)", file=sys.stderr)
+        return _load_dequantized(folder, config, codec, device, dtype)
     config, tensors, layers, codec, stored = checkpoint.read_checkpoint_as_stored(folder)
     dtype = parse_dtype(dtype) or _default_dtype(parse_dtype(config.get("dtype") or config.get("torch_dtype")), device)
     qc = config["quantization_config"]  # config.json's, or an AutoGPTQ folder's quantize_config.json
@@ -140,17 +145,16 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
     return model.to(device).eval()
 
 
-def _load_gguf(folder: Path, device: str, dtype) -> torch.nn.Module:
-    """A GGUF checkpoint (quantkit.checkpoint.gguf), every weight dequantized into a float model of config.json's."""
-    config = checkpoint.read_config(folder)
+def _load_dequantized(folder: Path, config: dict, codec, device: str, dtype) -> torch.nn.Module:
+    """A checkpoint whose codec reads its weights back only as float tensors (GGUF), into a float model."""
     dtype = parse_dtype(dtype) or _default_dtype(parse_dtype(config.get("dtype") or config.get("torch_dtype")), device)
     model, _ = _skeleton(folder, dtype, config["quantization_config"])
     del model.config.quantization_config  # the model is a float one now: save_pretrained must not call it quantized
-    _assign(model, folder, gguf_read.read_tensors(folder / GGUF_FILE, config, dtype))
+    _assign(model, folder, codec.read_dequantized(folder, config, dtype))
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
-        raise QuantkitError(f"{folder / GGUF_FILE} is missing tensors {missing[:5]}: it is incomplete, quantize again")
+        raise QuantkitError(f"{folder} is missing tensors {missing[:5]}: it is incomplete, quantize again")
     return model.to(device).eval()
 
 
