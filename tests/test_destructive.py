@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 import quantkit.demo
 from quantkit.cli import main
-from quantkit.checkpoint import files as checkpoint, shards
+from quantkit.checkpoint import shards
 from quantkit.run import output
 
 
