@@ -81,7 +81,7 @@ def test_dynamic_keys_without_sign_are_positive_matches(gptq_folder, tmp_path):
     ({"checkpoint_format": "gptq_p"}, ["checkpoint_format 'gptq_p'", "cannot decode"]),
     ({"checkpoint_format": None, "format": "marlin"}, ["checkpoint_format 'marlin'"]),
     ({"is_marlin_format": True}, ["is_marlin_format"]),
-    ({"quant_method": "bitsandbytes"}, ["quant_method 'bitsandbytes'", "'awq', 'compressed-tensors', 'gptq', 'quantkit'"]),
+    ({"quant_method": "bitsandbytes"}, ["quant_method 'bitsandbytes'", "'awq', 'compressed-tensors', 'gguf', 'gptq', 'quantkit'"]),
     # a GPTQ config relabelled: each codec refuses what is not its own layout, by name
     ({"quant_method": "compressed-tensors"}, ["compressed-tensors checkpoint of format None", "'pack-quantized'"]),
     ({"quant_method": "awq", "version": "exllama"}, ["AWQ checkpoint of version 'exllama'"]),
