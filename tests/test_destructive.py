@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 import quantkit.demo
 from quantkit.cli import main
-from quantkit.checkpoint import shards
+from quantkit.checkpoint import files as checkpoint, shards
 from quantkit.run import output
 
 
@@ -211,14 +211,15 @@ def test_disk_full_is_one_error_line_and_nothing_written(world, monkeypatch):
     assert snapshot(world) == before
 
 
-def test_disk_full_in_convert_is_one_error_line(world, monkeypatch):
-    def full(path, tensors, metadata):
+def test_disk_full_in_safetensors_is_one_error_line(world, monkeypatch):
+    def full(tensors, path, metadata=None):
         with open(path, "wb") as f:
             f.write(b"partial")
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        from safetensors import SafetensorError
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
+    monkeypatch.setattr(checkpoint, "save_file", full)  # convert writes with safetensors itself
     assert WRITERS["quantize"]("out").exit_code == 0
-    monkeypatch.setattr(shards, "write_file", full)  # convert writes its tensors as a part, as quantize does
     before = snapshot(world)
     result = run("convert", "out", "-o", "converted", "--checkpoint-format", "gptq_v2")
     assert_refused(result, "no space left")

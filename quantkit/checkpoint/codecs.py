@@ -40,6 +40,7 @@ class Codec:
     needs_tokenizer = False         # write_files puts the tokenizer in the weights file (GGUF)
     safetensors = True              # the weights are safetensors files that read_layers reads; else one file of
                                     # another tool's (GGUF), which read_dequantized(folder, config, dtype) decodes
+                                    # and write_tensors(folder, tensors, written) writes from memory (convert)
 
     @classmethod
     def refusal(cls, res) -> str | None:

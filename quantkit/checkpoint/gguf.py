@@ -16,6 +16,7 @@ import torch
 
 from quantkit.checkpoint import gguf_blocks, gguf_export, gguf_read
 from quantkit.checkpoint.codecs import Codec, register_codec
+from quantkit.checkpoint.shards import dtype_name
 from quantkit.core.errors import QuantkitError
 from quantkit.core.result import QuantResult
 from quantkit.schemes.base import make_quantizer
@@ -35,7 +36,21 @@ def type_of_settings(quantizer: str, bits: int, sym: bool) -> str | None:
 
 def block_type(res: QuantResult) -> str | None:
     q = res.quantizer
-    return type_of_settings(q.name, q.bits, q.sym) if q.name in ("int", "ggml") else None
+    return type_of_settings(q.name, getattr(q, "bits", None), getattr(q, "sym", None))
+
+
+def misfit(quantizer: str, bits: int, sym: bool, group_size: int, cols: int) -> str | None:
+    """Why a layer of these settings and `cols` inputs has no llama.cpp block type (None when it has one)."""
+    if type_of_settings(quantizer, bits, sym) is None or group_size != gguf_blocks.BLOCK:
+        return f"llama.cpp has no block type for a {bits}-bit {quantizer} layer in groups of {group_size}: {FIX}"
+    if cols % gguf_blocks.BLOCK:
+        return f"its {cols} inputs are not whole blocks of {gguf_blocks.BLOCK}: keep it in float with a recipe skip"
+    return None
+
+
+def _source(written) -> gguf_export.GGUFSource:
+    return gguf_export.GGUFSource(written.config, written.tokenizer, written.name,
+                                  written.config["quantization_config"]["types"])
 
 
 @register_codec
@@ -48,13 +63,12 @@ class GGUFCodec(Codec):
 
     @staticmethod
     def refusal(res: QuantResult) -> str | None:
-        rows, cols = res.shape
+        q, cols = res.quantizer, res.shape[1]
         if res.rotation is not None:
             return f"it is rotated, and llama.cpp applies no rotation: {FIX}"
-        if block_type(res) is None or res.group_size != gguf_blocks.BLOCK:
-            return f"llama.cpp has no block type for this {res.quantizer.name} layer in groups of {res.group_size}: {FIX}"
-        if cols % gguf_blocks.BLOCK:
-            return f"its {cols} inputs are not whole blocks of {gguf_blocks.BLOCK}: keep it in float with a recipe skip"
+        why = misfit(q.name, getattr(q, "bits", None), getattr(q, "sym", None), res.group_size, cols)
+        if why:
+            return why
         if not torch.equal(res.g_idx.cpu().long(), torch.arange(cols) // gguf_blocks.BLOCK):
             return f"its groups are not consecutive blocks of {gguf_blocks.BLOCK} (act-order needs --static-groups)"
         return None
@@ -69,16 +83,9 @@ class GGUFCodec(Codec):
             raise QuantkitError(f"--checkpoint-format gguf cannot store rotated layers (--rotate {config.rotate}): "
                                 f"llama.cpp applies no rotation; {FIX}")
         for name, spec in specs.items():
-            if spec is None:
-                continue
-            q = spec.quantizer()
-            kind = type_of_settings(q.name, spec.bits, spec.sym) if q.name in ("int", "ggml") else None
-            if kind is None or spec.group_size != gguf_blocks.BLOCK:
-                raise QuantkitError(f"--checkpoint-format gguf cannot store {name} ({spec.bits}-bit {q.name}, groups "
-                                    f"of {spec.group_size}): {FIX}")
-            if shapes[name][0] % gguf_blocks.BLOCK:
-                raise QuantkitError(f"--checkpoint-format gguf cannot store {name}: its {shapes[name][0]} inputs are "
-                                    f"not whole blocks of {gguf_blocks.BLOCK}; keep it in float with a recipe skip")
+            why = spec and misfit(spec.quantizer().name, spec.bits, spec.sym, spec.group_size, shapes[name][0])
+            if why:
+                raise QuantkitError(f"--checkpoint-format gguf cannot store {name}: {why}")
 
     @staticmethod
     def check_source(model_config: dict, tokenizer, names: list) -> None:
@@ -93,7 +100,6 @@ class GGUFCodec(Codec):
     @staticmethod
     def layer_tensors(res: QuantResult, config, bias_dtype) -> dict:
         kind = gguf_blocks.TYPES[block_type(res)]
-        rows, cols = res.shape
         d = res.params["d" if res.quantizer.name == "ggml" else "scale"]
         out = {"weight": gguf_blocks.encode(kind, res.codes, d, res.params.get("m"))}
         if res.bias is not None:
@@ -116,9 +122,13 @@ class GGUFCodec(Codec):
 
     @staticmethod
     def write_files(folder, order, max_shard_bytes, rename, written) -> None:
-        source = gguf_export.GGUFSource(written.config, written.tokenizer, written.name,
-                                        written.config["quantization_config"]["types"])
-        gguf_export.write_from_parts(folder / GGUF_FILE, folder, order, rename, source)
+        gguf_export.write_from_parts(folder / GGUF_FILE, folder, order, rename, _source(written))
+
+    @staticmethod
+    def write_tensors(folder, tensors: dict, written) -> None:
+        """model.gguf from tensors in memory, named as in the files (convert)."""
+        entries = {n: (dtype_name(t.dtype), list(t.shape)) for n, t in tensors.items()}
+        gguf_export.write_gguf(folder / GGUF_FILE, list(tensors), entries, tensors.__getitem__, _source(written))
 
     @staticmethod
     def check_config(qc: dict, where: str) -> None:

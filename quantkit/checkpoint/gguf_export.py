@@ -6,6 +6,7 @@ its GGUF name; q_proj / k_proj rows reordered for llama's interleaved rotary; 1-
 2-D float tensors in the checkpoint's float type (F16, BF16 or F32), quantized layers as their block type.
 Tensors are read and written one at a time.
 """
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def _layout(name: str, dtype: str, shape: list, source: GGUFSource) -> TensorInf
         cols = row_bytes // kind.block_bytes * gguf_blocks.BLOCK
         return TensorInfo(target, (rows, cols), kind.ggml_type, rows * row_bytes)
     ggml_type = F32 if len(shape) == 1 else FLOAT_TYPES[dtype]
-    numel = int(torch.tensor(shape).prod())
+    numel = math.prod(shape)
     return TensorInfo(target, tuple(shape), ggml_type, numel * TORCH_TYPES[ggml_type].itemsize)
 
 

@@ -4,6 +4,7 @@ The inverse of quantkit.checkpoint.gguf_export, tensor by tensor: GGUF name -> t
 decoded as llama.cpp decodes them (quantkit.checkpoint.gguf_blocks), F16 / BF16 / F32 as stored, q/k rows put back
 in transformers' order.
 """
+import math
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ BLOCK_TYPES = {t.ggml_type: t for t in gguf_blocks.TYPES.values()}
 
 
 def _nbytes(ggml_type: int, shape: tuple) -> int | None:
-    numel = int(torch.tensor(shape).prod()) if shape else 1
+    numel = math.prod(shape)
     if ggml_type in TORCH_TYPES:
         return numel * TORCH_TYPES[ggml_type].itemsize
     if ggml_type in BLOCK_TYPES:

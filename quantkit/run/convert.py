@@ -16,7 +16,7 @@ import torch
 
 from quantkit.checkpoint import codecs
 from quantkit.checkpoint import files as checkpoint
-from quantkit.checkpoint import repack, shards
+from quantkit.checkpoint import repack
 from quantkit.core.errors import QuantkitError
 from quantkit.core.folders import INDEX_NAME
 from quantkit.core.version import __version__
@@ -91,9 +91,10 @@ def convert(src, out, checkpoint_format: str, overwrite: bool = False) -> dict:
               "source_format": qc.get("checkpoint_format", qc["quant_method"]),  # gptq_v2 shows, not only "gptq"
               "checkpoint_format": checkpoint_format, "layers": len(results)}
     with output.staged_folder(out, overwrite, sources=[src]) as tmp:
-        shards.save_part(tmp, "convert", kept)  # the target's files are written from parts, as quantize's are
-        target.write_files(tmp, list(kept), checkpoint.parse_size("4GB"), str, written)
-        shards.delete_parts(tmp)
+        if target.safetensors:
+            checkpoint.write_tensors(tmp, kept, checkpoint.parse_size("4GB"))
+        else:
+            target.write_tensors(tmp, kept, written)
         checkpoint.write_json(tmp / "config.json", config)
         if target.writes_quantize_config:
             checkpoint.write_json(tmp / "quantize_config.json", new_qc)

@@ -128,11 +128,7 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
         stored = {in_files.to_model(n) for n in stored} - _kept_as_views(model, tensors, device, as_loaded)
         _read_layer_by_layer(model, folder, tensors, stored, layers, in_files, as_loaded,
                              repack=device == "cpu" and not cache_dequantized)
-    model.tie_weights()
-    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
-               if p.device.type == "meta" and not offload.under(n, units)]
-    if missing:
-        raise QuantkitError(f"checkpoint is missing tensors {missing[:5]}: it is incomplete, quantize again")
+    _check_complete(model, units)
     if stream:
         move_loaded(model, device)
         return model.eval()
@@ -151,11 +147,17 @@ def _load_dequantized(folder: Path, config: dict, codec, device: str, dtype) -> 
     model, _ = _skeleton(folder, dtype, config["quantization_config"])
     del model.config.quantization_config  # the model is a float one now: save_pretrained must not call it quantized
     _assign(model, folder, codec.read_dequantized(folder, config, dtype))
-    model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if missing:
-        raise QuantkitError(f"{folder} is missing tensors {missing[:5]}: it is incomplete, quantize again")
+    _check_complete(model)
     return model.to(device).eval()
+
+
+def _check_complete(model, units=()) -> None:
+    """Tied weights re-tied, then every parameter and buffer real (the streamed `units` aside)."""
+    model.tie_weights()
+    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
+               if p.device.type == "meta" and not offload.under(n, units)]
+    if missing:
+        raise QuantkitError(f"checkpoint is missing tensors {missing[:5]}: it is incomplete, quantize again")
 
 
 def _kept_dtypes(model, layers, dtype) -> set:

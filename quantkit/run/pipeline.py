@@ -131,8 +131,8 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
     if all(s is None for s in specs.values()):
         raise QuantkitError(f"the recipe's module overrides skip all {len(names)} quantizable linears: nothing to "
                             "quantize; remove a skip: true or narrow its pattern")
-    writer_codec(config, specs).check_source(fp_model.config.to_dict(), tokenizer,  # the model, then its layers
-                                             [in_files.of_tensor(n) for n in source.names])
+    codec = writer_codec(config, specs)
+    codec.check_source(fp_model.config.to_dict(), tokenizer, [in_files.of_tensor(n) for n in source.names])
     compat_lines = check_compat(config, arch, names, specs, shapes)
     method = Method(config, arch, specs)
     if config.needs_calibration:
@@ -140,7 +140,7 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
             require_scale_groups(arch, fp_model.config.model_type)
         calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
     save_dtype = declared if dtype == "auto" else source.dtype
-    return Plan(source, tokenizer, save_dtype, compute_dtype, arch, names, method, writer_codec(config, specs),
+    return Plan(source, tokenizer, save_dtype, compute_dtype, arch, names, method, codec,
                 compat_lines, coverage, in_files, calibration_ids if config.needs_calibration else None, head)
 
 
