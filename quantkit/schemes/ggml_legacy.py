@@ -3,8 +3,8 @@
     symmetric ("_0")    w = d (q - 2^(bits-1))    q in 0 .. 2^bits - 1, d fp16
     with a minimum ("_1")  w = d q + m            q in 0 .. 2^bits - 1, d and m fp16
 (quantkit.checkpoint.gguf_blocks lays the codes out byte for byte). A symmetric block is the integer grid with a
-group of 32 and 5 bits allowed: its scale is fitted the grid's way (the better of the max-abs and the range fit,
-quantkit.schemes.grid). A block with a minimum stores m itself, not a zero point, so it is fitted here: m the
+group of 32 and 5 bits allowed: its scale is the best of the grid's two fits (max-abs and range, quantkit.schemes.grid)
+and llama.cpp's signed one, which may be negative. A block with a minimum stores m itself, not a zero point, so it is fitted here: m the
 block's minimum rounded down to fp16 and d the step that reaches the maximum from there, rounded up, so every
 weight lies inside the grid. Inside GPTQ the codes then get the error feedback llama.cpp's own quantizer lacks.
 """
@@ -74,12 +74,22 @@ class GGMLBlocks:
     def fit(self, w: torch.Tensor, importance: Optional[torch.Tensor] = None) -> dict:
         """{"d"} (and {"m"}) [rows] for one block w [rows, 32]."""
         if self.sym:
-            return {"d": grid.Grid.fit(self, w, importance)["scale"]}
+            return {"d": self._signed_fit(w.float(), grid.Grid.fit(self, w, importance)["scale"], importance)}
         w = w.float()
         low = grid.fp16_at_most(w.amin(dim=-1))
         span = w.amax(dim=-1) - low
         d = grid.fp16_at_least(torch.where(span > 0, span / self.maxq, torch.ones_like(span))).clamp(min=2**-24)
         return {"d": d, "m": low}
+
+    def _signed_fit(self, w, d, importance):
+        """Per row, d or llama.cpp's own choice, whichever rounds w with the smaller (weighted) squared error:
+        llama.cpp puts the block's largest-magnitude weight on code 0 whatever its sign, d = peak / -2^(bits-1), so
+        d may be negative and the step is absmax / 2^(bits-1) (the grid's positive d steps absmax / (2^(bits-1) -
+        1/2) when the positive extreme dominates; SmolLM2 RTN Q4_0: mean KLD 0.329 against llama.cpp's 0.288)."""
+        peak = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+        signed = (peak / -self.offset).half().float()
+        signed = torch.where(signed == 0, d, signed)
+        return grid.better_scale(w, d, signed, torch.full_like(d, float(self.offset)), self.maxq, importance)
 
     def round(self, w, params: dict):
         """(codes, dequantized) of w [rows, cols] with per-row params [rows] (torch tensors or NumPy arrays)."""

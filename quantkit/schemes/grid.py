@@ -84,7 +84,7 @@ class Grid:
         weighted per column by `importance` [cols] when given (GPTQ passes its Hessian diagonal)."""
         scale, zero = fit(w, self)
         if self.sym:
-            scale = _better_scale(w.float(), scale, range_fit_scale(w, self), zero, self.maxq, importance)
+            scale = better_scale(w.float(), scale, range_fit_scale(w, self), zero, self.maxq, importance)
         return {"scale": scale, "zero": zero}
 
     def round(self, w: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +139,7 @@ def range_fit_scale(w: torch.Tensor, grid: Grid) -> torch.Tensor:
     return fp16_at_least(torch.where(s > 0, s, torch.ones_like(s))).clamp(min=2**-24)
 
 
-def _better_scale(w, scale_a, scale_b, zero, maxq, importance=None) -> torch.Tensor:
+def better_scale(w, scale_a, scale_b, zero, maxq, importance=None) -> torch.Tensor:
     """Per row, scale_b where it rounds w [rows, cols] with a strictly smaller (importance-weighted) squared error.
     The errors are summed in float64: a float32 sum's last bit depends on the CPU's vector width, and a choice that
     flipped with it would make checkpoints differ between machines (the elementwise float32 steps do not)."""
