@@ -6,6 +6,7 @@ import click
 
 from quantkit.algorithms.registry import method_help, method_names
 from quantkit.checkpoint.codecs import format_help, write_formats
+from quantkit.checkpoint.gguf_mix import FILE_TYPES
 from quantkit.core.errors import QuantkitError
 from quantkit.run.config import QuantConfig, read_recipe
 from quantkit.schemes.base import quantizer_help
@@ -102,8 +103,16 @@ _CONFIG_OPTIONS = [
                       "vLLM and GPTQModel load it, transformers does not."),
     click.option("--awq-grid", type=int, default=20, help="AWQ: number of alpha values tried on [0, 1)."),
     click.option("--awq-clip/--no-awq-clip", default=True, help="AWQ: search a per-group clipping range too."),
-    click.option("--checkpoint-format", type=click.Choice(write_formats()), default="gptq",
-                 help=format_help() + ". gptq and gptq_v2 write rotated and codebook layers in the quantkit format."),
+    click.option("--checkpoint-format", type=click.Choice(write_formats()), default=None,
+                 help=format_help() + ". gptq and gptq_v2 write rotated and codebook layers in the quantkit format. "
+                      "Default: gptq (gguf with --gguf-type)."),
+    click.option("--gguf-type", type=click.Choice(FILE_TYPES), default=None,
+                 help="Write a llama.cpp file of this file type: every layer gets the block type llama-quantize "
+                      "gives it for this type (Q4_K_M: Q4_K, with Q6_K on attn_v and ffn_down of half the layers; "
+                      "rows that are not whole super-blocks of 256 fall back as llama.cpp's do, e.g. Q4_K to Q5_0), "
+                      "rounded by --method (rtn, gptq, awq). Implies --checkpoint-format gguf; --bits, --group-size, "
+                      "--sym and --quantizer are not used. The embeddings and output stay in float (llama-quantize "
+                      "--token-embedding-type/--output-tensor-type f16 makes llama.cpp's file the same)."),
     click.option("--rotate", type=click.Choice(["none", "hadamard"]), default=None,
                  help="hadamard: quantize each linear as W Πᵀ with a seeded randomized Hadamard rotation Π along "
                       "its inputs (GPTQ then rounds against Π H Πᵀ); the layer computes Ŵ (Π x). Default: hadamard "

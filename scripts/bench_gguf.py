@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """quantkit's GGUF files against llama.cpp's own quantizer, scored by llama.cpp's llama-perplexity, one table.
 
-For each llama.cpp type asked for, the same model is quantized four ways, every file with the same per-tensor types
-(token_embd / output kept in F16 on both sides, so the sizes are equal up to metadata):
+For each llama.cpp file type asked for, the same model is quantized four ways, every file with the same per-tensor
+types (token_embd / output kept in F16 on both sides, so the sizes are equal up to metadata):
   llama.cpp           llama-quantize from llama.cpp's own F16 conversion (convert_hf_to_gguf.py)
   llama.cpp imatrix   the same with an importance matrix from --calib (llama-imatrix, --calib-chunks x 512 tokens)
-  quantkit rtn        `quantkit quantize --method rtn --checkpoint-format gguf`
-  quantkit gptq       `quantkit quantize --method gptq --checkpoint-format gguf` on --calib (the same text)
+  quantkit rtn        `quantkit quantize --method rtn --gguf-type TYPE` (llama.cpp's mix without imatrix)
+  quantkit gptq       `quantkit quantize --method gptq --gguf-type TYPE` on --calib (the same text; the mix
+                      llama.cpp makes with an imatrix)
 and scored on the first --chunks windows of 512 tokens of --eval: perplexity (llama-perplexity's, which scores the
 second half of each window), mean KL divergence from the F16 model's token distributions and the share of tokens
 whose top choice is the F16 model's (--kl-divergence against a base computed once from the F16 file).
@@ -17,7 +18,7 @@ torch: --converter-python). On a CPU with AMX, a native build (-DGGML_NATIVE=ON)
 where the OS does not grant AMX tiles: the build here names the x86 extensions and leaves AMX off.
 
     python scripts/bench_gguf.py ~/.cache/quantkit-assets/smollm2-135m --llama-cpp /work/llamacpp --build \\
-        --converter-python /work/llamacpp/venv/bin/python --types Q4_0 Q4_1 \\
+        --converter-python /work/llamacpp/venv/bin/python --types Q4_0 Q4_K_M Q3_K_M Q2_K \\
         --calib ../shared/assets/text/wikitext2_tok_valid.txt --eval ../shared/assets/text/wikitext2_raw_test.txt
 """
 import argparse
@@ -26,11 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-# llama.cpp type -> quantkit's settings that write it
-QUANTKIT_SETTINGS = {"Q4_0": ["--bits", "4"], "Q8_0": ["--bits", "8"],
-                     "Q4_1": ["--quantizer", "ggml", "--bits", "4", "--asym"],
-                     "Q5_0": ["--quantizer", "ggml", "--bits", "5"],
-                     "Q5_1": ["--quantizer", "ggml", "--bits", "5", "--asym"]}
+from quantkit.checkpoint.gguf_mix import FILE_TYPES
+
 X86 = ["AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX512_VBMI", "AVX_VNNI"]
 TARGETS = ["llama-perplexity", "llama-quantize", "llama-imatrix", "llama-bench"]
 
@@ -81,7 +79,7 @@ def main():
     ap.add_argument("--llama-cpp", type=Path, required=True, help="folder holding (or to hold) the llama.cpp sdist")
     ap.add_argument("--build", action="store_true", help="download the sdist and build llama.cpp's tools if missing")
     ap.add_argument("--converter-python", default=sys.executable, help="Python that runs convert_hf_to_gguf.py")
-    ap.add_argument("--types", nargs="+", default=["Q4_0", "Q4_1"], choices=sorted(QUANTKIT_SETTINGS))
+    ap.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K_M", "Q3_K_M", "Q2_K"], choices=FILE_TYPES)
     ap.add_argument("--calib", type=Path, required=True)
     ap.add_argument("--eval", type=Path, required=True)
     ap.add_argument("--calib-chunks", type=int, default=128, help="512-token windows for imatrix and GPTQ")
@@ -114,8 +112,8 @@ def main():
             out = work / f"quantkit-{method}-{kind}"
             if not (out / "model.gguf").is_file():
                 calib = ["--dataset", args.calib, "--nsamples", args.calib_chunks, "--seqlen", 512] * (method != "rtn")
-                run(["quantkit", "quantize", args.model, "-o", out, "--method", method, "--group-size", 32,
-                     *QUANTKIT_SETTINGS[kind], "--checkpoint-format", "gguf", *calib, "--overwrite"])
+                run(["quantkit", "quantize", args.model, "-o", out, "--method", method, "--gguf-type", kind, *calib,
+                     "--overwrite"])
             files[f"quantkit {method}"] = out / "model.gguf"
         for name, path in files.items():
             log = run([bins / "llama-perplexity", "-m", path, "--kl-divergence-base", base, "--kl-divergence",

@@ -9,10 +9,10 @@ from quantkit.demo import bundled_model_path
 VOCAB = 512
 
 
-def _llama(kv_heads=2, tie=False, bias=False, layers=2):
+def _llama(kv_heads=2, tie=False, bias=False, layers=2, hidden=64, intermediate=96):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256,
                        tie_word_embeddings=tie, attention_bias=bias, mlp_bias=bias)
 
@@ -44,6 +44,8 @@ CONFIGS = {
     "llama-gqa": lambda: _llama(kv_heads=2),
     "llama-tied-bias": lambda: _llama(kv_heads=2, tie=True, bias=True),
     "llama-deep": lambda: _llama(kv_heads=2, bias=True, layers=4),
+    # rows of whole k-quant super-blocks (256), but ffn_down's 288 inputs are not: llama.cpp's fallbacks
+    "llama-256": lambda: _llama(kv_heads=2, hidden=256, intermediate=288),
     "opt": _opt,
     "gpt2": _gpt2,
     "mixtral": _mixtral,

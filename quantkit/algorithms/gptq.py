@@ -43,6 +43,7 @@ from quantkit.core.errors import QuantkitError
 from quantkit.core.finite import all_finite
 from quantkit.core.groups import group_index, group_width, n_groups
 from quantkit.core.result import QuantResult
+from quantkit.schemes.base import fit_all, fit_groups
 
 MAX_DAMP = 1.0  # largest damping fraction tried before giving up
 
@@ -127,15 +128,7 @@ def _fit_static(Wt, quantizer, group_size, importance) -> dict:
     (static groups), each column's rounding error weighted by its `importance` (H's diagonal) where the quantizer
     chooses between fits. Each group is fitted on a row-major copy: the quantizers' reductions (E8's rms and scale
     search) then sum in the same order as on the weight itself."""
-    cols, rows = Wt.shape
-    size = group_width(cols, group_size)
-    params = {}
-    for g, c0 in enumerate(range(0, cols, size)):
-        group = Wt[c0:c0 + size].t().contiguous()
-        for key, value in quantizer.fit(group, importance=importance[c0:c0 + size]).items():
-            params.setdefault(key, torch.zeros(rows, n_groups(cols, group_size), dtype=torch.float32,
-                                               device=Wt.device))[:, g] = value
-    return params
+    return fit_all(quantizer, Wt.t(), group_size, importance)
 
 
 def _damping_message(damp, damp_used, retries):
@@ -187,6 +180,7 @@ class _FeedbackLoop:
         self.Wqt = torch.zeros_like(Wt) if keep_dequant else None
         self.Q_, self.Wq_ = self.view(self.Qt), (self.view(self.Wqt) if self.Wqt is not None else None)
         self.unit_params = {}  # group -> its parameters as the quantizer takes them, sliced once (act-order revisits)
+        self.fit_width = size * getattr(quantizer, "span", 1)  # columns fitted at once (a k-quant's super-block)
 
     def run(self, block_size: int):
         """Every block in turn, then one lazy update of the columns after it; returns (codes, dequantized or None)."""
@@ -208,8 +202,8 @@ class _FeedbackLoop:
         for i in range(0, i2 - i1, width):
             c = i1 + i
             g = self.col_group[c]
-            if self.refit_importance is not None and c % self.size == 0:
-                end = min(c + self.size, Wt.shape[0])
+            if self.refit_importance is not None and c % self.fit_width == 0:
+                end = min(c + self.fit_width, Wt.shape[0])
                 cur = W1[i:min(end, i2) - i1]
                 if end > i2:  # the group's columns past this block still miss its pending lazy update
                     cur = torch.cat([cur, Wt[i2:end] - Hinv[i1:c, i2:end].t() @ Err1[:i]])
@@ -229,12 +223,14 @@ class _FeedbackLoop:
         return Err1
 
     def _refit(self, g: int, cur, importance) -> None:
-        """Group g's parameters fitted on its error-updated columns cur [size, rows] (transposed)."""
+        """The parameters of group g (and the rest of its span) fitted on its error-updated columns cur [size, rows]
+        (transposed)."""
         rows = cur.shape[1]
-        for key, value in self.quantizer.fit(cur.t().contiguous(), importance=importance).items():
+        for key, value in fit_groups(self.quantizer, cur.t().contiguous(), importance).items():
             self.params.setdefault(key, torch.zeros(rows, self.n_groups, dtype=torch.float32,
-                                                    device=cur.device))[:, g] = value
-        self.unit_params.pop(g, None)
+                                                    device=cur.device))[:, g:g + value.shape[1]] = value
+        for k in range(g, g + getattr(self.quantizer, "span", 1)):
+            self.unit_params.pop(k, None)
 
     def _round_unit(self, g: int, c: int, i: int, W1, Hinv1, Err1) -> None:
         """The unit of width > 1 columns at column c (block offset i): its codes, and its error

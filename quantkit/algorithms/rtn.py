@@ -5,8 +5,9 @@ import torch
 
 from quantkit.algorithms.registry import MethodSpec, register_method
 from quantkit.core.errors import QuantkitError
-from quantkit.core.groups import check_shape, group_index, group_width, n_groups
+from quantkit.core.groups import check_shape, group_index, group_width
 from quantkit.core.result import QuantResult
+from quantkit.schemes.base import fit_all
 from quantkit.schemes.grid import check_group_size
 
 
@@ -30,13 +31,10 @@ def rtn(weight: torch.Tensor, quantizer, group_size: int = 128,
     rows, cols = w.shape
     size = group_width(cols, group_size)
     codes = torch.empty(rows, cols, dtype=torch.int32, device=w.device)
-    params = {}
+    params = fit_all(quantizer, w, group_size)
     for g, c0 in enumerate(range(0, cols, size)):
         c1 = min(c0 + size, cols)
-        fitted = quantizer.fit(w[:, c0:c1])
-        codes[:, c0:c1] = quantizer.round(w[:, c0:c1], fitted)[0].to(torch.int32)
-        for key, value in fitted.items():
-            params.setdefault(key, torch.empty(rows, n_groups(cols, group_size), device=w.device))[:, g] = value
+        codes[:, c0:c1] = quantizer.round(w[:, c0:c1], {k: v[:, g] for k, v in params.items()})[0].to(torch.int32)
     return QuantResult(codes=codes, params=params, g_idx=group_index(cols, group_size).to(w.device),
                        quantizer=quantizer, group_size=group_size, bias=bias)
 

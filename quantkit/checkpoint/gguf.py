@@ -6,32 +6,27 @@ config.json, the tokenizer files and quantkit's report, with which quantkit read
     "quantization_config": {"quant_method": "gguf", "gguf_file": "model.gguf", "group_size": 32,
                             "types": {"model.layers.0.mlp.down_proj": "Q4_0", ...}, ... (the run's options)}
 
-A layer is stored as one of llama.cpp's block types (quantkit.checkpoint.gguf_blocks) when its codes are that
+A layer is stored as one of llama.cpp's block types (quantkit.checkpoint.gguf_types) when its codes are that
 type's codes exactly: an unrotated integer grid of groups of 32, symmetric 4- or 8-bit (Q4_0, Q8_0; GPTQ's
-groups, act-order with static groups included), or the ggml quantizer (quantkit.schemes.ggml_legacy: Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0). While the run lasts each layer's part holds its blocks as uint8 rows ([out, in / 32 * block
-bytes], under `<layer>.weight`); at the end quantkit.checkpoint.gguf_export writes model.gguf from the parts.
+groups, act-order with static groups included), the ggml quantizer (quantkit.schemes.ggml_legacy: Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0) or the kquant quantizer (quantkit.schemes.ggml_kquants: Q2_K .. Q6_K). While the run lasts each
+layer's part holds its blocks as uint8 rows ([out, in / block * block bytes], under `<layer>.weight`); at the end
+quantkit.checkpoint.gguf_export writes model.gguf from the parts.
 """
 import torch
 
-from quantkit.checkpoint import gguf_blocks, gguf_export, gguf_read
+from quantkit.checkpoint import gguf_export, gguf_read, gguf_types
 from quantkit.checkpoint.codecs import Codec, register_codec
+from quantkit.checkpoint.gguf_types import TYPES, type_of_settings
+from quantkit.checkpoint.quantkit_format import quantizer_of
 from quantkit.checkpoint.shards import dtype_name
 from quantkit.core.errors import QuantkitError
+from quantkit.core.groups import group_index
 from quantkit.core.result import QuantResult
-from quantkit.schemes.base import make_quantizer
 
 GGUF_FILE = "model.gguf"
-INT_TYPES = {4: "Q4_0", 8: "Q8_0"}  # the symmetric integer grid's widths a block type holds as they are
-FIX = ("use --group-size 32 with --bits 4 or 8 (Q4_0, Q8_0), or --quantizer ggml for Q4_1 / Q5_0 / Q5_1, "
-       "without --rotate")
-
-
-def type_of_settings(quantizer: str, bits: int, sym: bool) -> str | None:
-    """The block type a layer's quantizer settings give when its groups are 32 wide, or None."""
-    if quantizer == "ggml":
-        return make_quantizer("ggml", bits=bits, sym=sym).ggml_type
-    return INT_TYPES.get(bits) if quantizer == "int" and sym else None
+FIX = ("use --group-size 32 with --bits 4 or 8 (Q4_0, Q8_0), --quantizer ggml for Q4_1 / Q5_0 / Q5_1, --quantizer "
+       "kquant for Q2_K .. Q6_K, or --gguf-type (Q4_K_M, ...), without --rotate")
 
 
 def block_type(res: QuantResult) -> str | None:
@@ -41,16 +36,18 @@ def block_type(res: QuantResult) -> str | None:
 
 def misfit(quantizer: str, bits: int, sym: bool, group_size: int, cols: int) -> str | None:
     """Why a layer of these settings and `cols` inputs has no llama.cpp block type (None when it has one)."""
-    if type_of_settings(quantizer, bits, sym) is None or group_size != gguf_blocks.BLOCK:
+    name = type_of_settings(quantizer, bits, sym)
+    if name is None or group_size != TYPES[name].group_size:
         return f"llama.cpp has no block type for a {bits}-bit {quantizer} layer in groups of {group_size}: {FIX}"
-    if cols % gguf_blocks.BLOCK:
-        return f"its {cols} inputs are not whole blocks of {gguf_blocks.BLOCK}: keep it in float with a recipe skip"
+    if cols % TYPES[name].block:
+        return (f"its {cols} inputs are not whole {name} blocks of {TYPES[name].block}: keep it in float with a recipe "
+                "skip, or use a type of blocks of 32 (--gguf-type falls back to one, as llama.cpp does)")
     return None
 
 
 def _source(written) -> gguf_export.GGUFSource:
-    return gguf_export.GGUFSource(written.config, written.tokenizer, written.name,
-                                  written.config["quantization_config"]["types"])
+    qc = written.config["quantization_config"]
+    return gguf_export.GGUFSource(written.config, written.tokenizer, written.name, qc["types"], qc.get("gguf_type"))
 
 
 @register_codec
@@ -59,7 +56,8 @@ class GGUFCodec(Codec):
     needs_tokenizer = True
     safetensors = False
     checkpoint_formats = {"gguf": "one llama.cpp file, model.gguf (Q4_0 / Q8_0 from groups of 32; Q4_1 / Q5_0 / "
-                                  "Q5_1 with --quantizer ggml), beside config.json and the tokenizer"}
+                                  "Q5_1 with --quantizer ggml; Q2_K .. Q6_K with --quantizer kquant; llama.cpp's "
+                                  "mixes with --gguf-type), beside config.json and the tokenizer"}
 
     @staticmethod
     def refusal(res: QuantResult) -> str | None:
@@ -69,8 +67,8 @@ class GGUFCodec(Codec):
         why = misfit(q.name, getattr(q, "bits", None), getattr(q, "sym", None), res.group_size, cols)
         if why:
             return why
-        if not torch.equal(res.g_idx.cpu().long(), torch.arange(cols) // gguf_blocks.BLOCK):
-            return f"its groups are not consecutive blocks of {gguf_blocks.BLOCK} (act-order needs --static-groups)"
+        if not torch.equal(res.g_idx.cpu().long(), torch.arange(cols) // res.group_size):
+            return f"its groups are not consecutive blocks of {res.group_size} (act-order needs --static-groups)"
         return None
 
     @classmethod
@@ -94,31 +92,28 @@ class GGUFCodec(Codec):
     @staticmethod
     def quantization_config(config, results: dict, all_linears, act_order: bool, extra=None, fused=None) -> dict:
         types = {name: block_type(results[name]) for name in all_linears if name in results}
-        return {"quant_method": "gguf", "gguf_file": GGUF_FILE, "group_size": gguf_blocks.BLOCK,
-                "desc_act": act_order, "types": types, **(extra or {})}
+        sizes = [results[name].group_size for name in types]
+        return {"quant_method": "gguf", "gguf_file": GGUF_FILE, "group_size": max(set(sizes), key=sizes.count),
+                "desc_act": act_order, "types": types,
+                **({"gguf_type": config.gguf_type} if getattr(config, "gguf_type", None) else {}), **(extra or {})}
 
     @staticmethod
     def layer_tensors(res: QuantResult, config, bias_dtype) -> dict:
-        kind = gguf_blocks.TYPES[block_type(res)]
-        d = res.params["d" if res.quantizer.name == "ggml" else "scale"]
-        out = {"weight": gguf_blocks.encode(kind, res.codes, d, res.params.get("m"))}
+        params = gguf_types.quantizer_params(res.quantizer, res.params)
+        out = {"weight": TYPES[block_type(res)].encode(res.codes, params)}
         if res.bias is not None:
             out["bias"] = res.bias.detach().to(bias_dtype or torch.float16).contiguous()
         return out
 
     @staticmethod
     def layer_result(tensors: dict, name: str, settings: dict, fmt: str) -> QuantResult:
-        """A layer back from its blocks, exactly: codes, fp16 d (and m) as they were rounded with."""
-        kind = type_of_settings(settings["quantizer"], settings["bits"], settings["sym"])
-        codes, d, m = gguf_blocks.decode(gguf_blocks.TYPES[kind], tensors[f"{name}.weight"])
-        quantizer = make_quantizer(settings["quantizer"], bits=settings["bits"], sym=settings["sym"])
-        if quantizer.name == "ggml":
-            params = {"d": d.float(), **({"m": m.float()} if m is not None else {})}
-        else:
-            params = {"scale": d.float(), "zero": torch.full_like(d, 2 ** (settings["bits"] - 1), dtype=torch.float32)}
-        cols = codes.shape[1]
-        return QuantResult(codes=codes, params=params, g_idx=(torch.arange(cols) // gguf_blocks.BLOCK).to(torch.int32),
-                           quantizer=quantizer, group_size=gguf_blocks.BLOCK, bias=tensors.get(f"{name}.bias"))
+        """A layer back from its blocks, exactly: codes and parameters as they were rounded with."""
+        quantizer = quantizer_of(settings)
+        kind = TYPES[type_of_settings(quantizer.name, settings["bits"], settings.get("sym"))]
+        codes, params = kind.decode(tensors[f"{name}.weight"])
+        return QuantResult(codes=codes, params=gguf_types.params_of_type(quantizer, params),
+                           g_idx=group_index(codes.shape[1], kind.group_size), quantizer=quantizer,
+                           group_size=kind.group_size, bias=tensors.get(f"{name}.bias"))
 
     @staticmethod
     def write_files(folder, order, max_shard_bytes, rename, written) -> None:
@@ -133,9 +128,9 @@ class GGUFCodec(Codec):
     @staticmethod
     def check_config(qc: dict, where: str) -> None:
         types = qc.get("types")
-        if not isinstance(types, dict) or any(t not in gguf_blocks.TYPES for t in types.values()):
+        if not isinstance(types, dict) or any(t not in TYPES for t in types.values()):
             raise QuantkitError(f"{where}: the gguf quantization_config's 'types' must map layers to "
-                                f"{', '.join(gguf_blocks.TYPES)}: the checkpoint is damaged")
+                                f"{', '.join(TYPES)}: the checkpoint is damaged")
         if qc.get("gguf_file") != GGUF_FILE:
             raise QuantkitError(f"{where}: the gguf quantization_config names file {qc.get('gguf_file')!r}, not "
                                 f"{GGUF_FILE}: the checkpoint is damaged")

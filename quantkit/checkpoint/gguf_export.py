@@ -12,26 +12,31 @@ from pathlib import Path
 
 import torch
 
-from quantkit.checkpoint import gguf_blocks, gguf_file, shards
+from quantkit.checkpoint import gguf_file, shards
 from quantkit.checkpoint.gguf_file import BF16, F16, F32, FLOAT32, STRING, UINT32, TensorInfo
+from quantkit.checkpoint.gguf_types import TYPES
 from quantkit.checkpoint.gguf_vocab import vocab_metadata
 from quantkit.core.errors import QuantkitError
 from quantkit.models import gguf_arch
 
 FLOAT_TYPES = {"F32": F32, "F16": F16, "BF16": BF16}  # a float tensor's safetensors dtype name -> ggml type
 TORCH_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
-# llama_ftype: what general.file_type says of a file whose commonest layer type is this one
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32}
+# llama_ftype: what general.file_type says of a file made with --gguf-type, or whose commonest layer type is this one
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11,
+              "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "BF16": 32}
+SMALL_MIX = {"Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S"}  # a k-quant alone is llama.cpp's _S file type
 
 
 @dataclass
 class GGUFSource:
     """What the file says besides the tensors: config.json as written (dict), the tokenizer, the name, and the block
-    type of each quantized layer ({module name in the files: "Q4_0"})."""
+    type of each quantized layer ({module name in the files: "Q4_0"}), and the llama.cpp file type asked for
+    (--gguf-type), if any."""
     config: dict
     tokenizer: object
     name: str
     types: dict
+    file_type: str | None = None
 
 
 def check_source(config: dict, tokenizer, names) -> None:
@@ -56,8 +61,9 @@ def model_metadata(source: GGUFSource) -> list:
     """[(key, type, value)]: general.*, the architecture's hyperparameters, rotary settings, tokenizer."""
     config, arch = source.config, gguf_arch.arch_of(source.config)
     commonest = max(set(source.types.values()), key=list(source.types.values()).count) if source.types else "F16"
+    file_type = source.file_type or SMALL_MIX.get(commonest, commonest)
     meta = [("general.architecture", STRING, arch.name), ("general.name", STRING, source.name),
-            ("general.file_type", UINT32, FILE_TYPES.get(commonest, 1)), ("general.quantization_version", UINT32, 2)]
+            ("general.file_type", UINT32, FILE_TYPES.get(file_type, 1)), ("general.quantization_version", UINT32, 2)]
     for key, (fields, kind) in gguf_arch.HPARAMS.items():
         value = next((config[f] for f in fields if config.get(f) is not None), None)
         if value is not None:
@@ -82,9 +88,9 @@ def _layout(name: str, dtype: str, shape: list, source: GGUFSource) -> TensorInf
         raise QuantkitError(_no_place(name, gguf_arch.arch_of(source.config)))
     module, _, leaf = name.rpartition(".")
     if module in source.types and leaf == "weight":
-        kind = gguf_blocks.TYPES[source.types[module]]
+        kind = TYPES[source.types[module]]
         rows, row_bytes = shape
-        cols = row_bytes // kind.block_bytes * gguf_blocks.BLOCK
+        cols = row_bytes // kind.block_bytes * kind.block
         return TensorInfo(target, (rows, cols), kind.ggml_type, rows * row_bytes)
     ggml_type = F32 if len(shape) == 1 else FLOAT_TYPES[dtype]
     numel = math.prod(shape)

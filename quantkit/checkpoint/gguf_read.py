@@ -1,7 +1,7 @@
 """model.gguf back to transformers tensors, dequantized: what load_quantized and eval read of a GGUF checkpoint.
 
 The inverse of quantkit.checkpoint.gguf_export, tensor by tensor: GGUF name -> transformers name, block types
-decoded as llama.cpp decodes them (quantkit.checkpoint.gguf_blocks), F16 / BF16 / F32 as stored, q/k rows put back
+decoded as llama.cpp decodes them (quantkit.checkpoint.gguf_types), F16 / BF16 / F32 as stored, q/k rows put back
 in transformers' order.
 """
 import math
@@ -9,20 +9,19 @@ from pathlib import Path
 
 import torch
 
-from quantkit.checkpoint import gguf_blocks, gguf_file
+from quantkit.checkpoint import gguf_file
 from quantkit.checkpoint.gguf_export import TORCH_TYPES
+from quantkit.checkpoint.gguf_types import BY_GGML_TYPE
 from quantkit.core.errors import QuantkitError
 from quantkit.models import gguf_arch
-
-BLOCK_TYPES = {t.ggml_type: t for t in gguf_blocks.TYPES.values()}
 
 
 def _nbytes(ggml_type: int, shape: tuple) -> int | None:
     numel = math.prod(shape)
     if ggml_type in TORCH_TYPES:
         return numel * TORCH_TYPES[ggml_type].itemsize
-    if ggml_type in BLOCK_TYPES:
-        return numel // gguf_blocks.BLOCK * BLOCK_TYPES[ggml_type].block_bytes
+    if ggml_type in BY_GGML_TYPE:
+        return numel // BY_GGML_TYPE[ggml_type].block * BY_GGML_TYPE[ggml_type].block_bytes
     return None
 
 
@@ -40,7 +39,7 @@ def read_tensors(path: Path, config: dict, dtype: torch.dtype) -> dict:
             if info.ggml_type in TORCH_TYPES:
                 t = raw.view(TORCH_TYPES[info.ggml_type]).reshape(info.shape)
             else:
-                t = gguf_blocks.dequantize(BLOCK_TYPES[info.ggml_type], raw.reshape(info.shape[0], -1))
+                t = BY_GGML_TYPE[info.ggml_type].dequantize(raw.reshape(info.shape[0], -1))
             name = gguf_arch.hf_name(info.name)
             heads = gguf_arch.rotary_heads(name, config)
             if heads is not None:

@@ -28,12 +28,16 @@ def is_plain(g_idx: torch.Tensor, cols: int, group_size: int) -> bool:
 
 
 def check_shape(quantizer, cols: int, group_size: int) -> None:
-    """Units never straddle a group or the end of the row."""
+    """Units never straddle a group or the end of the row; a span of groups fitted together is always whole."""
     w = quantizer.width
     size = group_width(cols, group_size)
     if cols % w or size % w:
         raise QuantkitError(f"the {quantizer.name} quantizer rounds {w} columns at a time: it needs the input width "
                             f"({cols}) and the group size ({size}) to be multiples of {w}")
+    span = size * getattr(quantizer, "span", 1)
+    if span > size and cols % span:
+        raise QuantkitError(f"the {quantizer.name} quantizer fits {span} columns at a time (a super-block): the input "
+                            f"width ({cols}) is not a multiple of {span}")
 
 
 def per_column(params: dict, g_idx: torch.Tensor) -> dict:

@@ -43,7 +43,10 @@ class QuantResult:
         return w if self.rotation is None else self.rotation.unrotate_weight(w)
 
     def bits_per_weight(self) -> float:
-        """Code bits plus the per-group parameters at the width the quantizer stores them."""
+        """Code bits plus the per-group parameters at the width the quantizer stores them (or what the quantizer says
+        its blocks cost, where parameters are shared across groups)."""
+        if hasattr(self.quantizer, "bits_per_weight"):
+            return self.quantizer.bits_per_weight
         rows, cols = self.shape
         param_bits = sum(self.quantizer.param_bits[k] * v.numel() for k, v in self.params.items())
         return self.quantizer.code_bits + param_bits / (rows * cols)

@@ -27,7 +27,7 @@ from typing import Optional
 import yaml
 
 from quantkit.algorithms.registry import method_spec
-from quantkit.checkpoint import codecs
+from quantkit.checkpoint import codecs, gguf_mix
 from quantkit.core.errors import QuantkitError
 from quantkit.core.textfile import read_user_text
 from quantkit.schemes.base import quantizer_for, quantizer_names
@@ -83,7 +83,8 @@ class QuantConfig:
     true_sequential: bool = True
     awq_grid: int = 20
     awq_clip: bool = True
-    checkpoint_format: str = "gptq"
+    checkpoint_format: Optional[str] = None  # None: gguf with --gguf-type, else gptq
+    gguf_type: Optional[str] = None  # a llama.cpp file type (Q4_K_M, ...): every layer's block type, llama.cpp's mix
     rotate: Optional[str] = None     # None: the method's (none; hadamard for the turboquant and e8 methods)
     max_shard_size: str = "4GB"
     compat: str = "none"             # reader(s) whose refusal is an error before any work; none: warnings only
@@ -99,10 +100,15 @@ class QuantConfig:
             self.quantizer = spec.quantizer or "int"
         if self.rotate is None:
             self.rotate = spec.rotate
+        if self.checkpoint_format is None:
+            self.checkpoint_format = "gptq" if self.gguf_type is None else "gguf"
         for f in dataclasses.fields(self):
+            if f.name == "gguf_type" and self.gguf_type is None:
+                continue
             if f.name == "max_shard_size" and is_int(self.max_shard_size):
                 continue  # a byte count is as good as "4GB"
-            expected = {"modules": list, "quantizer": str, "rotate": str}.get(f.name, f.type)
+            expected = {"modules": list, "quantizer": str, "rotate": str, "checkpoint_format": str,
+                        "gguf_type": str}.get(f.name, f.type)
             setattr(self, f.name, check_type(getattr(self, f.name), expected, f.name, "option"))
         check_group_size(self.group_size)
         for name in ("nsamples", "seqlen", "block_size", "awq_grid"):
@@ -129,8 +135,22 @@ class QuantConfig:
         if self.compat not in COMPAT_TARGETS:
             raise QuantkitError(f"unknown --compat '{self.compat}': use one of {', '.join(COMPAT_TARGETS)}")
         codecs.codec_of_format(self.checkpoint_format)  # an unknown name is refused with the choices
+        self._check_gguf_type()
         self.modules = [self._check_override(o, i) for i, o in enumerate(self.modules)]
         self._check_quantizers()
+
+    def _check_gguf_type(self) -> None:
+        if self.gguf_type is None:
+            return
+        gguf_mix.check_file_type(self.gguf_type)
+        if self.checkpoint_format != "gguf":
+            raise QuantkitError(f"--gguf-type {self.gguf_type} makes a llama.cpp file: use it with --checkpoint-format "
+                                f"gguf (or leave --checkpoint-format out), not {self.checkpoint_format}")
+        if self.quantizer != "int" or any(k in o for o in self.modules for k in ("bits", "group_size", "sym")):
+            raise QuantkitError(f"--gguf-type {self.gguf_type} sets every layer's block type (llama.cpp's mix), "
+                                "rounded by rtn, gptq or awq: drop --quantizer (and --method "
+                                f"{self.method} if it implies one) and the recipe's per-module bits / group_size / "
+                                "sym (skip: true still keeps a layer in float)")
 
     def _check_quantizers(self) -> None:
         """Build the quantizer of the run's settings and of each override, so bad bits fail before any work."""

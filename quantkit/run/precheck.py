@@ -3,11 +3,12 @@ quantizer, and the readers that would refuse the checkpoint (quantkit.checkpoint
 import re
 import sys
 
-from quantkit.checkpoint import codecs, compat
+from quantkit.checkpoint import codecs, compat, gguf_mix, gguf_types
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import check_shape
 from quantkit.models.arch import block_linears, fused_groups, get_submodule, get_weight, is_linear
 from quantkit.models.names import FileNames
+from quantkit.run.config import LayerSpec
 
 
 def quantizable_linears(model, arch, head=None) -> list[str]:
@@ -67,7 +68,22 @@ def layer_specs(model, names, config, siblings=None, in_files=None) -> tuple[dic
     siblings, aliases = siblings or {}, file_aliases(in_files or FileNames(model), names)
     specs = {n: config.spec_for(n, siblings.get(n, ()), aliases.get(n, ())) for n in names}
     shapes = {n: tuple(reversed(get_weight(model.get_submodule(n)).shape)) for n in names}
+    if getattr(config, "gguf_type", None):
+        specs = _gguf_specs(config.gguf_type, specs, shapes, model.config.to_dict(), config.needs_calibration)
     return specs, shapes
+
+
+def _gguf_specs(file_type: str, specs: dict, shapes: dict, model_config: dict, calibrated: bool) -> dict:
+    """The specs of --gguf-type: each kept layer gets the block type llama.cpp's mix gives it (quantkit.checkpoint.
+    gguf_mix), as the quantizer settings that make it."""
+    kept = {n: shapes[n] for n, s in specs.items() if s is not None}
+    types = gguf_mix.layer_types(file_type, kept, model_config, calibrated)
+    out = {}
+    for name, spec in specs.items():
+        settings = gguf_types.settings_of_type(types[name]) if spec is not None else None
+        out[name] = settings and LayerSpec(settings["bits"], settings["group_size"], settings["sym"],
+                                           settings["quantizer"])
+    return out
 
 
 def unit_misfits(specs: dict, shapes: dict) -> dict:

@@ -13,6 +13,9 @@ codebooks, 8 for an E8 lattice) with parameters fitted per row and per group of 
     fit(w, importance=None) -> params {key: [rows]}      one group's parameters, w [rows, cols]; importance
                                                          [cols], if given, weighs each column's rounding error
                                                          (GPTQ's Hessian diagonal; a quantizer may ignore it)
+    span        optional: groups fitted together (default 1). A quantizer whose groups share a step (llama.cpp's
+                k-quants: 8 or 16 sub-blocks under one fp16 step) sets it; its fit then takes span groups' columns
+                and returns {key: [rows, span]}. fit_groups / fit_all hide the difference from the methods.
     round(w, params)        -> (codes, dequantized)      w [rows, k * width], params {key: [rows]}
     dequantize(codes, p)    -> weights                   p gathered per column: {key: [rows, cols]}
     kernel_decode           a KernelDecode, or None: how the codebook GEMM decodes its codes in registers
@@ -96,6 +99,29 @@ def quantizer_for(name: str, bits: int, sym: bool, group_size: int):
     return QUANTIZERS.get_entry(name).from_spec(bits, sym, group_size)
 
 
+def fit_groups(quantizer, w: torch.Tensor, importance=None) -> dict:
+    """{key: [rows, n]}: the parameters of the n groups that w [rows, cols] covers: one group, or one span of the
+    quantizer's `span` groups fitted together."""
+    fitted = quantizer.fit(w, importance=importance)
+    return fitted if getattr(quantizer, "span", 1) > 1 else {k: v[:, None] for k, v in fitted.items()}
+
+
+def fit_all(quantizer, w: torch.Tensor, group_size: int, importance=None) -> dict:
+    """{key: [rows, n_groups]} of every group of w [rows, cols] (a span at a time), each fitted on a row-major copy
+    of its columns; importance [cols], if given, passed on per group."""
+    rows, cols = w.shape
+    size = group_width(cols, group_size)
+    step = size * getattr(quantizer, "span", 1)
+    params = {}
+    for c0 in range(0, cols, step):
+        imp = None if importance is None else importance[c0:c0 + step]
+        for key, value in fit_groups(quantizer, w[:, c0:c0 + step].contiguous(), imp).items():
+            g = c0 // size
+            params.setdefault(key, torch.zeros(rows, n_groups(cols, group_size), dtype=torch.float32,
+                                               device=w.device))[:, g:g + value.shape[1]] = value
+    return params
+
+
 def fake_quantize(w: torch.Tensor, quantizer, group_size: int, bounds=None) -> torch.Tensor:
     """Round-to-nearest of w [rows, cols] group by group, dequantized, float32, vectorised over groups.
 
@@ -109,6 +135,7 @@ def fake_quantize(w: torch.Tensor, quantizer, group_size: int, bounds=None) -> t
     wg = torch.nn.functional.pad(w, (0, ng * size - cols)).view(rows, ng, size)
     if bounds is not None:
         wg = torch.clamp(wg, bounds[..., :1], bounds[..., 1:])
-    flat = wg.reshape(rows * ng, size)
-    _, wq = quantizer.round(flat, quantizer.fit(flat))
+    span = getattr(quantizer, "span", 1)  # whole spans: check_shape holds the layer to them
+    params = fit_groups(quantizer, wg.reshape(rows * ng // span, size * span))
+    _, wq = quantizer.round(wg.reshape(rows * ng, size), {k: v.reshape(-1) for k, v in params.items()})
     return wq.view(rows, ng * size)[:, :cols]

@@ -1,0 +1,85 @@
+"""Every llama.cpp block type quantkit writes, in one table, and which quantizer settings make each.
+
+    legacy blocks of 32 (quantkit.checkpoint.gguf_blocks):  Q4_0 Q4_1 Q5_0 Q5_1 Q8_0
+        from --quantizer ggml (or a symmetric 4- / 8-bit integer grid: Q4_0 / Q8_0), --group-size 32
+    k-quant super-blocks of 256 (quantkit.checkpoint.gguf_kquants):  Q2_K Q3_K Q4_K Q5_K Q6_K
+        from --quantizer kquant, --group-size the type's sub-block (16 or 32)
+
+Parameters travel as the quantizer names them: {"d"} / {"d", "m"} per block of 32, {"d", "sc"} / {"d", "sc",
+"dmin", "m"} per k-quant sub-block. The integer grid's {"scale", "zero"} become a Q4_0 / Q8_0 block's {"d"}.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.checkpoint import gguf_blocks, gguf_kquants
+from quantkit.schemes.ggml_kquants import KTYPES, SUPER
+from quantkit.schemes.ggml_legacy import TYPES as LEGACY_SETTINGS
+
+INT_TYPES = {4: "Q4_0", 8: "Q8_0"}  # the symmetric integer grid's widths a legacy block holds as they are
+
+
+@dataclass(frozen=True)
+class GGUFType:
+    name: str
+    ggml_type: int     # GGMLQuantizationType's value, as GGUF files store it
+    block: int         # weights per block: a row's width must be a multiple
+    block_bytes: int
+    group_size: int    # the quantizer's group (a block of 32, or a k-quant's sub-block)
+
+    def encode(self, codes: torch.Tensor, params: dict) -> torch.Tensor:
+        """uint8 [rows, K / block * block_bytes] from codes [rows, K] and the quantizer's params [rows, groups]."""
+        if self.block == SUPER:
+            return gguf_kquants.encode(self.name, codes, params)
+        return gguf_blocks.encode(gguf_blocks.TYPES[self.name], codes, params["d"], params.get("m"))
+
+    def decode(self, data: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(codes [rows, K] int32, params {key: float32 [rows, groups]}), exactly as encoded."""
+        if self.block == SUPER:
+            return gguf_kquants.decode(self.name, data)
+        codes, d, m = gguf_blocks.decode(gguf_blocks.TYPES[self.name], data)
+        return codes, {"d": d.float(), **({"m": m.float()} if m is not None else {})}
+
+    def dequantize(self, data: torch.Tensor) -> torch.Tensor:
+        """float32 [rows, K], as llama.cpp decodes."""
+        if self.block == SUPER:
+            return gguf_kquants.dequantize(self.name, data)
+        return gguf_blocks.dequantize(gguf_blocks.TYPES[self.name], data)
+
+
+TYPES = {**{t.name: GGUFType(t.name, t.ggml_type, gguf_blocks.BLOCK, t.block_bytes, gguf_blocks.BLOCK)
+            for t in gguf_blocks.TYPES.values()},
+         **{k.name: GGUFType(k.name, gguf_kquants.GGML_TYPES[k.name], SUPER, k.block_bytes, k.sub)
+            for k in KTYPES.values()}}
+BY_GGML_TYPE = {t.ggml_type: t for t in TYPES.values()}
+
+
+def type_of_settings(quantizer: str, bits, sym) -> str | None:
+    """The block type a layer's quantizer settings give (its groups the type's group size), or None."""
+    if quantizer == "ggml" and (bits, sym) in LEGACY_SETTINGS:
+        return LEGACY_SETTINGS[(bits, sym)]
+    if quantizer == "kquant" and bits in KTYPES:
+        return KTYPES[bits].name
+    return INT_TYPES.get(bits) if quantizer == "int" and sym else None
+
+
+def settings_of_type(name: str) -> dict:
+    """The quantizer settings that make block type `name`: {"quantizer", "bits", "sym", "group_size"}."""
+    if name in gguf_kquants.TYPES:
+        bits = next(b for b, k in KTYPES.items() if k.name == name)
+        return {"quantizer": "kquant", "bits": bits, "sym": not KTYPES[bits].has_min, "group_size": TYPES[name].group_size}
+    bits, sym = next(key for key, t in LEGACY_SETTINGS.items() if t == name)
+    return {"quantizer": "ggml", "bits": bits, "sym": sym, "group_size": gguf_blocks.BLOCK}
+
+
+def quantizer_params(quantizer, params: dict) -> dict:
+    """A layer's params as its block type takes them (the integer grid's scale is a legacy block's d)."""
+    return {"d": params["scale"]} if quantizer.name == "int" else params
+
+
+def params_of_type(quantizer, params: dict) -> dict:
+    """The inverse of quantizer_params: decoded block params as the quantizer keeps them."""
+    if quantizer.name != "int":
+        return params
+    return {"scale": params["d"], "zero": torch.full_like(params["d"], 2 ** (quantizer.bits - 1))}
+

@@ -1,0 +1,199 @@
+"""llama.cpp's k-quants (issue 39): Q2_K .. Q6_K super-blocks byte for byte against the gguf package's own
+dequantize, the kquant quantizer inside RTN and GPTQ, and --gguf-type's per-tensor mix as llama-quantize makes it."""
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import make_model_folder
+from transformers import AutoModelForCausalLM
+
+from quantkit import api
+from quantkit.algorithms.gptq import GPTQ
+from quantkit.algorithms.rtn import rtn
+from quantkit.checkpoint import gguf_kquants
+from quantkit.checkpoint.gguf import GGUFCodec
+from quantkit.checkpoint.gguf_mix import layer_types
+from quantkit.core.errors import QuantkitError
+from quantkit.run.config import QuantConfig
+from quantkit.schemes.base import make_quantizer, quantizer_for
+
+gguf = pytest.importorskip("gguf")
+BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+
+
+def reference_dequantize(name, data: torch.Tensor) -> torch.Tensor:
+    qtype = gguf.GGMLQuantizationType[name]
+    assert gguf.GGML_QUANT_SIZES[qtype] == (256, gguf_kquants.TYPES[name].block_bytes)
+    return torch.from_numpy(gguf.quants.dequantize(data.numpy(), qtype).astype(np.float32))
+
+
+def random_params(name, rows, k, gen):
+    kind = gguf_kquants.TYPES[name]
+    groups = k // kind.sub
+    d = (torch.rand(rows, k // 256, generator=gen) * 0.01).half().float().repeat_interleave(256 // kind.sub, dim=1)
+    if kind.has_min:
+        top = 2**kind.scale_bits
+        return {"d": d, "sc": torch.randint(0, top, (rows, groups), generator=gen).float(), "dmin": d.flip(0),
+                "m": torch.randint(0, top, (rows, groups), generator=gen).float()}
+    half = 2 ** (kind.scale_bits - 1)
+    return {"d": d, "sc": torch.randint(-half, half, (rows, groups), generator=gen).float()}
+
+
+@pytest.mark.parametrize("name", sorted(BITS))
+def test_every_k_type_decodes_bit_for_bit_through_gguf(name):
+    """Random codes and scales over their whole ranges (every code position of a super-block): quantkit's bytes
+    decode to the quantizer's own dequantize through gguf-py's, and decode back to the same codes and params."""
+    gen = torch.Generator().manual_seed(BITS[name])
+    rows, k = 3, 512
+    codes = torch.randint(0, 2 ** BITS[name], (rows, k), generator=gen)
+    params = random_params(name, rows, k, gen)
+    data = gguf_kquants.encode(name, codes, params)
+    assert data.dtype == torch.uint8 and data.shape == (rows, 2 * gguf_kquants.TYPES[name].block_bytes)
+    back, back_params = gguf_kquants.decode(name, data)
+    assert torch.equal(back, codes.int()) and all(torch.equal(back_params[key], params[key]) for key in params)
+    quantizer = make_quantizer("kquant", bits=BITS[name])
+    col = torch.arange(k) // quantizer.kind.sub
+    want = quantizer.dequantize(codes, {key: v[:, col] for key, v in params.items()})
+    assert torch.equal(reference_dequantize(name, data), want)
+    assert torch.equal(gguf_kquants.dequantize(name, data), want)
+
+
+@pytest.mark.parametrize("name", sorted(BITS))
+def test_rtn_fits_are_what_llama_cpp_decodes(name):
+    """A fitted layer's codes and parameters make blocks that llama.cpp decodes to exactly the weights the method
+    computed with; more bits, less error."""
+    w = torch.randn(8, 512, generator=torch.Generator().manual_seed(0))
+    quantizer = make_quantizer("kquant", bits=BITS[name])
+    res = rtn(w, quantizer, quantizer.kind.sub)
+    assert torch.equal(reference_dequantize(name, gguf_kquants.encode(name, res.codes, res.params)), res.dequantize())
+    assert res.bits_per_weight() == gguf_kquants.TYPES[name].block_bytes * 8 / 256
+    relative = float((res.dequantize() - w).square().mean() / w.square().mean())
+    assert relative < {"Q2_K": 0.1, "Q3_K": 0.03, "Q4_K": 0.007, "Q5_K": 0.0017, "Q6_K": 0.0004}[name]
+
+
+def test_gptq_feedback_beats_rounding_to_nearest_on_correlated_inputs():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 256, generator=gen)
+    x = torch.randn(1024, 256, generator=gen) @ (torch.eye(256) + 0.3 * torch.randn(256, 256, generator=gen))
+    for bits in (2, 4, 6):
+        quantizer = make_quantizer("kquant", bits=bits)
+        g = GPTQ(w)
+        g.add_batch(x)
+        ours = g.quantize(quantizer, quantizer.kind.sub, act_order=True)
+        near = rtn(w, quantizer, quantizer.kind.sub)
+        err = [float((x @ (r.dequantize() - w).t()).square().mean()) for r in (ours, near)]
+        assert err[0] < 0.8 * err[1], (bits, err)
+        data = gguf_kquants.encode(quantizer.ggml_type, ours.codes, ours.params)
+        assert torch.equal(reference_dequantize(quantizer.ggml_type, data), ours.dequantize())
+
+
+def test_a_layer_comes_back_from_its_blocks_exactly():
+    """What resume reads back from a part: the codes and parameters the layer was rounded with."""
+    w = torch.randn(4, 256, generator=torch.Generator().manual_seed(2))
+    for name, bits, sym, size in [("kquant", 3, None, 16), ("kquant", 5, None, 32), ("ggml", 4, True, 32),
+                                  ("ggml", 5, False, 32), ("int", 4, True, 32)]:
+        res = rtn(w, quantizer_for(name, bits, sym, size), size)
+        tensors = {f"x.{k}": v for k, v in GGUFCodec.layer_tensors(res, None, None).items()}
+        settings = {"quantizer": name, **res.quantizer.settings(), "group_size": size}
+        back = GGUFCodec.layer_result(tensors, "x", settings, "gguf")
+        assert torch.equal(back.codes, res.codes) and torch.equal(back.dequantize(), res.dequantize()), name
+
+
+def test_ggml_q4_0_takes_llama_cpp_signed_scale_where_it_rounds_better():
+    """A block whose largest weight is positive: llama.cpp's d = max / -8 (negative) steps max/8; the grid's
+    positive scale steps max/7.5. The ggml quantizer keeps whichever rounds with less error."""
+    w = torch.linspace(-0.5, 1.0, 32)[None]
+    quantizer = make_quantizer("ggml", bits=4, sym=True)
+    d = quantizer.fit(w)["d"]
+    assert float(d) == float(torch.tensor(-1.0 / 8).half())
+    _, wq = quantizer.round(w, {"d": d})
+    grid = make_quantizer("int", bits=4, sym=True)
+    _, grid_wq = grid.round(w, grid.fit(w))
+    assert (wq - w).square().sum() < (grid_wq - w).square().sum()
+
+
+def smollm2_shapes(layers=30, hidden=576, inter=1536, kv=192):
+    shapes = {}
+    for i in range(layers):
+        for leaf, shape in {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (hidden, kv),
+                            "self_attn.v_proj": (hidden, kv), "self_attn.o_proj": (hidden, hidden),
+                            "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
+                            "mlp.down_proj": (inter, hidden)}.items():
+            shapes[f"model.layers.{i}.{leaf}"] = shape
+    return shapes
+
+
+SMOLLM2 = {"num_attention_heads": 9, "num_key_value_heads": 3}
+
+
+@pytest.mark.parametrize("file_type, counts", [
+    # what llama-quantize wrote for SmolLM2-135M (576-wide rows fall back; ffn_down's 1536 are whole super-blocks)
+    ("Q4_K_M", {"Q5_0": 166, "Q4_K": 16, "Q8_0": 14, "Q6_K": 14}),
+    ("Q3_K_M", {"Q4_0": 120, "Q5_0": 58, "Q4_K": 29, "Q5_1": 2, "Q5_K": 1}),
+    ("Q2_K", {"Q4_0": 180, "Q3_K": 30}),
+])
+def test_file_type_mix_is_llama_quantizes_on_smollm2(file_type, counts):
+    types = layer_types(file_type, smollm2_shapes(), SMOLLM2)
+    assert Counter(types.values()) == counts
+    if file_type == "Q4_K_M":  # use_more_bits: layers 0-2, 26-29 and every third between
+        six = [i for i in range(30) if types[f"model.layers.{i}.mlp.down_proj"] == "Q6_K"]
+        assert six == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
+        assert {types[f"model.layers.{i}.self_attn.v_proj"] for i in six} == {"Q8_0"}  # Q6_K's fallback
+
+
+def test_q4_0_with_calibration_guards_the_first_ffn_down_layers_as_llama_cpp_with_imatrix():
+    plain = layer_types("Q4_0", smollm2_shapes(), SMOLLM2)
+    calibrated = layer_types("Q4_0", smollm2_shapes(), SMOLLM2, calibrated=True)
+    assert set(plain.values()) == {"Q4_0"}
+    assert {n for n, t in calibrated.items() if t == "Q4_1"} == {f"model.layers.{i}.mlp.down_proj" for i in range(3)}
+
+
+def test_file_type_mix_on_whole_super_blocks():
+    types = layer_types("Q3_K_M", smollm2_shapes(layers=32, hidden=512, inter=1024, kv=128),
+                        {"num_attention_heads": 8, "num_key_value_heads": 2})
+    assert [types[f"model.layers.{i}.self_attn.v_proj"] for i in range(3)] == ["Q5_K", "Q5_K", "Q4_K"]
+    assert [types[f"model.layers.{i}.mlp.down_proj"] for i in range(3)] == ["Q5_K", "Q5_K", "Q4_K"]
+    assert types["model.layers.9.self_attn.o_proj"] == "Q4_K" and types["model.layers.9.mlp.up_proj"] == "Q3_K"
+    q2 = layer_types("Q2_K", {"model.layers.0.self_attn.v_proj": (512, 128)}, {"num_attention_heads": 8,
+                                                                                "num_key_value_heads": 2})
+    assert q2 == {"model.layers.0.self_attn.v_proj": "Q4_K"}  # n_gqa >= 4
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kquant")
+    torch.manual_seed(0)
+    return root, make_model_folder("llama-256", root, dtype=torch.float16), torch.randint(0, 512, (4, 64))
+
+
+def test_gguf_type_writes_llama_cpps_mix_and_reads_back_in_transformers(wide):
+    root, src, ids = wide
+    out = root / "q4_k_m"
+    api.quantize(str(src), out, QuantConfig(method="gptq", gguf_type="Q4_K_M"), calibration_ids=ids)
+    reader = gguf.GGUFReader(out / "model.gguf")
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert reader.fields["general.file_type"].contents() == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_up.weight"] == types["blk.0.attn_v.weight"] == "Q4_K"
+    assert types["blk.1.attn_v.weight"] == "Q6_K"  # the last eighth of the layers gets more bits
+    assert types["blk.0.ffn_down.weight"] == "Q5_0" and types["blk.1.ffn_down.weight"] == "Q8_0"  # 288 inputs
+    ours = api.load_quantized(out)
+    theirs = AutoModelForCausalLM.from_pretrained(out, gguf_file="model.gguf", dtype=torch.float32)
+    x = ids[:1, :24]
+    torch.testing.assert_close(ours(x).logits, theirs(x).logits, rtol=0, atol=1e-5)
+
+
+def test_gguf_type_refusals(wide):
+    with pytest.raises(QuantkitError, match="--checkpoint-format gguf"):
+        QuantConfig(gguf_type="Q4_K_M", checkpoint_format="gptq")
+    with pytest.raises(QuantkitError, match="unknown --gguf-type"):
+        QuantConfig(gguf_type="Q4_K_X")
+    with pytest.raises(QuantkitError, match="drop --quantizer"):
+        QuantConfig(gguf_type="Q4_K_M", quantizer="ggml")
+    with pytest.raises(QuantkitError, match="sub-blocks are 16 weights wide: use --group-size 16"):
+        QuantConfig(quantizer="kquant", bits=6, group_size=32, checkpoint_format="gguf")
+    root, src, ids = wide
+    with pytest.raises(QuantkitError, match="288.*256"):  # ffn_down's rows are not whole super-blocks
+        api.quantize(str(src), root / "no", QuantConfig(quantizer="kquant", bits=4, group_size=32,
+                                                        checkpoint_format="gguf"))
+    assert not (root / "no").exists()
