@@ -91,7 +91,9 @@ def test_gptq_feedback_in_q4_1_beats_rounding_to_nearest(world):
     assert errors[gptq.name] < 0.8 * errors[rtn.name], errors
 
 
-def test_q4_1_blocks_cover_their_range_and_round_to_nearest():
+def test_q4_1_blocks_round_no_worse_than_their_range_fit():
+    """Each block's d and m (fp16, as stored) round it with no more error than the fit that covers its range exactly
+    (which clamps nothing); codes stay in 0..15."""
     torch.manual_seed(1)
     w = torch.randn(64, 32) * torch.rand(64, 1) + torch.randn(64, 1)
     q = GGMLBlocks(4, sym=False)
@@ -99,7 +101,10 @@ def test_q4_1_blocks_cover_their_range_and_round_to_nearest():
     codes, wq = q.round(w, params)
     assert torch.equal(params["d"], params["d"].half().float()) and torch.equal(params["m"], params["m"].half().float())
     assert int(codes.min()) >= 0 and int(codes.max()) <= 15
-    assert bool(((w - wq).abs() <= params["d"][:, None] / 2 * (1 + 1e-5)).all())  # nothing clamped
+    ranged = q.range_fit(w)
+    _, ranged_wq = q.round(w, ranged)
+    assert bool(((w - ranged_wq).abs() <= ranged["d"][:, None] / 2 * (1 + 1e-5)).all())  # it clamps nothing
+    assert ((w - wq).square().sum(-1) <= (w - ranged_wq).square().sum(-1) * (1 + 1e-6)).all()
 
 
 def test_a_gptq_checkpoint_of_groups_of_32_converts_to_q4_0_exactly(world):

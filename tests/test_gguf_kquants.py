@@ -100,17 +100,26 @@ def test_a_layer_comes_back_from_its_blocks_exactly():
         assert torch.equal(back.codes, res.codes) and torch.equal(back.dequantize(), res.dequantize()), name
 
 
-def test_ggml_q4_0_takes_llama_cpp_signed_scale_where_it_rounds_better():
-    """A block whose largest weight is positive: llama.cpp's d = max / -8 (negative) steps max/8; the grid's
-    positive scale steps max/7.5. The ggml quantizer keeps whichever rounds with less error."""
+def test_ggml_legacy_fits_round_better_than_the_grid_and_the_range():
+    """A block whose largest weight is positive: llama.cpp's d = max / -8 (negative) steps max/8 where the grid's
+    positive scale steps max/7.5, and its weighted search does better still; the ggml quantizer keeps the best."""
     w = torch.linspace(-0.5, 1.0, 32)[None]
     quantizer = make_quantizer("ggml", bits=4, sym=True)
     d = quantizer.fit(w)["d"]
-    assert float(d) == float(torch.tensor(-1.0 / 8).half())
     _, wq = quantizer.round(w, {"d": d})
     grid = make_quantizer("int", bits=4, sym=True)
     _, grid_wq = grid.round(w, grid.fit(w))
-    assert (wq - w).square().sum() < (grid_wq - w).square().sum()
+    _, plain_wq = quantizer.round(w, {"d": torch.tensor([-1.0 / 8])})
+    assert float(d) < 0 and (wq - w).square().sum() <= (plain_wq - w).square().sum() < (grid_wq - w).square().sum()
+    # with a minimum (Q4_1): the weighted search against the range fit, on Gaussian blocks with skewed importance
+    gen = torch.Generator().manual_seed(3)
+    w, importance = torch.randn(64, 32, generator=gen), torch.rand(32, generator=gen) ** 4
+    asym = make_quantizer("ggml", bits=4, sym=False)
+    span = w.amax(dim=-1) - w.amin(dim=-1)
+    ranged = {"d": (span / 15).half().float(), "m": w.amin(dim=-1).half().float()}
+    error = [float(((asym.round(w, p)[1] - w).square() * importance).sum())
+             for p in (asym.fit(w, importance), ranged)]
+    assert error[0] < 0.8 * error[1]
 
 
 def smollm2_shapes(layers=30, hidden=576, inter=1536, kv=192):

@@ -4,9 +4,9 @@
     with a minimum ("_1")  w = d q + m            q in 0 .. 2^bits - 1, d and m fp16
 (quantkit.checkpoint.gguf_blocks lays the codes out byte for byte). A symmetric block is the integer grid with a
 group of 32 and 5 bits allowed: its scale is the best of the grid's two fits (max-abs and range, quantkit.schemes.grid)
-and llama.cpp's signed one, which may be negative. A block with a minimum stores m itself, not a zero point, so it is fitted here: m the
-block's minimum rounded down to fp16 and d the step that reaches the maximum from there, rounded up, so every
-weight lies inside the grid. Inside GPTQ the codes then get the error feedback llama.cpp's own quantizer lacks.
+and llama.cpp's two (its plain signed one, which may be negative, and its imatrix search). A block with a minimum stores m itself, not a zero point, so it is fitted here: the better of
+the range fit (m the block's minimum rounded down to fp16, d the step that reaches the maximum from there, rounded
+up, so every weight lies inside the grid) and llama.cpp's weighted search. Inside GPTQ the codes then get the error feedback llama.cpp's own quantizer lacks.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -16,6 +16,7 @@ import torch
 from quantkit.core.errors import QuantkitError
 from quantkit.schemes import grid
 from quantkit.schemes.base import register_quantizer
+from quantkit.schemes.ggml_kquants import fit_signed, fit_with_min
 
 BLOCK = 32
 TYPES = {(4, True): "Q4_0", (4, False): "Q4_1", (5, True): "Q5_0", (5, False): "Q5_1", (8, True): "Q8_0"}
@@ -75,6 +76,11 @@ class GGMLBlocks:
         """{"d"} (and {"m"}) [rows] for one block w [rows, 32]."""
         if self.sym:
             return {"d": self._signed_fit(w.float(), grid.Grid.fit(self, w, importance)["scale"], importance)}
+        return self._searched_min_fit(w.float(), self.range_fit(w), importance)
+
+    def range_fit(self, w: torch.Tensor) -> dict:
+        """{"d", "m"} that cover each row's range exactly: m its minimum rounded down to fp16, d the step that reaches
+        its maximum from there, rounded up (nothing is clamped)."""
         w = w.float()
         low = grid.fp16_at_most(w.amin(dim=-1))
         span = w.amax(dim=-1) - low
@@ -82,14 +88,35 @@ class GGMLBlocks:
         return {"d": d, "m": low}
 
     def _signed_fit(self, w, d, importance):
-        """Per row, d or llama.cpp's own choice, whichever rounds w with the smaller (weighted) squared error:
-        llama.cpp puts the block's largest-magnitude weight on code 0 whatever its sign, d = peak / -2^(bits-1), so
-        d may be negative and the step is absmax / 2^(bits-1) (the grid's positive d steps absmax / (2^(bits-1) -
-        1/2) when the positive extreme dominates; SmolLM2 RTN Q4_0: mean KLD 0.329 against llama.cpp's 0.288)."""
+        """Per row, the best of d and two more candidates, whichever rounds w with the smallest (weighted) squared
+        error: llama.cpp's plain choice, which puts the block's largest-magnitude weight on code 0 whatever its sign
+        (d = peak / -2^(bits-1), so d may be negative and the step is absmax / 2^(bits-1), where the grid's positive
+        d steps absmax / (2^(bits-1) - 1/2) when the positive extreme dominates; SmolLM2 RTN Q4_0: mean KLD 0.329
+        against llama.cpp's 0.288), and its imatrix choice, a weighted least-squares search around it."""
+        offset = torch.full_like(d, float(self.offset))
         peak = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
-        signed = (peak / -self.offset).half().float()
-        signed = torch.where(signed == 0, d, signed)
-        return grid.better_scale(w, d, signed, torch.full_like(d, float(self.offset)), self.maxq, importance)
+        weights = torch.ones_like(w) if importance is None else importance.float().to(w.device).expand_as(w)
+        searched, _ = fit_signed(w, weights, self.offset, fp16_step=True)
+        for candidate in ((peak / -self.offset).half().float(), searched):
+            candidate = torch.where(candidate == 0, d, candidate)
+            d = grid.better_scale(w, d, candidate, offset, self.maxq, importance)
+        return d
+
+    def _searched_min_fit(self, w, ranged: dict, importance) -> dict:
+        """Per row, the range fit or llama.cpp's imatrix search (a weighted least-squares fit of d and m <= 0 around
+        wider and narrower grids, make_qkx3_quants), whichever rounds w with the smaller (weighted) squared error."""
+        weights = torch.ones_like(w) if importance is None else importance.float().to(w.device).expand_as(w)
+        scale, low = fit_with_min(w[:, None], weights[:, None], self.maxq)
+        searched = {"d": scale[:, 0].half().float(), "m": low[:, 0].half().float()}
+        usable = searched["d"] > 0
+
+        def error(p):
+            e = (self.round(w, p)[1] - w).square()
+            return (e if importance is None else e * weights).sum(dim=-1, dtype=torch.float64)
+
+        safe = {"d": torch.where(usable, searched["d"], ranged["d"]), "m": searched["m"]}
+        better = usable & (error(safe) < error(ranged))
+        return {k: torch.where(better, safe[k], ranged[k]) for k in ranged}
 
     def round(self, w, params: dict):
         """(codes, dequantized) of w [rows, cols] with per-row params [rows] (torch tensors or NumPy arrays)."""
