@@ -8,7 +8,7 @@ Each super-block covers 256 consecutive weights of a row (quantkit.schemes.ggml_
     Q6_K  ql[128], qh[64], scales[16] (int8 sc), d                    16 sub-blocks of 16, 6-bit codes (zero at 32)
 Where the codes' bits go: 2-bit fields (Q2_K, Q3_K's low bits, Q6_K's high bits) put weights 32k + l (k = 0..3) of
 each 128 in byte l at bits 2k; 4-bit fields put weights l and l + 32 of each 64 in byte l's low and high nibble
-(Q6_K: l and l + 64 of each 128, in two runs of 32 bytes); single bits (Q3_K's hmask, Q5_K's qh) put weight 32k + l
+(Q6_K's low nibbles: weights l and l + 64 of each 128); single bits (Q3_K's hmask, Q5_K's qh) put weight 32k + l
 in byte l at bit k. The 6-bit scales of Q4_K / Q5_K: bytes 0-3 hold sc 0-3, bytes 4-7 m 0-3, each with the top two
 bits of sc 4-7 / m 4-7 in bits 6-7; bytes 8-11 hold the low nibbles of sc 4-7 and m 4-7. Q3_K's: bytes 0-7 hold the
 low nibbles of sc j (low) and j + 8 (high), byte 8 + i the top two bits of sc i, i + 4, i + 8, i + 12.
@@ -45,11 +45,11 @@ def encode(name: str, codes: torch.Tensor, params: dict) -> torch.Tensor:
     if name == "Q3_K":
         return _cat(_bit_planes(q >> 2), _crumbs(q & 3), _q3_scales(sc + 32), d)
     if name == "Q6_K":
-        return _cat(_q6_low(q & 15), _crumbs(q >> 4), sc.to(torch.int8).view(torch.uint8), d)
+        return _cat(_nibble_pairs(q & 15, 64), _crumbs(q >> 4), sc.to(torch.int8).view(torch.uint8), d)
     head = [d, _halves(sub["dmin"][..., 0]), _k4_scales(sc, sub["m"].round().to(torch.int32))]
     if name == "Q5_K":
         head.append(_bit_planes(q >> 4))
-    return _cat(*head, _nibbles(q & 15))
+    return _cat(*head, _nibble_pairs(q & 15, 32))
 
 
 def decode(name: str, data: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -65,11 +65,11 @@ def decode(name: str, data: torch.Tensor) -> tuple[torch.Tensor, dict]:
         q = _from_crumbs(b[..., 32:96]) | _from_bit_planes(b[..., :32]) << 2
         params = {"sc": _q3_unscale(b[..., 96:108]) - 32, "d": _half(b, 108)}
     elif name == "Q6_K":
-        q = _from_q6_low(b[..., :128]) | _from_crumbs(b[..., 128:192]) << 4
+        q = _from_nibble_pairs(b[..., :128], 64) | _from_crumbs(b[..., 128:192]) << 4
         params = {"sc": b[..., 192:208].to(torch.uint8).view(torch.int8).to(torch.int32), "d": _half(b, 208)}
     else:
         sc, m = _k4_unscale(b[..., 4:16])
-        q = _from_nibbles(b[..., -128:])
+        q = _from_nibble_pairs(b[..., -128:], 32)
         if name == "Q5_K":
             q = q | _from_bit_planes(b[..., 16:48]) << 4
         params = {"d": _half(b, 0), "dmin": _half(b, 2), "sc": sc, "m": m}
@@ -125,25 +125,15 @@ def _from_bit_planes(b: torch.Tensor) -> torch.Tensor:
     return ((b.unsqueeze(2) >> torch.arange(8).reshape(8, 1)) & 1).reshape(*b.shape[:2], SUPER)
 
 
-def _nibbles(q: torch.Tensor) -> torch.Tensor:
-    """4-bit values [rows, nb, 256] -> bytes [rows, nb, 128]: weights 64 c + l and 64 c + 32 + l in byte 32 c + l."""
-    v = q.reshape(*q.shape[:2], 4, 2, 32)
+def _nibble_pairs(q: torch.Tensor, run: int) -> torch.Tensor:
+    """4-bit values [rows, nb, 256] -> bytes [rows, nb, 128]: of each 2 run weights, weights l and run + l in byte l
+    (low and high nibble). Q4_K / Q5_K: runs of 32; Q6_K's low nibbles: runs of 64."""
+    v = q.reshape(*q.shape[:2], -1, 2, run)
     return (v[..., 0, :] | v[..., 1, :] << 4).reshape(*q.shape[:2], 128)
 
 
-def _from_nibbles(b: torch.Tensor) -> torch.Tensor:
-    v = b.reshape(*b.shape[:2], 4, 1, 32)
-    return torch.cat([v & 15, v >> 4], dim=3).reshape(*b.shape[:2], SUPER)
-
-
-def _q6_low(q: torch.Tensor) -> torch.Tensor:
-    """Q6_K's low nibbles: per 128 weights, byte l holds weights l, l + 64 and byte 32 + l weights l + 32, l + 96."""
-    v = q.reshape(*q.shape[:2], 2, 2, 64)
-    return (v[..., 0, :] | v[..., 1, :] << 4).reshape(*q.shape[:2], 128)
-
-
-def _from_q6_low(b: torch.Tensor) -> torch.Tensor:
-    v = b.reshape(*b.shape[:2], 2, 1, 64)
+def _from_nibble_pairs(b: torch.Tensor, run: int) -> torch.Tensor:
+    v = b.reshape(*b.shape[:2], -1, 1, run)
     return torch.cat([v & 15, v >> 4], dim=3).reshape(*b.shape[:2], SUPER)
 
 
