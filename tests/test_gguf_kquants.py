@@ -1,5 +1,6 @@
-"""llama.cpp's k-quants (issue 39): Q2_K .. Q6_K super-blocks byte for byte against the gguf package's own
-dequantize, the kquant quantizer inside RTN and GPTQ, and --gguf-type's per-tensor mix as llama-quantize makes it."""
+"""llama.cpp's k-quants and IQ4 types (issue 39): Q2_K .. Q6_K super-blocks and IQ4_NL / IQ4_XS byte for byte
+against the gguf package's own dequantize, the quantizers inside RTN and GPTQ, and --gguf-type's per-tensor mix as
+llama-quantize makes it."""
 from collections import Counter
 
 import numpy as np
@@ -22,9 +23,11 @@ gguf = pytest.importorskip("gguf")
 BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 
 
-def reference_dequantize(name, data: torch.Tensor) -> torch.Tensor:
+def reference_dequantize(name, data: torch.Tensor, block=256) -> torch.Tensor:
+    from quantkit.checkpoint.gguf_types import TYPES
+
     qtype = gguf.GGMLQuantizationType[name]
-    assert gguf.GGML_QUANT_SIZES[qtype] == (256, gguf_kquants.TYPES[name].block_bytes)
+    assert gguf.GGML_QUANT_SIZES[qtype] == (block, TYPES[name].block_bytes)
     return torch.from_numpy(gguf.quants.dequantize(data.numpy(), qtype).astype(np.float32))
 
 
@@ -76,15 +79,15 @@ def test_gptq_feedback_beats_rounding_to_nearest_on_correlated_inputs():
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(32, 256, generator=gen)
     x = torch.randn(1024, 256, generator=gen) @ (torch.eye(256) + 0.3 * torch.randn(256, 256, generator=gen))
-    for bits in (2, 4, 6):
-        quantizer = make_quantizer("kquant", bits=bits)
+    for name, bits, size in [("kquant", 2, 16), ("kquant", 4, 32), ("kquant", 6, 16), ("iq4xs", 4, 32)]:
+        quantizer = quantizer_for(name, bits, True, size)
         g = GPTQ(w)
         g.add_batch(x)
-        ours = g.quantize(quantizer, quantizer.kind.sub, act_order=True)
-        near = rtn(w, quantizer, quantizer.kind.sub)
+        ours = g.quantize(quantizer, size, act_order=True)
+        near = rtn(w, quantizer, size)
         err = [float((x @ (r.dequantize() - w).t()).square().mean()) for r in (ours, near)]
-        assert err[0] < 0.8 * err[1], (bits, err)
-        data = gguf_kquants.encode(quantizer.ggml_type, ours.codes, ours.params)
+        assert err[0] < 0.8 * err[1], (name, bits, err)
+        data = GGUFCodec.layer_tensors(ours, None, None)["weight"]
         assert torch.equal(reference_dequantize(quantizer.ggml_type, data), ours.dequantize())
 
 
@@ -92,7 +95,8 @@ def test_a_layer_comes_back_from_its_blocks_exactly():
     """What resume reads back from a part: the codes and parameters the layer was rounded with."""
     w = torch.randn(4, 256, generator=torch.Generator().manual_seed(2))
     for name, bits, sym, size in [("kquant", 3, None, 16), ("kquant", 5, None, 32), ("ggml", 4, True, 32),
-                                  ("ggml", 5, False, 32), ("int", 4, True, 32)]:
+                                  ("ggml", 5, False, 32), ("int", 4, True, 32), ("iq4nl", 4, True, 32),
+                                  ("iq4xs", 4, True, 32)]:
         res = rtn(w, quantizer_for(name, bits, sym, size), size)
         tensors = {f"x.{k}": v for k, v in GGUFCodec.layer_tensors(res, None, None).items()}
         settings = {"quantizer": name, **res.quantizer.settings(), "group_size": size}
@@ -141,6 +145,7 @@ SMOLLM2 = {"num_attention_heads": 9, "num_key_value_heads": 3}
     ("Q4_K_M", {"Q5_0": 166, "Q4_K": 16, "Q8_0": 14, "Q6_K": 14}),
     ("Q3_K_M", {"Q4_0": 120, "Q5_0": 58, "Q4_K": 29, "Q5_1": 2, "Q5_K": 1}),
     ("Q2_K", {"Q4_0": 180, "Q3_K": 30}),
+    ("IQ4_XS", {"IQ4_NL": 180, "IQ4_XS": 27, "Q5_K": 3}),  # without an imatrix: the first ffn_down layers get Q5_K
 ])
 def test_file_type_mix_is_llama_quantizes_on_smollm2(file_type, counts):
     types = layer_types(file_type, smollm2_shapes(), SMOLLM2)
@@ -206,3 +211,33 @@ def test_gguf_type_refusals(wide):
         api.quantize(str(src), root / "no", QuantConfig(quantizer="kquant", bits=4, group_size=32,
                                                         checkpoint_format="gguf"))
     assert not (root / "no").exists()
+
+
+@pytest.mark.parametrize("quantizer_name", ["iq4nl", "iq4xs"])
+def test_iq4_types_decode_bit_for_bit_and_beat_the_uniform_grid(quantizer_name):
+    """IQ4_NL / IQ4_XS: random codes over all 16 levels and every scale decode through gguf-py's dequantize as the
+    quantizer decodes them; fitted on Gaussian weights, the non-uniform levels round closer than Q4_0's grid."""
+    from quantkit.checkpoint.gguf_types import TYPES
+
+    quantizer = quantizer_for(quantizer_name, 4, True, 32)
+    kind = TYPES[quantizer.ggml_type]
+    gen = torch.Generator().manual_seed(4)
+    rows, k = 3, 512
+    codes = torch.randint(0, 16, (rows, k), generator=gen)
+    d = (torch.rand(rows, k // kind.block, generator=gen) * 0.01).half().float()
+    params = {"d": d.repeat_interleave(kind.block // 32, dim=1)}
+    if quantizer_name == "iq4xs":
+        params["sc"] = torch.randint(-32, 32, (rows, k // 32), generator=gen).float()
+    data = kind.encode(codes, params)
+    assert data.shape == (rows, k // kind.block * kind.block_bytes)
+    back, back_params = kind.decode(data)
+    assert torch.equal(back, codes.int()) and all(torch.equal(back_params[key], params[key]) for key in params)
+    want = quantizer.dequantize(codes, {key: v[:, torch.arange(k) // 32] for key, v in params.items()})
+    assert torch.equal(reference_dequantize(quantizer.ggml_type, data, kind.block), want)
+
+    w = torch.randn(16, 512, generator=gen)
+    res = rtn(w, quantizer, 32)
+    assert torch.equal(reference_dequantize(quantizer.ggml_type, kind.encode(res.codes, res.params), kind.block),
+                       res.dequantize())
+    q4_0 = rtn(w, make_quantizer("ggml", bits=4, sym=True), 32)
+    assert (res.dequantize() - w).square().mean() < 0.92 * (q4_0.dequantize() - w).square().mean()

@@ -26,7 +26,7 @@ from quantkit.core.result import QuantResult
 
 GGUF_FILE = "model.gguf"
 FIX = ("use --group-size 32 with --bits 4 or 8 (Q4_0, Q8_0), --quantizer ggml for Q4_1 / Q5_0 / Q5_1, --quantizer "
-       "kquant for Q2_K .. Q6_K, or --gguf-type (Q4_K_M, ...), without --rotate")
+       "kquant for Q2_K .. Q6_K, iq4nl / iq4xs, or --gguf-type (Q4_K_M, ...), without --rotate")
 
 
 def block_type(res: QuantResult) -> str | None:
@@ -109,7 +109,7 @@ class GGUFCodec(Codec):
     def layer_result(tensors: dict, name: str, settings: dict, fmt: str) -> QuantResult:
         """A layer back from its blocks, exactly: codes and parameters as they were rounded with."""
         quantizer = quantizer_of(settings)
-        kind = TYPES[type_of_settings(quantizer.name, settings["bits"], settings.get("sym"))]
+        kind = TYPES[type_of_settings(quantizer.name, settings.get("bits"), settings.get("sym"))]
         codes, params = kind.decode(tensors[f"{name}.weight"])
         return QuantResult(codes=codes, params=gguf_types.params_of_type(quantizer, params),
                            g_idx=group_index(codes.shape[1], kind.group_size), quantizer=quantizer,

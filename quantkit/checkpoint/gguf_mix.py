@@ -14,10 +14,10 @@ from quantkit.models import gguf_arch
 
 DEFAULT = {"Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K",
            "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
-           "Q5_1": "Q5_1", "Q8_0": "Q8_0"}
+           "Q5_1": "Q5_1", "Q8_0": "Q8_0", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS"}
 FILE_TYPES = tuple(DEFAULT)
 # A type whose blocks do not fit a row falls back to one of blocks of 32 (tensor_type_fallback)
-FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
 
 
 def _more_bits(i: int, n: int) -> bool:
@@ -38,6 +38,9 @@ def _rule(file_type: str, role: str, i: int, n: int, gqa: float, calibrated: boo
         return "Q5_K" if role in ("attn_v", "ffn_down", "attn_output") else None
     if file_type == "Q4_K_S":
         return {"attn_v": "Q5_K" if i < 4 else None, "ffn_down": "Q5_K" if i < n // 8 else None}.get(role)
+    if file_type in ("IQ4_NL", "IQ4_XS"):
+        return {"attn_v": "Q5_K" if gqa >= 4 else None,
+                "ffn_down": "Q5_K" if i < n // 8 and not calibrated else None}.get(role)
     if file_type in ("Q4_K_M", "Q5_K_M"):
         return "Q6_K" if role in ("attn_v", "ffn_down") and _more_bits(i, n) else None
     return None

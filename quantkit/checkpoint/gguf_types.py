@@ -4,6 +4,8 @@
         from --quantizer ggml (or a symmetric 4- / 8-bit integer grid: Q4_0 / Q8_0), --group-size 32
     k-quant super-blocks of 256 (quantkit.checkpoint.gguf_kquants):  Q2_K Q3_K Q4_K Q5_K Q6_K
         from --quantizer kquant, --group-size the type's sub-block (16 or 32)
+    non-linear 4-bit (quantkit.checkpoint.gguf_iq4):  IQ4_NL (blocks of 32), IQ4_XS (super-blocks of 256)
+        from --quantizer iq4nl / iq4xs, --bits 4 --group-size 32
 
 Parameters travel as the quantizer names them: {"d"} / {"d", "m"} per block of 32, {"d", "sc"} / {"d", "sc",
 "dmin", "m"} per k-quant sub-block. The integer grid's {"scale", "zero"} become a Q4_0 / Q8_0 block's {"d"}.
@@ -12,11 +14,28 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.checkpoint import gguf_blocks, gguf_kquants
+from quantkit.checkpoint import gguf_blocks, gguf_iq4, gguf_kquants
 from quantkit.schemes.ggml_kquants import KTYPES, SUPER
 from quantkit.schemes.ggml_legacy import TYPES as LEGACY_SETTINGS
 
 INT_TYPES = {4: "Q4_0", 8: "Q8_0"}  # the symmetric integer grid's widths a legacy block holds as they are
+
+
+class _Legacy:
+    """quantkit.checkpoint.gguf_blocks with the interface the other layouts have (the quantizer's params dict)."""
+
+    @staticmethod
+    def encode(name: str, codes: torch.Tensor, params: dict) -> torch.Tensor:
+        return gguf_blocks.encode(gguf_blocks.TYPES[name], codes, params["d"], params.get("m"))
+
+    @staticmethod
+    def decode(name: str, data: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        codes, d, m = gguf_blocks.decode(gguf_blocks.TYPES[name], data)
+        return codes, {"d": d.float(), **({"m": m.float()} if m is not None else {})}
+
+    @staticmethod
+    def dequantize(name: str, data: torch.Tensor) -> torch.Tensor:
+        return gguf_blocks.dequantize(gguf_blocks.TYPES[name], data)
 
 
 @dataclass(frozen=True)
@@ -25,33 +44,30 @@ class GGUFType:
     ggml_type: int     # GGMLQuantizationType's value, as GGUF files store it
     block: int         # weights per block: a row's width must be a multiple
     block_bytes: int
-    group_size: int    # the quantizer's group (a block of 32, or a k-quant's sub-block)
+    group_size: int    # the quantizer's group (a block of 32, or a sub-block)
+    layout: object     # the module that lays the blocks out: encode / decode / dequantize (name, ...)
 
     def encode(self, codes: torch.Tensor, params: dict) -> torch.Tensor:
         """uint8 [rows, K / block * block_bytes] from codes [rows, K] and the quantizer's params [rows, groups]."""
-        if self.block == SUPER:
-            return gguf_kquants.encode(self.name, codes, params)
-        return gguf_blocks.encode(gguf_blocks.TYPES[self.name], codes, params["d"], params.get("m"))
+        return self.layout.encode(self.name, codes, params)
 
     def decode(self, data: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """(codes [rows, K] int32, params {key: float32 [rows, groups]}), exactly as encoded."""
-        if self.block == SUPER:
-            return gguf_kquants.decode(self.name, data)
-        codes, d, m = gguf_blocks.decode(gguf_blocks.TYPES[self.name], data)
-        return codes, {"d": d.float(), **({"m": m.float()} if m is not None else {})}
+        return self.layout.decode(self.name, data)
 
     def dequantize(self, data: torch.Tensor) -> torch.Tensor:
         """float32 [rows, K], as llama.cpp decodes."""
-        if self.block == SUPER:
-            return gguf_kquants.dequantize(self.name, data)
-        return gguf_blocks.dequantize(gguf_blocks.TYPES[self.name], data)
+        return self.layout.dequantize(self.name, data)
 
 
-TYPES = {**{t.name: GGUFType(t.name, t.ggml_type, gguf_blocks.BLOCK, t.block_bytes, gguf_blocks.BLOCK)
+TYPES = {**{t.name: GGUFType(t.name, t.ggml_type, gguf_blocks.BLOCK, t.block_bytes, gguf_blocks.BLOCK, _Legacy)
             for t in gguf_blocks.TYPES.values()},
-         **{k.name: GGUFType(k.name, gguf_kquants.GGML_TYPES[k.name], SUPER, k.block_bytes, k.sub)
-            for k in KTYPES.values()}}
+         **{k.name: GGUFType(k.name, gguf_kquants.GGML_TYPES[k.name], SUPER, k.block_bytes, k.sub, gguf_kquants)
+            for k in KTYPES.values()},
+         "IQ4_NL": GGUFType("IQ4_NL", 20, 32, gguf_iq4.BYTES["IQ4_NL"], 32, gguf_iq4),
+         "IQ4_XS": GGUFType("IQ4_XS", 23, SUPER, gguf_iq4.BYTES["IQ4_XS"], 32, gguf_iq4)}
 BY_GGML_TYPE = {t.ggml_type: t for t in TYPES.values()}
+IQ4 = {"iq4nl": "IQ4_NL", "iq4xs": "IQ4_XS"}  # quantizer name -> its type
 
 
 def type_of_settings(quantizer: str, bits, sym) -> str | None:
@@ -60,11 +76,15 @@ def type_of_settings(quantizer: str, bits, sym) -> str | None:
         return LEGACY_SETTINGS[(bits, sym)]
     if quantizer == "kquant" and bits in KTYPES:
         return KTYPES[bits].name
+    if quantizer in IQ4:
+        return IQ4[quantizer]
     return INT_TYPES.get(bits) if quantizer == "int" and sym else None
 
 
 def settings_of_type(name: str) -> dict:
     """The quantizer settings that make block type `name`: {"quantizer", "bits", "sym", "group_size"}."""
+    if name in IQ4.values():
+        return {"quantizer": next(q for q, t in IQ4.items() if t == name), "bits": 4, "sym": True, "group_size": 32}
     if name in gguf_kquants.TYPES:
         bits = next(b for b, k in KTYPES.items() if k.name == name)
         return {"quantizer": "kquant", "bits": bits, "sym": not KTYPES[bits].has_min, "group_size": TYPES[name].group_size}

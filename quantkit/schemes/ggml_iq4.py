@@ -1,0 +1,129 @@
+"""llama.cpp's non-linear 4-bit types as quantizers: IQ4_NL (blocks of 32) and IQ4_XS (super-blocks of 256).
+
+Each code indexes a fixed table of 16 levels (kvalues_iq4nl, denser near zero, as weights are) times a scale:
+    IQ4_NL  w = d kvalue[q]                          d fp16 per block of 32              4.5 bits per weight
+    IQ4_XS  w = (d (ls - 32)) kvalue[q]              ls 6 bits per sub-block of 32,       4.25 bits per weight
+                                                     d fp16 per super-block of 256
+(quantkit.checkpoint.gguf_iq4 lays them out byte for byte). The fit follows llama.cpp's quantize_row_iq4_nl_impl:
+per block of 32, the scale that puts the largest-magnitude weight on the table's end, and 2 x 7 scales around it,
+each refitted by weighted least squares on its codes, the best kept; IQ4_XS then quantizes the sub-block scales
+to 6 bits against one fp16 step (searched the same way, not only max / 32). Weights are importance * sqrt(sigma^2 +
+w^2) where an importance is given (GPTQ's Hessian diagonal where llama.cpp has its imatrix), w^2 otherwise.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from quantkit.core.errors import QuantkitError
+from quantkit.schemes.base import register_quantizer
+from quantkit.schemes.ggml_kquants import SUPER, fit_signed
+
+LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
+BLOCK = 32
+TRIES = 7
+
+
+def _table(device=None) -> torch.Tensor:
+    return torch.tensor(LEVELS, dtype=torch.float32, device=device)
+
+
+def nearest_level(v: torch.Tensor) -> torch.Tensor:
+    """Index of the level nearest each value of v (in units of the scale)."""
+    table = _table(v.device)
+    return torch.bucketize(v.contiguous(), (table[1:] + table[:-1]) / 2)
+
+
+class _IQ4:
+    """The shared rounding of both types: codes index LEVELS, times the block's step."""
+    bits = 4
+    width = 1
+    code_bits = 4
+
+    @classmethod
+    def from_spec(cls, bits: int, sym: bool, group_size: int):
+        if bits != 4 or group_size != BLOCK:
+            raise QuantkitError(f"the {cls.name} quantizer makes llama.cpp's {cls.ggml_type}, 4 bits in blocks of "
+                                f"{BLOCK}: use --bits 4 --group-size {BLOCK} (got --bits {bits} --group-size "
+                                f"{group_size})")
+        return cls()
+
+    def settings(self) -> dict:
+        return {}
+
+    def _step(self, params: dict):
+        return params["d"] * params["sc"] if "sc" in params else params["d"]
+
+    def round(self, w: torch.Tensor, params: dict):
+        """(codes, dequantized) of w [rows, cols] with per-row params [rows]."""
+        step = self._step(params)[:, None]
+        q = nearest_level(w / (step + (step == 0)))
+        return q, step * _table(w.device)[q]
+
+    def dequantize(self, codes: torch.Tensor, params: dict) -> torch.Tensor:
+        return self._step(params) * _table(codes.device)[codes.long()]
+
+
+def _block_scales(x: torch.Tensor, importance: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale [..., blocks], weights) of x [rows, blocks, 32]: llama.cpp's search per block of 32."""
+    x2 = x.square()
+    if importance is None:
+        weights = x2
+    else:
+        sigma2 = x2.sum(dim=(1, 2), keepdim=True) * 2 / x[0].numel()
+        weights = importance.float().to(x.device).reshape(1, *x.shape[1:]) * (sigma2 + x2).sqrt()
+    peak = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    zero = peak.abs() < 1e-15
+    peak = torch.where(zero, torch.ones_like(peak), peak)
+    table = _table(x.device)
+    best, best_gain = torch.zeros_like(peak), torch.full_like(peak, -1.0)
+    for i in range(-TRIES, TRIES + 1):
+        level = table[nearest_level(x * ((i + LEVELS[0]) / peak)[..., None])]
+        sqx, sq2 = (weights * level * x).sum(-1), (weights * level * level).sum(-1)
+        gain = torch.where(sq2 > 0, sqx * sqx / sq2.clamp(min=1e-30), torch.full_like(sq2, -1.0))
+        better = gain > best_gain
+        best = torch.where(better, sqx / sq2.clamp(min=1e-30), best)
+        best_gain = torch.where(better, gain, best_gain)
+    return torch.where(zero, torch.zeros_like(best), best), weights
+
+
+@register_quantizer
+@dataclass(frozen=True)
+class IQ4NL(_IQ4):
+    """{"d"} per row and block of 32: fp16."""
+    name = "iq4nl"
+    ggml_type = "IQ4_NL"
+    summary = "llama.cpp's IQ4_NL: 16 non-uniform levels times an fp16 scale per block of 32 (--bits 4 --group-size 32)"
+    rounds_numpy = False
+    bits_per_weight = 4.5
+
+    @property
+    def param_bits(self) -> dict:
+        return {"d": 16}
+
+    def fit(self, w: torch.Tensor, importance: Optional[torch.Tensor] = None) -> dict:
+        scale, _ = _block_scales(w.float()[:, None], importance)
+        return {"d": scale[:, 0].half().float()}
+
+
+@register_quantizer
+@dataclass(frozen=True)
+class IQ4XS(_IQ4):
+    """{"d", "sc"} per row and sub-block of 32, d (fp16) repeated over its super-block of 256, sc in -32..31."""
+    name = "iq4xs"
+    ggml_type = "IQ4_XS"
+    summary = ("llama.cpp's IQ4_XS: IQ4_NL's levels with 6-bit scales per block of 32 under an fp16 step per 256 "
+               "(--bits 4 --group-size 32; rows of whole super-blocks)")
+    rounds_numpy = False
+    bits_per_weight = 4.25
+    span = SUPER // BLOCK
+
+    @property
+    def param_bits(self) -> dict:
+        return {"d": 16, "sc": 6}
+
+    def fit(self, w: torch.Tensor, importance: Optional[torch.Tensor] = None) -> dict:
+        """{key: [rows, 8]} for one super-block w [rows, 256]."""
+        scale, weights = _block_scales(w.float().reshape(w.shape[0], self.span, BLOCK), importance)
+        step, sc = fit_signed(scale, weights.sum(dim=-1), 32, fp16_step=True)
+        return {"d": step[:, None].expand_as(sc).contiguous(), "sc": sc}
