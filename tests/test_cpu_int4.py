@@ -9,11 +9,10 @@ from safetensors.torch import save_file
 
 import quantkit
 from quantkit.checkpoint import reads
-from quantkit.core import bitpack
+from quantkit.core import bitpack, strips
 from quantkit.core.errors import QuantkitError
 from quantkit.kernels import cpu_int4
 from quantkit.kernels.reference import gptq_linear_torch
-from quantkit.core import strips
 from quantkit.nn.cpu_int4_linear import CpuInt4Linear
 from quantkit.nn.decoded_linear import DecodedLinear
 from quantkit.nn.quant_linear import QuantLinear
@@ -94,6 +93,17 @@ def test_strips_cover_every_output_exactly(monkeypatch):
     for a, b in zip(whole, narrow):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(narrow[0], reference(m, x), **FP32_TOL)
+
+
+@pytest.mark.parametrize("bits, act_order", [(4, False), (8, True)])
+def test_the_repack_strip_by_strip_is_the_whole_layers(monkeypatch, bits, act_order):
+    """Packed a few outputs at a time (on the op's block edges, a narrower last block included), the planes are the
+    ones the whole layer packs to."""
+    m = quant_linear(128, 176, bits, 32, "gptq", act_order)
+    whole = CpuInt4Linear.from_quant_linear(m).planes
+    monkeypatch.setattr(strips, "STRIP_ELEMENTS", 40 * 128)
+    assert len(cpu_int4.blocks(176, strips.strip_rows(128, 1))) > 2
+    assert torch.equal(CpuInt4Linear.from_quant_linear(m).planes, whole)
 
 
 def test_a_repacked_layer_stays_on_the_cpu():

@@ -23,7 +23,7 @@ import ctypes
 import torch
 from torch import nn
 
-from quantkit.core import bitpack
+from quantkit.core import bitpack, strips
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import group_index, group_width, is_plain
 from quantkit.kernels import cpu_int4
@@ -60,14 +60,9 @@ class CpuInt4Linear(nn.Module):
         perm = _group_order(m.g_idx, k, g)
         if perm is False:
             return None
-        codes = bitpack.unpack(m.qweight, bits, k, dim=0).t()  # [N, K]
-        if perm is not None:
-            codes = codes.index_select(1, perm)
-        codes = torch.nn.functional.pad(codes, (0, -k % g))  # a short last group: zero codes to a whole one
         zeros = (bitpack.unpack(m.qzeros, bits, n, dim=1) + m._zero_offset()) & (2**bits - 1)
         try:
-            planes = torch.stack([cpu_int4.pack(codes >> (PLANE_BITS * p) & 15)
-                                  for p in range(-(-bits // PLANE_BITS))])
+            planes = _repack(m.qweight, bits, k, g, n, perm)
         except RuntimeError:
             return None  # a torch whose layout quantkit cannot read back: the layer stays a QuantLinear
         new = cls(k, n, bits, m.group_size, planes, m.scales, zeros.to(torch.uint8), perm, m.bias, m.rotation_block)
@@ -87,6 +82,22 @@ class CpuInt4Linear(nn.Module):
             raise QuantkitError("this layer was repacked for the CPU's int4 kernel and cannot move to another device: "
                                 "load the checkpoint onto the GPU with load_quantized(path, device_map='cuda')")
         return super()._apply(fn, *args, **kwargs)
+
+
+def _repack(qweight: torch.Tensor, bits: int, k: int, g: int, n: int, perm) -> torch.Tensor:
+    """The op's planes [P, N, K'/2] from GPTQ's qweight, a strip of outputs at a time (on block edges, so the strips'
+    packings are the whole layer's): the unpacked int32 codes and their shifted copies, 4 bytes and more per weight,
+    never exist for more than a strip (SmolLM2's lm_head: 49152 x 576 would be 113 MB at once)."""
+    n_planes = -(-bits // PLANE_BITS)
+    parts = [[] for _ in range(n_planes)]
+    for a, b in cpu_int4.blocks(n, strips.strip_rows(k, 1)):
+        codes = bitpack.unpack(qweight[:, a:b], bits, k, dim=0).t()  # [b - a, K]
+        if perm is not None:
+            codes = codes.index_select(1, perm)
+        codes = torch.nn.functional.pad(codes, (0, -k % g))  # a short last group: zero codes to a whole one
+        for p in range(n_planes):
+            parts[p].append(cpu_int4.pack(codes >> (PLANE_BITS * p) & 15))
+    return torch.stack([torch.cat(part) for part in parts])
 
 
 def _group_order(g_idx, k: int, g: int):
