@@ -241,3 +241,22 @@ def test_iq4_types_decode_bit_for_bit_and_beat_the_uniform_grid(quantizer_name):
                        res.dequantize())
     q4_0 = rtn(w, make_quantizer("ggml", bits=4, sym=True), 32)
     assert (res.dequantize() - w).square().mean() < 0.92 * (q4_0.dequantize() - w).square().mean()
+
+
+def test_gguf_type_iq4_xs_from_the_cli(wide):
+    """The command line end to end: the report's table names each layer's bits, the file llama.cpp's types (IQ4_XS
+    on whole super-blocks, IQ4_NL on ffn_down's 288 inputs), read back by transformers as quantkit reads it."""
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    root, src, ids = wide
+    out = root / "iq4xs"
+    result = CliRunner().invoke(main, ["quantize", str(src), "-o", str(out), "--method", "rtn", "--gguf-type", "IQ4_XS"])
+    assert result.exit_code == 0, result.output
+    assert "| model.layers.0.mlp.down_proj | 4 | 32 |" in result.output
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "model.gguf").tensors}
+    assert types["blk.0.attn_q.weight"] == "IQ4_XS" and types["blk.0.ffn_down.weight"] == "IQ4_NL"
+    ours = api.load_quantized(out)
+    theirs = AutoModelForCausalLM.from_pretrained(out, gguf_file="model.gguf", dtype=torch.float32)
+    torch.testing.assert_close(ours(ids[:1, :16]).logits, theirs(ids[:1, :16]).logits, rtol=0, atol=1e-5)

@@ -34,22 +34,27 @@ def nearest_level(v: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(v.contiguous(), (table[1:] + table[:-1]) / 2)
 
 
+@dataclass(frozen=True)
 class _IQ4:
     """The shared rounding of both types: codes index LEVELS, times the block's step."""
-    bits = 4
+    bits: int = 4
     width = 1
     code_bits = 4
 
+    def __post_init__(self):
+        if self.bits != 4:
+            raise QuantkitError(f"the {self.name} quantizer makes llama.cpp's {self.ggml_type}, 4 bits: use --bits 4 "
+                                f"(got {self.bits!r})")
+
     @classmethod
     def from_spec(cls, bits: int, sym: bool, group_size: int):
-        if bits != 4 or group_size != BLOCK:
+        if group_size != BLOCK:
             raise QuantkitError(f"the {cls.name} quantizer makes llama.cpp's {cls.ggml_type}, 4 bits in blocks of "
-                                f"{BLOCK}: use --bits 4 --group-size {BLOCK} (got --bits {bits} --group-size "
-                                f"{group_size})")
-        return cls()
+                                f"{BLOCK}: use --bits 4 --group-size {BLOCK} (got --group-size {group_size})")
+        return cls(bits)
 
     def settings(self) -> dict:
-        return {}
+        return {"bits": self.bits}
 
     def _step(self, params: dict):
         return params["d"] * params["sc"] if "sc" in params else params["d"]
