@@ -7,8 +7,9 @@ Each code indexes a fixed table of 16 levels (kvalues_iq4nl, denser near zero, a
 (quantkit.checkpoint.gguf_iq4 lays them out byte for byte). The fit follows llama.cpp's quantize_row_iq4_nl_impl:
 per block of 32, the scale that puts the largest-magnitude weight on the table's end, and 2 x 7 scales around it,
 each refitted by weighted least squares on its codes, the best kept; IQ4_XS then quantizes the sub-block scales
-to 6 bits against one fp16 step (searched the same way, not only max / 32). Weights are importance * sqrt(sigma^2 +
-w^2) where an importance is given (GPTQ's Hessian diagonal where llama.cpp has its imatrix), w^2 otherwise.
+to 6 bits against one fp16 step (searched the same way, not only max / 32). The fits weigh each weight by its
+importance where one is given (GPTQ's Hessian diagonal, where llama.cpp weighs by imatrix * sqrt(sigma^2 + w^2):
+on SmolLM2 IQ4_XS the plain diagonal gave mean KLD 0.0772 against 0.0789), by w^2 otherwise, as llama.cpp does.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -75,8 +76,7 @@ def _block_scales(x: torch.Tensor, importance: Optional[torch.Tensor]) -> tuple[
     if importance is None:
         weights = x2
     else:
-        sigma2 = x2.sum(dim=(1, 2), keepdim=True) * 2 / x[0].numel()
-        weights = importance.float().to(x.device).reshape(1, *x.shape[1:]) * (sigma2 + x2).sqrt()
+        weights = importance.float().to(x.device).reshape(1, *x.shape[1:]).expand_as(x)
     peak = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
     zero = peak.abs() < 1e-15
     peak = torch.where(zero, torch.ones_like(peak), peak)
