@@ -52,7 +52,7 @@ def encode(kind: BlockType, codes: torch.Tensor, d: torch.Tensor, m: torch.Tenso
     q = codes.to(torch.int32).reshape(rows, k // BLOCK, BLOCK)
     if int(q.min()) < 0 or int(q.max()) >= 2**kind.bits:
         raise QuantkitError(f"{kind.name} codes must lie in 0..{2**kind.bits - 1}")
-    parts = [_halves(d)] + ([_halves(m)] if kind.has_min else [])
+    parts = [fp16_bytes(d)] + ([fp16_bytes(m)] if kind.has_min else [])
     if kind.bits == 8:
         parts.append((q - 128).to(torch.int8).view(torch.uint8))
     else:
@@ -99,6 +99,6 @@ def dequantize(kind: BlockType, data: torch.Tensor) -> torch.Tensor:
     return w.reshape(rows, -1)
 
 
-def _halves(x: torch.Tensor) -> torch.Tensor:
+def fp16_bytes(x: torch.Tensor) -> torch.Tensor:
     """[rows, blocks] -> uint8 [rows, blocks, 2]: each value's fp16 bytes, little-endian as GGUF stores them."""
     return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)

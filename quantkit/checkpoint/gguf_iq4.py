@@ -9,6 +9,7 @@ per block (IQ4_NL), {"d" repeated over the super-block, "sc"} per sub-block (IQ4
 """
 import torch
 
+from quantkit.checkpoint.gguf_blocks import fp16_bytes
 from quantkit.core.errors import QuantkitError
 from quantkit.schemes.ggml_iq4 import BLOCK, LEVELS
 
@@ -27,7 +28,7 @@ def encode(name: str, codes: torch.Tensor, params: dict) -> torch.Tensor:
     blocks = q.reshape(rows, k // per, per // BLOCK, BLOCK)
     qs = (blocks[..., :16] | blocks[..., 16:] << 4).reshape(rows, k // per, per // 2)
     d = params["d"].reshape(rows, k // per, -1)[..., 0]
-    head = [_halves(d)]
+    head = [fp16_bytes(d)]
     if name == "IQ4_XS":
         ls = (params["sc"].round().to(torch.int32) + 32).reshape(rows, k // per, 8)
         high = ((ls >> 4) << (2 * torch.arange(8))).sum(dim=-1)
@@ -56,7 +57,3 @@ def dequantize(name: str, data: torch.Tensor) -> torch.Tensor:
     codes, p = decode(name, data)
     step = p["d"] * p["sc"] if "sc" in p else p["d"]
     return step[:, torch.arange(codes.shape[1]) // BLOCK] * torch.tensor(LEVELS, dtype=torch.float32)[codes]
-
-
-def _halves(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)

@@ -18,6 +18,7 @@ over their super-block; sc signed for the symmetric types.
 """
 import torch
 
+from quantkit.checkpoint.gguf_blocks import fp16_bytes
 from quantkit.core.errors import QuantkitError
 from quantkit.schemes.ggml_kquants import KTYPES, SUPER
 
@@ -37,16 +38,16 @@ def encode(name: str, codes: torch.Tensor, params: dict) -> torch.Tensor:
     if int(q.min()) < 0 or int(q.max()) >= 2 ** _bits(name):
         raise QuantkitError(f"{name} codes must lie in 0..{2 ** _bits(name) - 1}")
     sub = {key: v.reshape(rows, nb, per) for key, v in params.items()}
-    d = _halves(sub["d"][..., 0])
+    d = fp16_bytes(sub["d"][..., 0])
     sc = sub["sc"].round().to(torch.int32)
     if name == "Q2_K":
         scales = (sc | sub["m"].round().to(torch.int32) << 4).to(torch.uint8)
-        return _cat(scales, _crumbs(q), d, _halves(sub["dmin"][..., 0]))
+        return _cat(scales, _crumbs(q), d, fp16_bytes(sub["dmin"][..., 0]))
     if name == "Q3_K":
         return _cat(_bit_planes(q >> 2), _crumbs(q & 3), _q3_scales(sc + 32), d)
     if name == "Q6_K":
         return _cat(_nibble_pairs(q & 15, 64), _crumbs(q >> 4), sc.to(torch.int8).view(torch.uint8), d)
-    head = [d, _halves(sub["dmin"][..., 0]), _k4_scales(sc, sub["m"].round().to(torch.int32))]
+    head = [d, fp16_bytes(sub["dmin"][..., 0]), _k4_scales(sc, sub["m"].round().to(torch.int32))]
     if name == "Q5_K":
         head.append(_bit_planes(q >> 4))
     return _cat(*head, _nibble_pairs(q & 15, 32))
@@ -93,11 +94,6 @@ def _bits(name: str) -> int:
 
 def _cat(*parts) -> torch.Tensor:
     return torch.cat([p.to(torch.uint8) for p in parts], dim=-1).reshape(parts[0].shape[0], -1)
-
-
-def _halves(x: torch.Tensor) -> torch.Tensor:
-    """[rows, blocks] -> uint8 [rows, blocks, 2]: fp16 bytes, little-endian."""
-    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)
 
 
 def _half(b: torch.Tensor, at: int) -> torch.Tensor:
