@@ -2,11 +2,13 @@
 
 A file type is a default block type plus a few rules that give some tensors more bits (src/llama-quant.cpp,
 llama_tensor_get_type, for dense models: no experts, not Falcon), then the fallback for rows that are not whole
-blocks (tensor_type_fallback); a calibrated method (gptq, awq) follows the rules llama.cpp takes with an imatrix: quantkit gives every layer the type llama.cpp would, so a quantkit file and
-llama.cpp's of the same file type are the same size. The token embeddings and the output stay as the checkpoint
+blocks (tensor_type_fallback); a calibrated method (gptq, awq) follows the rules llama.cpp takes with an imatrix.
+quantkit gives every layer the type llama.cpp would, so a quantkit file and llama.cpp's of the same file type are
+the same size. The token embeddings and the output stay as the checkpoint
 keeps them (in float unless --lm-head; a quantized lm_head gets llama.cpp's output type).
 """
 import re
+from collections import Counter
 
 from quantkit.checkpoint.gguf_types import TYPES
 from quantkit.core.errors import QuantkitError
@@ -59,14 +61,12 @@ def layer_types(file_type: str, shapes: dict, model_config: dict, calibrated: bo
     gqa = model_config.get("num_attention_heads", 1) / (model_config.get("num_key_value_heads")
                                                          or model_config.get("num_attention_heads", 1))
     roles = {name: _role(name) for name in shapes}
-    counts = {}
-    for role, _ in roles.values():
-        counts[role] = counts.get(role, 0) + 1
+    counts = Counter(role for role, _ in roles.values())
     types = {}
     for name, (cols, _) in shapes.items():
         role, i = roles[name]
-        kind = ("Q8_0" if cols % 256 else "Q6_K") if role == "output" else (
-            _rule(file_type, role, i, counts[role], gqa, calibrated) or DEFAULT[file_type])
+        rule = "Q6_K" if role == "output" else _rule(file_type, role, i, counts[role], gqa, calibrated)
+        kind = rule or DEFAULT[file_type]
         if cols % TYPES[kind].block:
             kind = FALLBACK.get(kind, kind)
         types[name] = kind
@@ -74,7 +74,8 @@ def layer_types(file_type: str, shapes: dict, model_config: dict, calibrated: bo
 
 
 def _role(name: str) -> tuple[str, int]:
-    """(role, layer index) from the tensor's GGUF name: blk.3.attn_v.weight -> ("attn_v", 3); output -> ("output", 0)."""
+    """(role, layer index) from the tensor's GGUF name: blk.3.attn_v.weight -> ("attn_v", 3); output.weight ->
+    ("output", 0)."""
     gguf = gguf_arch.gguf_name(name + ".weight") or ""
     match = re.match(r"blk\.(\d+)\.(\w+)\.weight$", gguf)
     if match:
