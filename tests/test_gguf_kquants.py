@@ -172,6 +172,9 @@ def test_file_type_mix_on_whole_super_blocks():
     q2 = layer_types("Q2_K", {"model.layers.0.self_attn.v_proj": (512, 128)}, {"num_attention_heads": 8,
                                                                                 "num_key_value_heads": 2})
     assert q2 == {"model.layers.0.self_attn.v_proj": "Q4_K"}  # n_gqa >= 4
+    head = {"lm_head": (512, 1000)}  # a quantized output: Q6_K, or Q8_0 in a Q8_0 file (and where 256 does not fit)
+    assert [layer_types(t, head, {})["lm_head"] for t in ("Q4_K_M", "Q4_0", "Q8_0")] == ["Q6_K", "Q6_K", "Q8_0"]
+    assert layer_types("Q4_K_M", {"lm_head": (576, 1000)}, {})["lm_head"] == "Q8_0"
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,11 @@ def _rule(file_type: str, role: str, i: int, n: int, gqa: float, calibrated: boo
     return None
 
 
+def _output_type(file_type: str) -> str:
+    """A quantized output's type (--lm-head): Q6_K, unless the file is Q8_0 already (llama.cpp keeps that)."""
+    return "Q8_0" if file_type == "Q8_0" else "Q6_K"
+
+
 def check_file_type(file_type: str) -> None:
     if file_type not in DEFAULT:
         raise QuantkitError(f"unknown --gguf-type {file_type!r}: choose one of {', '.join(FILE_TYPES)}")
@@ -65,7 +70,7 @@ def layer_types(file_type: str, shapes: dict, model_config: dict, calibrated: bo
     types = {}
     for name, (cols, _) in shapes.items():
         role, i = roles[name]
-        rule = "Q6_K" if role == "output" else _rule(file_type, role, i, counts[role], gqa, calibrated)
+        rule = _output_type(file_type) if role == "output" else _rule(file_type, role, i, counts[role], gqa, calibrated)
         kind = rule or DEFAULT[file_type]
         if cols % TYPES[kind].block:
             kind = FALLBACK.get(kind, kind)
