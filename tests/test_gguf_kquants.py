@@ -255,8 +255,10 @@ def test_gguf_type_iq4_xs_from_the_cli(wide):
 
     root, src, ids = wide
     out = root / "iq4xs"
-    result = CliRunner().invoke(main, ["quantize", str(src), "-o", str(out), "--method", "rtn", "--gguf-type", "IQ4_XS"])
+    result = CliRunner().invoke(main, ["quantize", str(src), "-o", str(out), "--method", "rtn",
+                                       "--gguf-type", "IQ4_XS"])
     assert result.exit_code == 0, result.output
+    assert "in floating point: lm_head, embeddings" in result.output  # what the GGUF keeps in F16, named
     assert "| model.layers.0.mlp.down_proj | 4 | 32 |" in result.output
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "model.gguf").tensors}
     assert types["blk.0.attn_q.weight"] == "IQ4_XS" and types["blk.0.ffn_down.weight"] == "IQ4_NL"
