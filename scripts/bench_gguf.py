@@ -3,7 +3,8 @@
 
 For each llama.cpp file type asked for, the same model is quantized four ways, every file with the same per-tensor
 types (token_embd / output kept in F16 on both sides, so the sizes are equal up to metadata):
-  llama.cpp           llama-quantize from llama.cpp's own F16 conversion (convert_hf_to_gguf.py)
+  llama.cpp           llama-quantize from llama.cpp's own F16 conversion (convert_hf_to_gguf.py); not for IQ2_XXS,
+                      which llama-quantize refuses to make without an imatrix
   llama.cpp imatrix   the same with an importance matrix from --calib (llama-imatrix, --calib-chunks x 512 tokens)
   quantkit rtn        `quantkit quantize --method rtn --gguf-type TYPE` (llama.cpp's mix without imatrix)
   quantkit gptq       `quantkit quantize --method gptq --gguf-type TYPE` on --calib (the same text; the mix
@@ -31,6 +32,7 @@ from quantkit.checkpoint.gguf_mix import FILE_TYPES
 
 X86 = ["AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX512_VBMI", "AVX_VNNI"]
 TARGETS = ["llama-perplexity", "llama-quantize", "llama-imatrix", "llama-bench"]
+NEEDS_IMATRIX = {"IQ2_XXS"}  # llama-quantize refuses these without an imatrix: no plain llama.cpp row
 
 
 def run(cmd, log: Path | None = None) -> str:
@@ -104,7 +106,9 @@ def main():
     rows = []
     for kind in args.types:
         files = {"llama.cpp": work / f"lcpp-{kind}.gguf", "llama.cpp imatrix": work / f"lcpp-{kind}-imatrix.gguf"}
-        if not files["llama.cpp"].is_file():
+        if kind in NEEDS_IMATRIX:
+            del files["llama.cpp"]
+        elif not files["llama.cpp"].is_file():
             run([bins / "llama-quantize", *keep_f16, f16, files["llama.cpp"], kind])
         if not files["llama.cpp imatrix"].is_file():
             run([bins / "llama-quantize", "--imatrix", imatrix, *keep_f16, f16, files["llama.cpp imatrix"], kind])

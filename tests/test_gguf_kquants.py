@@ -1,4 +1,4 @@
-"""llama.cpp's k-quants and IQ4 types (issue 39): Q2_K .. Q6_K super-blocks and IQ4_NL / IQ4_XS byte for byte
+"""llama.cpp's k-quants and IQ types (issue 39): Q2_K .. Q6_K super-blocks and IQ4_NL / IQ4_XS byte for byte
 against the gguf package's own dequantize, the quantizers inside RTN and GPTQ, and --gguf-type's per-tensor mix as
 llama-quantize makes it."""
 from collections import Counter
@@ -79,7 +79,8 @@ def test_gptq_feedback_beats_rounding_to_nearest_on_correlated_inputs():
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(32, 256, generator=gen)
     x = torch.randn(1024, 256, generator=gen) @ (torch.eye(256) + 0.3 * torch.randn(256, 256, generator=gen))
-    for name, bits, size in [("kquant", 2, 16), ("kquant", 4, 32), ("kquant", 6, 16), ("iq4xs", 4, 32)]:
+    for name, bits, size in [("kquant", 2, 16), ("kquant", 4, 32), ("kquant", 6, 16), ("iq4xs", 4, 32),
+                             ("iq2xxs", 2, 32), ("iq3xxs", 3, 32)]:
         quantizer = quantizer_for(name, bits, True, size)
         g = GPTQ(w)
         g.add_batch(x)
@@ -96,7 +97,7 @@ def test_a_layer_comes_back_from_its_blocks_exactly():
     w = torch.randn(4, 256, generator=torch.Generator().manual_seed(2))
     for name, bits, sym, size in [("kquant", 3, None, 16), ("kquant", 5, None, 32), ("ggml", 4, True, 32),
                                   ("ggml", 5, False, 32), ("int", 4, True, 32), ("iq4nl", 4, True, 32),
-                                  ("iq4xs", 4, True, 32)]:
+                                  ("iq4xs", 4, True, 32), ("iq2xxs", 2, True, 32), ("iq3xxs", 3, True, 32)]:
         res = rtn(w, quantizer_for(name, bits, sym, size), size)
         tensors = {f"x.{k}": v for k, v in GGUFCodec.layer_tensors(res, None, None).items()}
         settings = {"quantizer": name, **res.quantizer.settings(), "group_size": size}
@@ -140,15 +141,18 @@ def smollm2_shapes(layers=30, hidden=576, inter=1536, kv=192):
 SMOLLM2 = {"num_attention_heads": 9, "num_key_value_heads": 3}
 
 
-@pytest.mark.parametrize("file_type, counts", [
+@pytest.mark.parametrize("file_type, calibrated, counts", [
     # what llama-quantize wrote for SmolLM2-135M (576-wide rows fall back; ffn_down's 1536 are whole super-blocks)
-    ("Q4_K_M", {"Q5_0": 166, "Q4_K": 16, "Q8_0": 14, "Q6_K": 14}),
-    ("Q3_K_M", {"Q4_0": 120, "Q5_0": 58, "Q4_K": 29, "Q5_1": 2, "Q5_K": 1}),
-    ("Q2_K", {"Q4_0": 180, "Q3_K": 30}),
-    ("IQ4_XS", {"IQ4_NL": 180, "IQ4_XS": 27, "Q5_K": 3}),  # without an imatrix: the first ffn_down layers get Q5_K
+    ("Q4_K_M", False, {"Q5_0": 166, "Q4_K": 16, "Q8_0": 14, "Q6_K": 14}),
+    ("Q3_K_M", False, {"Q4_0": 120, "Q5_0": 58, "Q4_K": 29, "Q5_1": 2, "Q5_K": 1}),
+    ("Q2_K", False, {"Q4_0": 180, "Q3_K": 30}),
+    ("IQ4_XS", False, {"IQ4_NL": 180, "IQ4_XS": 27, "Q5_K": 3}),  # without an imatrix the first ffn_down get Q5_K
+    ("IQ2_XXS", True, {"IQ4_NL": 150, "Q4_0": 30, "Q2_K": 3, "IQ2_XXS": 27}),  # attn_v's Q2_K falls back to Q4_0
+    ("IQ3_XXS", True, {"IQ4_NL": 180, "IQ3_XXS": 30}),
+    ("IQ3_XXS", False, {"IQ4_NL": 180, "Q4_K": 3, "Q3_K": 27}),
 ])
-def test_file_type_mix_is_llama_quantizes_on_smollm2(file_type, counts):
-    types = layer_types(file_type, smollm2_shapes(), SMOLLM2)
+def test_file_type_mix_is_llama_quantizes_on_smollm2(file_type, calibrated, counts):
+    types = layer_types(file_type, smollm2_shapes(), SMOLLM2, calibrated)
     assert Counter(types.values()) == counts
     if file_type == "Q4_K_M":  # use_more_bits: layers 0-2, 26-29 and every third between
         six = [i for i in range(30) if types[f"model.layers.{i}.mlp.down_proj"] == "Q6_K"]

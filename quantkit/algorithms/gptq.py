@@ -238,7 +238,12 @@ class _FeedbackLoop:
         width = self.quantizer.width
         u = slice(i, i + width)
         w = W1[u].t().contiguous()  # [rows, width], laid out as the quantizers' reductions expect
-        q, wq = self.quantizer.round(w, self.unit_params[g])
+        if getattr(self.quantizer, "weighted_round", False):
+            # the unit's error costs ||e U_uu^-1||^2: its columns weigh by the diagonal of U_uu^-1 U_uu^-T
+            inverse = torch.linalg.solve_triangular(Hinv1[u, u], torch.eye(width, device=w.device), upper=True)
+            q, wq = self.quantizer.round(w, self.unit_params[g], importance=inverse.square().sum(dim=1))
+        else:
+            q, wq = self.quantizer.round(w, self.unit_params[g])
         self.Qt[c:c + width] = q.t()
         if self.Wqt is not None:
             self.Wqt[c:c + width] = wq.t()

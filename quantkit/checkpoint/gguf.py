@@ -9,7 +9,8 @@ config.json, the tokenizer files and quantkit's report, with which quantkit read
 A layer is stored as one of llama.cpp's block types (quantkit.checkpoint.gguf_types) when its codes are that
 type's codes exactly: an unrotated integer grid of groups of 32, symmetric 4- or 8-bit (Q4_0, Q8_0; GPTQ's
 groups, act-order with static groups included), the ggml quantizer (quantkit.schemes.ggml_legacy: Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0) or the kquant quantizer (quantkit.schemes.ggml_kquants: Q2_K .. Q6_K). While the run lasts each
+Q5_0, Q5_1, Q8_0), the kquant quantizer (quantkit.schemes.ggml_kquants: Q2_K .. Q6_K) or one of the IQ quantizers
+(ggml_iq4: IQ4_NL, IQ4_XS; ggml_iq_lattice: IQ2_XXS, IQ3_XXS). While the run lasts each
 layer's part holds its blocks as uint8 rows ([out, in / block * block bytes], under `<layer>.weight`); at the end
 quantkit.checkpoint.gguf_export writes model.gguf from the parts.
 """
@@ -26,7 +27,7 @@ from quantkit.core.result import QuantResult
 
 GGUF_FILE = "model.gguf"
 FIX = ("use --group-size 32 with --bits 4 or 8 (Q4_0, Q8_0), --quantizer ggml for Q4_1 / Q5_0 / Q5_1, --quantizer "
-       "kquant for Q2_K .. Q6_K, iq4nl / iq4xs, or --gguf-type (Q4_K_M, ...), without --rotate")
+       "kquant for Q2_K .. Q6_K, iq4nl / iq4xs / iq2xxs / iq3xxs, or --gguf-type (Q4_K_M, ...), without --rotate")
 
 
 def block_type(res: QuantResult) -> str | None:
@@ -56,7 +57,8 @@ class GGUFCodec(Codec):
     needs_tokenizer = True
     safetensors = False
     checkpoint_formats = {"gguf": "one llama.cpp file, model.gguf (Q4_0 / Q8_0 from groups of 32; Q4_1 / Q5_0 / "
-                                  "Q5_1 with --quantizer ggml; Q2_K .. Q6_K with --quantizer kquant; llama.cpp's "
+                                  "Q5_1 with --quantizer ggml; Q2_K .. Q6_K with --quantizer kquant; IQ4_NL, IQ4_XS, "
+                                  "IQ2_XXS, IQ3_XXS with --quantizer iq4nl, iq4xs, iq2xxs, iq3xxs; llama.cpp's "
                                   "mixes with --gguf-type), beside config.json and the tokenizer"}
 
     @staticmethod

@@ -23,8 +23,8 @@ FLOAT_TYPES = {"F32": F32, "F16": F16, "BF16": BF16}  # a float tensor's safeten
 TORCH_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 # llama_ftype: what general.file_type says of a file made with --gguf-type, or whose commonest layer type is this one
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11,
-              "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25,
-              "IQ4_XS": 30, "BF16": 32}
+              "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18,
+              "IQ2_XXS": 19, "IQ3_XXS": 23, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32}
 SMALL_MIX = {"Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S"}  # a k-quant alone is llama.cpp's _S file type
 
 

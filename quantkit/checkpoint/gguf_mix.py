@@ -13,13 +13,16 @@ from collections import Counter
 from quantkit.checkpoint.gguf_types import TYPES
 from quantkit.core.errors import QuantkitError
 from quantkit.models import gguf_arch
+from quantkit.schemes.ggml_kquants import SUPER
 
 DEFAULT = {"Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K",
            "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
-           "Q5_1": "Q5_1", "Q8_0": "Q8_0", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS"}
+           "Q5_1": "Q5_1", "Q8_0": "Q8_0", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "IQ2_XXS": "IQ2_XXS",
+           "IQ3_XXS": "IQ3_XXS"}
 FILE_TYPES = tuple(DEFAULT)
 # A type whose blocks do not fit a row falls back to one of blocks of 32 (tensor_type_fallback)
-FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
+            **dict.fromkeys(("IQ4_XS", "IQ2_XXS", "IQ3_XXS", "IQ2_S", "IQ3_S"), "IQ4_NL")}
 
 
 def _more_bits(i: int, n: int) -> bool:
@@ -43,14 +46,23 @@ def _rule(file_type: str, role: str, i: int, n: int, gqa: float, calibrated: boo
     if file_type in ("IQ4_NL", "IQ4_XS"):
         return {"attn_v": "Q5_K" if gqa >= 4 else None,
                 "ffn_down": "Q5_K" if i < n // 8 and not calibrated else None}.get(role)
+    if file_type == "IQ2_XXS":
+        return {"attn_v": "Q4_K" if gqa >= 4 else "Q2_K", "ffn_down": "Q2_K" if i < n // 8 else None}.get(role)
+    if file_type == "IQ3_XXS":
+        return {"attn_v": "Q4_K" if gqa >= 4 else "IQ3_XXS" if calibrated else "IQ3_S", "attn_q": "IQ2_S",
+                "attn_k": "IQ2_S", "attn_output": "IQ3_S",
+                "ffn_down": None if calibrated else "Q4_K" if i < n // 8 else "Q3_K"}.get(role)
     if file_type in ("Q4_K_M", "Q5_K_M"):
         return "Q6_K" if role in ("attn_v", "ffn_down") and _more_bits(i, n) else None
     return None
 
 
-def _output_type(file_type: str) -> str:
-    """A quantized output's type (--lm-head): Q6_K, unless the file is Q8_0 already (llama.cpp keeps that)."""
-    return "Q8_0" if file_type == "Q8_0" else "Q6_K"
+def _output_type(file_type: str, cols: int) -> str:
+    """A quantized output's type (--lm-head): Q8_0 for rows that are not whole super-blocks or in a Q8_0 file, Q5_K
+    in the IQ2 / IQ3 files, else Q6_K."""
+    if file_type == "Q8_0" or cols % TYPES["Q6_K"].block:
+        return "Q8_0"
+    return "Q5_K" if file_type in ("IQ2_XXS", "IQ3_XXS") else "Q6_K"
 
 
 def check_file_type(file_type: str) -> None:
@@ -70,10 +82,15 @@ def layer_types(file_type: str, shapes: dict, model_config: dict, calibrated: bo
     types = {}
     for name, (cols, _) in shapes.items():
         role, i = roles[name]
-        rule = _output_type(file_type) if role == "output" else _rule(file_type, role, i, counts[role], gqa, calibrated)
-        kind = rule or DEFAULT[file_type]
-        if cols % TYPES[kind].block:
+        if role == "output":
+            types[name] = _output_type(file_type, cols)
+            continue
+        kind = _rule(file_type, role, i, counts[role], gqa, calibrated) or DEFAULT[file_type]
+        if cols % SUPER:  # the fallbacks are for types of super-blocks
             kind = FALLBACK.get(kind, kind)
+        if kind not in TYPES:
+            raise QuantkitError(f"llama.cpp's {file_type} gives {name} type {kind}, which quantkit does not write yet: "
+                                f"choose another --gguf-type, or keep {name} in float with a recipe skip")
         types[name] = kind
     return types
 

@@ -6,6 +6,8 @@
         from --quantizer kquant, --group-size the type's sub-block (16 or 32)
     non-linear 4-bit (quantkit.checkpoint.gguf_iq4):  IQ4_NL (blocks of 32), IQ4_XS (super-blocks of 256)
         from --quantizer iq4nl / iq4xs, --bits 4 --group-size 32
+    E8-lattice lists (quantkit.checkpoint.gguf_iq_lattice):  IQ2_XXS, IQ3_XXS (super-blocks of 256)
+        from --quantizer iq2xxs / iq3xxs, --bits 2 / 3 --group-size 32
 
 Parameters travel as the quantizer names them: {"d"} / {"d", "m"} per block of 32, {"d", "sc"} / {"d", "sc",
 "dmin", "m"} per k-quant sub-block. The integer grid's {"scale", "zero"} become a Q4_0 / Q8_0 block's {"d"}.
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.checkpoint import gguf_blocks, gguf_iq4, gguf_kquants
+from quantkit.checkpoint import gguf_blocks, gguf_iq4, gguf_iq_lattice, gguf_kquants
 from quantkit.schemes.ggml_kquants import KTYPES, SUPER
 from quantkit.schemes.ggml_legacy import TYPES as LEGACY_SETTINGS
 
@@ -65,9 +67,12 @@ TYPES = {**{t.name: GGUFType(t.name, t.ggml_type, gguf_blocks.BLOCK, t.block_byt
          **{k.name: GGUFType(k.name, gguf_kquants.GGML_TYPES[k.name], SUPER, k.block_bytes, k.sub, gguf_kquants)
             for k in KTYPES.values()},
          "IQ4_NL": GGUFType("IQ4_NL", 20, 32, gguf_iq4.BYTES["IQ4_NL"], 32, gguf_iq4),
-         "IQ4_XS": GGUFType("IQ4_XS", 23, SUPER, gguf_iq4.BYTES["IQ4_XS"], 32, gguf_iq4)}
+         "IQ4_XS": GGUFType("IQ4_XS", 23, SUPER, gguf_iq4.BYTES["IQ4_XS"], 32, gguf_iq4),
+         "IQ2_XXS": GGUFType("IQ2_XXS", 16, SUPER, gguf_iq_lattice.BYTES["IQ2_XXS"], 32, gguf_iq_lattice),
+         "IQ3_XXS": GGUFType("IQ3_XXS", 18, SUPER, gguf_iq_lattice.BYTES["IQ3_XXS"], 32, gguf_iq_lattice)}
 BY_GGML_TYPE = {t.ggml_type: t for t in TYPES.values()}
-IQ4 = {"iq4nl": "IQ4_NL", "iq4xs": "IQ4_XS"}  # quantizer name -> its type
+# The quantizers that make one type each (their only settings: bits), by name
+NAMED = {"iq4nl": ("IQ4_NL", 4), "iq4xs": ("IQ4_XS", 4), "iq2xxs": ("IQ2_XXS", 2), "iq3xxs": ("IQ3_XXS", 3)}
 
 
 def type_of_settings(quantizer: str, bits, sym) -> str | None:
@@ -76,15 +81,16 @@ def type_of_settings(quantizer: str, bits, sym) -> str | None:
         return LEGACY_SETTINGS[(bits, sym)]
     if quantizer == "kquant" and bits in KTYPES:
         return KTYPES[bits].name
-    if quantizer in IQ4:
-        return IQ4[quantizer]
+    if quantizer in NAMED:
+        return NAMED[quantizer][0]
     return INT_TYPES.get(bits) if quantizer == "int" and sym else None
 
 
 def settings_of_type(name: str) -> dict:
     """The quantizer settings that make block type `name`: {"quantizer", "bits", "sym", "group_size"}."""
-    if name in IQ4.values():
-        return {"quantizer": next(q for q, t in IQ4.items() if t == name), "bits": 4, "sym": True, "group_size": 32}
+    for quantizer, (kind, bits) in NAMED.items():
+        if kind == name:
+            return {"quantizer": quantizer, "bits": bits, "sym": True, "group_size": TYPES[name].group_size}
     if name in gguf_kquants.TYPES:
         bits = next(b for b, k in KTYPES.items() if k.name == name)
         return {"quantizer": "kquant", "bits": bits, "sym": not KTYPES[bits].has_min, "group_size": TYPES[name].group_size}

@@ -17,6 +17,9 @@ codebooks, 8 for an E8 lattice) with parameters fitted per row and per group of 
                 k-quants: 8 or 16 sub-blocks under one fp16 step) sets it; its fit then takes span groups' columns
                 and returns {key: [rows, span]}. fit_groups / fit_all hide the difference from the methods.
     round(w, params)        -> (codes, dequantized)      w [rows, k * width], params {key: [rows]}
+    weighted_round  optional: True when round also takes importance= [k * width], each column's weight in the
+                    unit's distance (a unit wider than one column is not rounded column by column, so the weights
+                    change its point; GPTQ passes them)
     dequantize(codes, p)    -> weights                   p gathered per column: {key: [rows, cols]}
     kernel_decode           a KernelDecode, or None: how the codebook GEMM decodes its codes in registers
                             (quantkit.kernels.codebook); without one a loaded layer decodes through dequantize
