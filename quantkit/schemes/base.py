@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import group_width, n_groups
 from quantkit.core.registry import Registry
 
@@ -72,6 +73,29 @@ class KernelDecode:
     table: tuple = ()
     offset: float = 0.0
     ratio: float = 1.0
+
+
+@dataclass(frozen=True)
+class OneType:
+    """Base of a quantizer that makes exactly one of llama.cpp's block types: its bits (`type_bits`) and its group
+    (`type_group`) are the type's, so its settings are {"bits"} and the run's --bits / --group-size are checked."""
+    bits: int
+
+    def __post_init__(self):
+        if self.bits != self.type_bits:
+            raise QuantkitError(f"the {self.name} quantizer makes llama.cpp's {self.ggml_type}, {self.type_bits} bits: "
+                                f"use --bits {self.type_bits} (got {self.bits!r})")
+
+    @classmethod
+    def from_spec(cls, bits: int, sym: bool, group_size: int):
+        if group_size != cls.type_group:
+            raise QuantkitError(f"the {cls.name} quantizer makes llama.cpp's {cls.ggml_type}, {cls.type_bits} bits in "
+                                f"groups of {cls.type_group}: use --bits {cls.type_bits} --group-size {cls.type_group} "
+                                f"(got --group-size {group_size})")
+        return cls(bits)
+
+    def settings(self) -> dict:
+        return {"bits": self.bits}
 
 
 def param_dtype(quantizer, key: str) -> torch.dtype:

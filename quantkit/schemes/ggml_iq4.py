@@ -17,8 +17,7 @@ from typing import Optional
 
 import torch
 
-from quantkit.core.errors import QuantkitError
-from quantkit.schemes.base import register_quantizer
+from quantkit.schemes.base import OneType, register_quantizer
 from quantkit.schemes.ggml_kquants import SUPER, fit_signed
 
 LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
@@ -44,26 +43,13 @@ def nearest_level(v: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _IQ4:
+class _IQ4(OneType):
     """The shared rounding of both types: codes index LEVELS, times the block's step."""
     bits: int = 4
+    type_bits = 4
+    type_group = BLOCK
     width = 1
     code_bits = 4
-
-    def __post_init__(self):
-        if self.bits != 4:
-            raise QuantkitError(f"the {self.name} quantizer makes llama.cpp's {self.ggml_type}, 4 bits: use --bits 4 "
-                                f"(got {self.bits!r})")
-
-    @classmethod
-    def from_spec(cls, bits: int, sym: bool, group_size: int):
-        if group_size != BLOCK:
-            raise QuantkitError(f"the {cls.name} quantizer makes llama.cpp's {cls.ggml_type}, 4 bits in blocks of "
-                                f"{BLOCK}: use --bits 4 --group-size {BLOCK} (got --group-size {group_size})")
-        return cls(bits)
-
-    def settings(self) -> dict:
-        return {"bits": self.bits}
 
     def _step(self, params: dict):
         return params["d"] * params["sc"] if "sc" in params else params["d"]

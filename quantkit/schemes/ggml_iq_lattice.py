@@ -25,8 +25,7 @@ from typing import Optional
 
 import torch
 
-from quantkit.core.errors import QuantkitError
-from quantkit.schemes.base import register_quantizer
+from quantkit.schemes.base import OneType, register_quantizer
 from quantkit.schemes.ggml_iq_grids import DIMS, MAGNITUDES, WORDS
 from quantkit.schemes.ggml_kquants import SUPER
 
@@ -151,25 +150,13 @@ def _odd(v: torch.Tensor, top: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _Lattice:
+class _Lattice(OneType):
     """The shared rounding: codes are signed levels, times the sub-block's step d (2 l + 1) unit."""
-    bits: int
+    type_group = BLOCK
     width = UNIT
     span = SUPER // BLOCK
     rounds_numpy = False
     weighted_round = True
-
-    def __post_init__(self):
-        if self.bits != self.type_bits:
-            raise QuantkitError(f"the {self.name} quantizer makes llama.cpp's {self.ggml_type}, {self.type_bits} bits: "
-                                f"use --bits {self.type_bits} (got {self.bits!r})")
-
-    @classmethod
-    def from_spec(cls, bits: int, sym: bool, group_size: int):
-        if group_size != BLOCK:
-            raise QuantkitError(f"the {cls.name} quantizer makes llama.cpp's {cls.ggml_type}, sub-blocks of {BLOCK}: "
-                                f"use --bits {cls.type_bits} --group-size {BLOCK} (got --group-size {group_size})")
-        return cls(bits)
 
     @property
     def code_bits(self) -> int:
@@ -178,9 +165,6 @@ class _Lattice:
     @property
     def param_bits(self) -> dict:
         return {"d": 16, "sc": 4}
-
-    def settings(self) -> dict:
-        return {"bits": self.bits}
 
     @property
     def unit(self) -> float:
