@@ -7,7 +7,8 @@ model, runs a prefill of --prompt tokens and --new-tokens greedy decode steps wi
 mode; the prefill computes the last position's logits only, as generate() does), and reports:
   load RSS      resident memory once loaded (VmRSS), minus the baseline
   peak RSS      the highest resident memory of the whole child (VmHWM), minus the baseline
-  peak / bf16   that peak over the bf16 model's weight bytes (2 bytes per parameter)
+  peak / bf16   that peak over the bf16 source model's weight bytes (2 bytes per parameter, tied weights once; the
+                --lm-head row's untied copy is not counted in its favour)
   prefill, decode tokens/s (the fastest of --repeat runs)
 Rows: the source model in float32 and bfloat16, and quantkit checkpoints of it (made in --workdir by `quantize`, reused
 when there) from the source stored in --source-dtype: RTN w4 g128 (also with --lm-head: lm_head quantized, the
@@ -178,7 +179,7 @@ def main(argv=None):
     print("| model | load RSS (MB) | peak RSS (MB) | peak / bf16 weights | prefill tok/s | decode tok/s | "
           "decode / bf16 |\n|---|---|---|---|---|---|---|")
     for name, r in results:
-        print(f"| {name} | {r['load'] / 1e6:.0f} | {r['peak'] / 1e6:.0f} | {r['peak'] / r['bf16_bytes']:.2f} | "
+        print(f"| {name} | {r['load'] / 1e6:.0f} | {r['peak'] / 1e6:.0f} | {r['peak'] / bf16['bf16_bytes']:.2f} | "
               f"{r['prefill']:.0f} | {r['decode']:.1f} | {r['decode'] / bf16['decode']:.2f}x |")
     print(f"\nbaseline (imports, meta skeleton): {bf16['baseline'] / 1e6:.0f} MB, subtracted above; bf16 weights "
           f"{bf16['bf16_bytes'] / 1e6:.0f} MB")
