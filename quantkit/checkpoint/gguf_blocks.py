@@ -59,7 +59,7 @@ def encode(kind: BlockType, codes: torch.Tensor, d: torch.Tensor, m: torch.Tenso
         if kind.bits == 5:
             high = ((q >> 4) & 1) << torch.arange(BLOCK, dtype=torch.int32)
             word = high.sum(dim=-1, dtype=torch.int64)  # bit j: bit 4 of code j
-            parts.append(torch.stack([(word >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8))
+            parts.append(le_bytes(word))
         low = q & 15
         parts.append((low[..., :BLOCK // 2] | low[..., BLOCK // 2:] << 4).to(torch.uint8))
     return torch.cat(parts, dim=-1).reshape(rows, -1)
@@ -79,7 +79,7 @@ def decode(kind: BlockType, data: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         return codes.reshape(rows, -1), d, m
     high = None
     if kind.bits == 5:
-        word = sum(blocks[..., at + i].to(torch.int64) << (8 * i) for i in range(4))
+        word = le_words(blocks[..., at:at + 4])[..., 0]
         high = ((word.unsqueeze(-1) >> torch.arange(BLOCK)) & 1).to(torch.int32) << 4
         at += 4
     qs = blocks[..., at:].to(torch.int32)
@@ -97,6 +97,17 @@ def dequantize(kind: BlockType, data: torch.Tensor) -> torch.Tensor:
     if m is not None:
         w = w + m.float().unsqueeze(-1)
     return w.reshape(rows, -1)
+
+
+def le_bytes(word: torch.Tensor) -> torch.Tensor:
+    """int64 [...] -> uint8 [..., 4]: each value's low 32 bits, little-endian (a uint32 field of a block)."""
+    return torch.stack([(word >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
+
+
+def le_words(data: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4 n] -> int64 [..., n]: the little-endian uint32s le_bytes writes."""
+    b = data.to(torch.int64).reshape(*data.shape[:-1], -1, 4)
+    return b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
 
 
 def fp16_bytes(x: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,13 @@ from functools import cache
 
 import torch
 
-from quantkit.checkpoint.gguf_blocks import fp16_bytes
+from quantkit.checkpoint.gguf_blocks import fp16_bytes, le_bytes, le_words
 from quantkit.core.errors import QuantkitError
 from quantkit.schemes.ggml_iq_grids import DIMS, WORDS
-from quantkit.schemes.ggml_iq_lattice import BLOCK, UNIT, level_bits, step_of, tables, values
+from quantkit.schemes.ggml_iq_lattice import BLOCK, IQ2XXS, IQ3XXS, UNIT, level_bits, step_of, tables, values
 from quantkit.schemes.ggml_kquants import SUPER
 
-BYTES = {"IQ2_XXS": 66, "IQ3_XXS": 98}
+BYTES = {q.ggml_type: q.block_bytes for q in (IQ2XXS, IQ3XXS)}
 SUBS = SUPER // BLOCK
 
 
@@ -27,17 +27,6 @@ def _index_of_word(kind: str) -> torch.Tensor:
     table = torch.full((1 << (level_bits(kind) * DIMS[kind]),), -1, dtype=torch.int64)
     table[torch.tensor(WORDS[kind])] = torch.arange(len(WORDS[kind]))
     return table
-
-
-def _le_bytes(word: torch.Tensor) -> torch.Tensor:
-    """int64 [...] -> uint8 [..., 4]: each value's low 32 bits, little-endian."""
-    return torch.stack([(word >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
-
-
-def _le_words(data: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 4 n] -> int64 [..., n]."""
-    b = data.to(torch.int64).reshape(*data.shape[:-1], -1, 4)
-    return b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
 
 
 def encode(name: str, codes: torch.Tensor, params: dict) -> torch.Tensor:
@@ -59,9 +48,9 @@ def encode(name: str, codes: torch.Tensor, params: dict) -> torch.Tensor:
     d = fp16_bytes(params["d"].reshape(rows, k // SUPER, SUBS)[..., 0])
     index = index.reshape(rows, k // SUPER, SUBS, -1).to(torch.uint8)
     if name == "IQ2_XXS":
-        body = torch.cat([index, _le_bytes(word)], dim=-1).reshape(rows, k // SUPER, -1)
+        body = torch.cat([index, le_bytes(word)], dim=-1).reshape(rows, k // SUPER, -1)
     else:
-        body = torch.cat([index.reshape(rows, k // SUPER, -1), _le_bytes(word).reshape(rows, k // SUPER, -1)], dim=-1)
+        body = torch.cat([index.reshape(rows, k // SUPER, -1), le_bytes(word).reshape(rows, k // SUPER, -1)], dim=-1)
     return torch.cat([d, body], dim=-1).reshape(rows, -1)
 
 
@@ -72,10 +61,10 @@ def decode(name: str, data: torch.Tensor) -> tuple[torch.Tensor, dict]:
     d = b[..., :2].contiguous().view(torch.float16).squeeze(-1).float()
     if name == "IQ2_XXS":
         body = b[..., 2:].reshape(rows, supers, SUBS, 8)
-        index, word = body[..., :4].to(torch.int64), _le_words(body[..., 4:])[..., 0]
+        index, word = body[..., :4].to(torch.int64), le_words(body[..., 4:])[..., 0]
     else:
         index = b[..., 2:66].to(torch.int64).reshape(rows, supers, SUBS, 8)
-        word = _le_words(b[..., 66:])
+        word = le_words(b[..., 66:])
     bits = level_bits(name)
     _, _, levels = tables(name)
     level = levels[index].reshape(rows, supers, SUBS, 4, UNIT)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.checkpoint import gguf_blocks, gguf_iq4, gguf_iq_lattice, gguf_kquants
+from quantkit.schemes.ggml_iq4 import IQ4NL, IQ4XS
+from quantkit.schemes.ggml_iq_lattice import IQ2XXS, IQ3XXS
 from quantkit.schemes.ggml_kquants import KTYPES, SUPER
 from quantkit.schemes.ggml_legacy import TYPES as LEGACY_SETTINGS
 
@@ -71,8 +73,7 @@ TYPES = {**{t.name: GGUFType(t.name, t.ggml_type, gguf_blocks.BLOCK, t.block_byt
          "IQ2_XXS": GGUFType("IQ2_XXS", 16, SUPER, gguf_iq_lattice.BYTES["IQ2_XXS"], 32, gguf_iq_lattice),
          "IQ3_XXS": GGUFType("IQ3_XXS", 18, SUPER, gguf_iq_lattice.BYTES["IQ3_XXS"], 32, gguf_iq_lattice)}
 BY_GGML_TYPE = {t.ggml_type: t for t in TYPES.values()}
-# The quantizers that make one type each (their only settings: bits), by name
-NAMED = {"iq4nl": ("IQ4_NL", 4), "iq4xs": ("IQ4_XS", 4), "iq2xxs": ("IQ2_XXS", 2), "iq3xxs": ("IQ3_XXS", 3)}
+NAMED = {q.name: q for q in (IQ4NL, IQ4XS, IQ2XXS, IQ3XXS)}  # the quantizers that make one type each, by name
 
 
 def type_of_settings(quantizer: str, bits, sym) -> str | None:
@@ -82,15 +83,15 @@ def type_of_settings(quantizer: str, bits, sym) -> str | None:
     if quantizer == "kquant" and bits in KTYPES:
         return KTYPES[bits].name
     if quantizer in NAMED:
-        return NAMED[quantizer][0]
+        return NAMED[quantizer].ggml_type
     return INT_TYPES.get(bits) if quantizer == "int" and sym else None
 
 
 def settings_of_type(name: str) -> dict:
     """The quantizer settings that make block type `name`: {"quantizer", "bits", "sym", "group_size"}."""
-    for quantizer, (kind, bits) in NAMED.items():
-        if kind == name:
-            return {"quantizer": quantizer, "bits": bits, "sym": True, "group_size": TYPES[name].group_size}
+    for q in NAMED.values():
+        if q.ggml_type == name:
+            return {"quantizer": q.name, "bits": q.type_bits, "sym": True, "group_size": q.type_group}
     if name in gguf_kquants.TYPES:
         bits = next(b for b, k in KTYPES.items() if k.name == name)
         return {"quantizer": "kquant", "bits": bits, "sym": not KTYPES[bits].has_min, "group_size": TYPES[name].group_size}

@@ -6,8 +6,9 @@ Each code indexes a fixed table of 16 levels (kvalues_iq4nl, denser near zero, a
                                                      d fp16 per super-block of 256
 (quantkit.checkpoint.gguf_iq4 lays them out byte for byte). The fit follows llama.cpp's quantize_row_iq4_nl_impl:
 per block of 32, the scales that put the largest-magnitude weight on either end of the table (+127, clipped to
-113, and -127) and 2 x 7 more around the second, each refitted by weighted least squares on its codes, the best kept; IQ4_XS then quantizes the sub-block scales
-to 6 bits against one fp16 step (searched the same way, not only max / 32). The fits weigh each weight by its
+113, and -127) and 2 x 7 more around the second, each refitted by weighted least squares on its codes, the best
+kept; IQ4_XS then quantizes the sub-block scales to 6 bits against one fp16 step (searched the same way, not only
+max / 32). The fits weigh each weight by its
 importance where one is given (GPTQ's Hessian diagonal, where llama.cpp weighs by imatrix * sqrt(sigma^2 + w^2):
 on SmolLM2 IQ4_XS the plain diagonal gave mean KLD 0.0772 against 0.0789), by w^2 otherwise, as llama.cpp does.
 """
@@ -18,7 +19,7 @@ from typing import Optional
 import torch
 
 from quantkit.schemes.base import OneType, register_quantizer
-from quantkit.schemes.ggml_kquants import SUPER, fit_signed
+from quantkit.schemes.ggml_kquants import SUPER, BestRefit, fit_signed
 
 LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
 BLOCK = 32
@@ -75,17 +76,12 @@ def _block_scales(x: torch.Tensor, importance: Optional[torch.Tensor]) -> tuple[
     zero = peak.abs() < 1e-15
     peak = torch.where(zero, torch.ones_like(peak), peak)
     table = _table(x.device)
-    best, best_gain = torch.zeros_like(peak), torch.full_like(peak, -1.0)
+    best = BestRefit(torch.zeros_like(peak))
     # llama.cpp's first candidate puts the peak on +127 (a positive step, the peak clipped to 113), then the peak on
     # -127 + i (a negative step): without the first, RTN's IQ4_NL rounded 1.3 % further in its own w^2-weighted error
     for multiplier in [-LEVELS[0]] + [i + LEVELS[0] for i in range(-TRIES, TRIES + 1)]:
-        level = table[nearest_level(x * (multiplier / peak)[..., None])]
-        sqx, sq2 = (weights * level * x).sum(-1), (weights * level * level).sum(-1)
-        gain = torch.where(sq2 > 0, sqx * sqx / sq2.clamp(min=1e-30), torch.full_like(sq2, -1.0))
-        better = gain > best_gain
-        best = torch.where(better, sqx / sq2.clamp(min=1e-30), best)
-        best_gain = torch.where(better, gain, best_gain)
-    return torch.where(zero, torch.zeros_like(best), best), weights
+        best.offer(x, table[nearest_level(x * (multiplier / peak)[..., None])], weights)
+    return torch.where(zero, torch.zeros_like(best.scale), best.scale), weights
 
 
 @register_quantizer

@@ -27,7 +27,7 @@ import torch
 
 from quantkit.schemes.base import OneType, register_quantizer
 from quantkit.schemes.ggml_iq_grids import DIMS, MAGNITUDES, WORDS
-from quantkit.schemes.ggml_kquants import SUPER
+from quantkit.schemes.ggml_kquants import SUPER, BestRefit
 
 UNIT = 8          # weights rounded together: one sign word
 BLOCK = 32        # a sub-block: one 4-bit scale
@@ -167,24 +167,25 @@ class _Lattice(OneType):
         return {"d": 16, "sc": 4}
 
     @property
+    def bits_per_weight(self) -> float:
+        return self.block_bytes * 8 / SUPER
+
+    @property
     def unit(self) -> float:
         return STEP_UNIT[self.ggml_type]
-
-    def _step(self, params: dict) -> torch.Tensor:
-        return step_of(params, self.ggml_type)
 
     def round(self, w: torch.Tensor, params: dict, importance: Optional[torch.Tensor] = None):
         """(codes, dequantized) of w [rows, 8 k] with per-row params [rows]; importance [8 k], if given, weighs
         each column's error in the search (without it a column with 1000x the importance of its neighbours, as
         SmolLM2's last ffn_down has, is rounded as if it mattered as much as they do)."""
-        step = self._step(params)[:, None].float()
+        step = step_of(params, self.ggml_type)[:, None].float()
         x = w.float() / (step + (step == 0))
         h = None if importance is None else importance.float().to(w.device).expand(w.shape).reshape(-1, UNIT)
         codes = _round_units(x.reshape(-1, UNIT), self.ggml_type, h).reshape(w.shape)
         return codes, step * values(codes, self.ggml_type)
 
     def dequantize(self, codes: torch.Tensor, params: dict) -> torch.Tensor:
-        return self._step(params) * values(codes, self.ggml_type)
+        return step_of(params, self.ggml_type) * values(codes, self.ggml_type)
 
     def fit(self, w: torch.Tensor, importance: Optional[torch.Tensor] = None) -> dict:
         """{"d", "sc"}: [rows, 8] each, for one super-block w [rows, 256]; importance [256], if given, weighs each
@@ -205,18 +206,12 @@ class _Lattice(OneType):
         peak = x.abs().amax(dim=-1)
         zero = peak <= 1e-30
         peak = torch.where(zero, torch.ones_like(peak), peak)
-        best, best_gain = peak / top, torch.full_like(peak, -1.0)
-        best_weight = torch.zeros_like(peak)
+        best = BestRefit(peak / top, positive=True)
         for i in range(-TRIES, TRIES + 1):
             s = peak / (top * (1 + SPACING * i))
             codes = _round_units((x / s[:, None]).reshape(-1, UNIT), self.ggml_type, h.reshape(-1, UNIT))
-            q = values(codes, self.ggml_type).view_as(x)
-            sqx, sq2 = (h * q * x).sum(dim=-1), (h * q * q).sum(dim=-1)
-            gain = torch.where(sq2 > 0, sqx * sqx / sq2.clamp(min=1e-30), torch.full_like(sq2, -1.0))
-            better = (gain > best_gain) & (sqx > 0)
-            best = torch.where(better, sqx / sq2.clamp(min=1e-30), best)
-            best_gain, best_weight = torch.where(better, gain, best_gain), torch.where(better, sq2, best_weight)
-        return torch.where(zero, torch.zeros_like(best), best), best_weight
+            best.offer(x, values(codes, self.ggml_type).view_as(x), h)
+        return torch.where(zero, torch.zeros_like(best.scale), best.scale), best.q2
 
 
 @register_quantizer
@@ -226,7 +221,7 @@ class IQ2XXS(_Lattice):
     name = "iq2xxs"
     ggml_type = "IQ2_XXS"
     type_bits = 2
-    bits_per_weight = 66 * 8 / SUPER
+    block_bytes = 66  # per super-block of 256
     summary = ("llama.cpp's IQ2_XXS: 8 weights a signed point of an E8-lattice list, 4-bit scales per 32, an fp16 "
                "step per 256 (--bits 2 --group-size 32; rows of whole super-blocks)")
 
@@ -238,6 +233,6 @@ class IQ3XXS(_Lattice):
     name = "iq3xxs"
     ggml_type = "IQ3_XXS"
     type_bits = 3
-    bits_per_weight = 98 * 8 / SUPER
+    block_bytes = 98
     summary = ("llama.cpp's IQ3_XXS: 4 weights a point of an E8-lattice list, signs per 8, 4-bit scales per 32, an "
                "fp16 step per 256 (--bits 3 --group-size 32; rows of whole super-blocks)")

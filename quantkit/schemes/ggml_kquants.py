@@ -206,6 +206,24 @@ def fit_signed(x: torch.Tensor, weights: torch.Tensor, nmax: int, steps: int = 9
     return best_scale, (x / safe[..., None]).round().clamp(-nmax, nmax - 1)
 
 
+class BestRefit:
+    """Per block, the best of several candidate codings of x: each candidate's values q [..., n] refitted to x by
+    least squares under weights h (scale = sum h q x / sum h q^2), the one whose refit removes the most weighted
+    error (gain (sum h q x)^2 / sum h q^2) kept; positive: only positive scales may win. `scale` starts at `start`
+    and `q2` (the winner's sum h q^2) at 0."""
+
+    def __init__(self, start: torch.Tensor, positive: bool = False):
+        self.scale, self.positive = start, positive
+        self.gain, self.q2 = torch.full_like(start, -1.0), torch.zeros_like(start)
+
+    def offer(self, x: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> None:
+        sqx, sq2 = (h * q * x).sum(-1), (h * q * q).sum(-1)
+        gain = torch.where(sq2 > 0, sqx * sqx / sq2.clamp(min=1e-30), torch.full_like(sq2, -1.0))
+        better = (gain > self.gain) & (sqx > 0) if self.positive else gain > self.gain
+        self.scale = torch.where(better, sqx / sq2.clamp(min=1e-30), self.scale)
+        self.gain, self.q2 = torch.where(better, gain, self.gain), torch.where(better, sq2, self.q2)
+
+
 def quantize_scales(s: torch.Tensor, weights: torch.Tensor, nmax: int, steps: int = 8):
     """(d [..., n] repeated, L [..., n]) with s [..., n] >= 0 ~ d L, L in 0..nmax, d fp16 (llama.cpp's
     make_qp_quants): the largest value's grid and `steps` around it, each step refitted by weighted least squares
