@@ -68,9 +68,7 @@ def supports(out_features: int, group_size: int) -> bool:
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """int [N, K] codes in 0..15 -> the op's uint8 [N, K/2]; RuntimeError when the decode would not give them back."""
     packed = _convert(codes)
-    n, k = codes.shape
-    ones, zeros = torch.ones(1, n), torch.zeros(1, n, dtype=torch.uint8)
-    if not torch.equal(decode_columns(packed.unsqueeze(0), ones, zeros, k, 0, n), codes.t().float()):
+    if not torch.equal(stored_codes(packed.unsqueeze(0), 0, codes.shape[0]), codes.t().to(torch.uint8)):
         raise RuntimeError("this torch packs int4 weights in a layout quantkit does not know")
     return packed
 
@@ -91,18 +89,30 @@ def _runs(out_features: int, a: int, b: int):
     return runs + ([(full, b, b - full)] if b > full else [])
 
 
+def stored_codes(planes, a: int, b: int) -> torch.Tensor:
+    """The codes of outputs a..b as uint8 [K, b - a] (q = Σ 16^p plane_p; a, b on block edges)."""
+    codes = torch.empty(2 * planes.shape[2], b - a, dtype=torch.uint8)
+    _fill_codes(codes, planes, a, b)
+    return codes
+
+
 def decode_columns(planes, scales, zeros, group_size: int, a: int, b: int) -> torch.Tensor:
     """Wᵀ[:, a:b] as float32 [K, b - a], exactly scale * (q - zero) with q = Σ 16^p plane_p (a, b on block edges)."""
-    n_all, k = planes.shape[1], 2 * planes.shape[2]
+    k = 2 * planes.shape[2]
     words = torch.full((k, b - a), MAGIC, dtype=torch.int32)
-    low_bytes = words.view(torch.uint8).view(k, b - a, 4)[..., 0]
-    for start, stop, width in _runs(n_all, a, b):
-        dst = low_bytes[:, start - a:stop - a].unflatten(1, ((stop - start) // width, width)).transpose(0, 1)
-        src = [plane.view(-1)[start * k // 2:stop * k // 2].view(-1, k, width // 2) for plane in planes]
-        _write_codes(dst, src, _split(width))
+    _fill_codes(words.view(torch.uint8).view(k, b - a, 4)[..., 0], planes, a, b)
     w_t = words.view(torch.float32).view(k // group_size, group_size, b - a)
     w_t.sub_(zeros[:, a:b].float().add_(MAGIC_FLOAT).unsqueeze(1)).mul_(scales[:, a:b].float().unsqueeze(1))
     return w_t.view(k, b - a)
+
+
+def _fill_codes(dst, planes, a: int, b: int) -> None:
+    """The codes of outputs a..b into dst [K, b - a] (uint8, or a strided view of one byte per word)."""
+    n_all, k = planes.shape[1], 2 * planes.shape[2]
+    for start, stop, width in _runs(n_all, a, b):
+        blocks_dst = dst[:, start - a:stop - a].unflatten(1, ((stop - start) // width, width)).transpose(0, 1)
+        src = [plane.view(-1)[start * k // 2:stop * k // 2].view(-1, k, width // 2) for plane in planes]
+        _write_codes(blocks_dst, src, _split(width))
 
 
 def _write_codes(dst, src, split: str) -> None:

@@ -1,6 +1,7 @@
 """Packed CPU inference (issue 40): torch's int4 layout read back exactly, CpuInt4Linear and the strip-wise decodes
 against the reference decode, and load_quantized keeping every quantized weight packed on the CPU."""
 import gc
+import mmap
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from quantkit.core import bitpack, strips
 from quantkit.core.errors import QuantkitError
 from quantkit.kernels import cpu_int4
 from quantkit.kernels.reference import gptq_linear_torch
+from quantkit.nn import cpu_int4_linear
 from quantkit.nn.cpu_int4_linear import CpuInt4Linear
 from quantkit.nn.decoded_linear import DecodedLinear
 from quantkit.nn.quant_linear import QuantLinear
@@ -71,8 +73,21 @@ def test_cpu_int4_linear_computes_the_reference_decode(k, bits, group_size, act_
     y = packed(xb)
     assert y.dtype == torch.bfloat16
     assert ((y.float() - ref).norm() / ref.norm()).item() < 4 * 2.0**-8  # a wrong plane or zero is off by O(1)
-    many = x.to(torch.bfloat16)  # 21 rows: the strip decode, rounded once to bf16
-    assert ((packed(many).float() - reference(m, many)).norm() / reference(m, many).norm()).item() < 2 * 2.0**-8
+
+
+def test_the_strip_decode_of_bf16_activations_rounds_the_weights_once(monkeypatch):
+    """Past INT4_MM_MAX_M rows, bf16 activations take the strip decode: each strip rounded to bf16 (in place), the
+    product in float32, the result rounded to bf16; that is the reference decode's bf16 weight, up to the sum order."""
+    m = quant_linear(200, 176, 4, 64)
+    packed = CpuInt4Linear.from_quant_linear(m)
+    monkeypatch.setattr(strips, "STRIP_ELEMENTS", 64 * 256)  # strips of 64 outputs: three
+    monkeypatch.setattr(cpu_int4, "INT4_MM_MAX_M", 0)
+    x = torch.randn(5, 200, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    w_t = reference(m, torch.eye(200)) - m.bias  # the exact decode, [K, N]
+    want = (x.float() @ w_t.to(torch.bfloat16).float()).to(torch.bfloat16) + m.bias.to(torch.bfloat16)
+    got = packed(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2.0**-8, atol=2.0**-7)  # a bf16 ulp or two: the sum order
 
 
 @pytest.mark.parametrize("k, n, group_size", [(256, 40, 64), (256, 64, 16), (512, 64, -1)])
@@ -101,8 +116,8 @@ def test_the_repack_strip_by_strip_is_the_whole_layers(monkeypatch, bits, act_or
     ones the whole layer packs to."""
     m = quant_linear(128, 176, bits, 32, "gptq", act_order)
     whole = CpuInt4Linear.from_quant_linear(m).planes
-    monkeypatch.setattr(strips, "STRIP_ELEMENTS", 40 * 128)
-    assert len(cpu_int4.blocks(176, strips.strip_rows(128, 1))) > 2
+    monkeypatch.setattr(cpu_int4_linear, "REPACK_CODES", 40 * 128)
+    assert len(cpu_int4.blocks(176, 40)) > 2
     assert torch.equal(CpuInt4Linear.from_quant_linear(m).planes, whole)
 
 
@@ -133,21 +148,54 @@ def test_load_quantized_keeps_the_weights_packed_on_the_cpu(model_factory, tmp_p
 
 
 def test_a_loaded_model_maps_no_more_of_its_files_than_the_input_embedding(model_factory, tmp_path):
-    """Every tensor is read into memory of its own, but an input embedding stored in the load's dtype, which stays a
-    view of the memory-mapped file (only the rows looked up become resident). Any other view would keep every
-    page read so far resident for the model's lifetime."""
-    maps = Path("/proc/self/maps")
-    if not maps.is_file():
+    """Every tensor is read into memory of its own, but an input embedding stored in the load's dtype, which stays in
+    the file, mapped alone (only the rows looked up become resident). Any other map would keep every page read
+    through it so far resident for the model's lifetime."""
+    if not Path("/proc/self/maps").is_file():
         pytest.skip("needs Linux's /proc")
     quantkit.quantize(str(model_factory("llama-gqa")), tmp_path / "q", quantkit.QuantConfig(bits=4, group_size=32),
                       device="cpu")  # float tensors stored in float32
+    weights = tmp_path / "q" / "model.safetensors"
     for kwargs in ({"dtype": torch.bfloat16}, {"dtype": torch.float16, "cache_dequantized": True}, {}):
         model = quantkit.load_quantized(tmp_path / "q", **kwargs)
         gc.collect()
-        assert (str(tmp_path / "q") in maps.read_text()) == (kwargs == {}), kwargs
+        embedding = model.get_input_embeddings().weight.nbytes
+        mapped = mapped_bytes(weights)
+        assert (mapped > 0) == (kwargs == {}), kwargs
+        assert mapped <= embedding + 2 * mmap.ALLOCATIONGRANULARITY  # the embedding's own bytes, no whole-file map
         del model
     gc.collect()
-    assert str(tmp_path / "q") not in maps.read_text()
+    assert mapped_bytes(weights) == 0
+
+
+def mapped_bytes(path) -> int:
+    """Bytes of the address space that map `path` (0 where nothing does)."""
+    spans = [line.split()[0].split("-") for line in Path("/proc/self/maps").read_text().splitlines()
+             if line.endswith(str(path))]
+    return sum(int(b, 16) - int(a, 16) for a, b in spans)
+
+
+def test_the_tensor_reader_maps_a_tensors_own_bytes(tmp_path):
+    """A mapped tensor is the stored one, its map spans its own bytes (from the page they start in) and no other
+    tensor's, a write to it stays in memory (copy-on-write), and the map goes with the last tensor that uses it."""
+    if not Path("/proc/self/maps").is_file():
+        pytest.skip("needs Linux's /proc")
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"before": torch.randn(40_000, generator=gen), "emb": torch.randn(3000, 64, generator=gen).bfloat16(),
+               "after": torch.randn(40_000, generator=gen), "empty": torch.zeros(0, 3)}
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, path)
+    on_disk = path.read_bytes()
+    reader = reads.TensorReader([path])
+    emb = reader.map("emb")
+    assert emb.dtype == torch.bfloat16 and torch.equal(emb, tensors["emb"])
+    assert emb.nbytes < mapped_bytes(path) <= emb.nbytes + 2 * mmap.ALLOCATIONGRANULARITY
+    emb[0] = 7
+    assert path.read_bytes() == on_disk
+    assert reader.map("empty").shape == (0, 3)
+    del emb
+    gc.collect()
+    assert mapped_bytes(path) == 0
 
 
 @pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16])

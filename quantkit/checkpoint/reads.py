@@ -6,6 +6,7 @@ model that way costs the file's size on top of the loaded model (on Llama-3-8B s
 lm_head pages alone are 2 GB). Read with plain file reads, a tensor costs its own size plus one bounded chunk
 when its dtype is converted, and the page cache it passes through is the kernel's to drop.
 """
+import mmap
 from pathlib import Path
 
 import torch
@@ -28,12 +29,24 @@ class TensorReader:
                 raise QuantkitError(f"{path} is truncated or corrupted ({e}): copy it again or quantize again") from e
             self.where.update({name: (path, base + info["data_offsets"][0], info) for name, info in header.items()})
 
+    def map(self, name: str) -> torch.Tensor:
+        """The tensor as stored, a private (copy-on-write) memory map of its own bytes alone: of its pages only those a
+        use reads become resident, and none of another mapping's (safetensors' map of the whole file, which validation
+        read through, keeps the pages around every tensor it touched resident while any view of it lives: 16 MB on
+        SmolLM2). The map is unmapped with the last tensor that uses it."""
+        path, offset, info, stored = self._entry(name)
+        nbytes = info["data_offsets"][1] - info["data_offsets"][0]
+        if nbytes == 0:
+            return torch.empty(info["shape"], dtype=stored)
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        with open(path, "rb") as f:
+            pages = mmap.mmap(f.fileno(), offset - start + nbytes, access=mmap.ACCESS_COPY, offset=start)
+        data = torch.frombuffer(pages, dtype=torch.uint8, count=nbytes, offset=offset - start)  # keeps `pages` alive
+        return data.view(stored).view(info["shape"])
+
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor in `dtype` (default: as stored), in memory of its own."""
-        path, offset, info = self.where[name]
-        if info["dtype"] not in DTYPES:
-            raise QuantkitError(f"{path}: tensor {name} is stored as {info['dtype']}, which quantkit does not read")
-        stored = DTYPES[info["dtype"]]
+        path, offset, info, stored = self._entry(name)
         out = torch.empty(info["shape"], dtype=dtype or stored)
         step = max(1, CHUNK_BYTES // stored.itemsize)
         with open(path, "rb") as f:
@@ -48,3 +61,10 @@ class TensorReader:
                 if scratch is not part:
                     part.copy_(scratch)
         return out
+
+    def _entry(self, name: str):
+        """(file, offset of its bytes, header entry, stored dtype) of a tensor quantkit reads."""
+        path, offset, info = self.where[name]
+        if info["dtype"] not in DTYPES:
+            raise QuantkitError(f"{path}: tensor {name} is stored as {info['dtype']}, which quantkit does not read")
+        return path, offset, info, DTYPES[info["dtype"]]

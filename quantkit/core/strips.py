@@ -12,7 +12,7 @@ and oneDNN's reorder cost 3-4x the decode itself, more than oneDNN's faster floa
 """
 import torch
 
-STRIP_ELEMENTS = 1 << 22  # decoded weights held at once: 16 MB in float32
+STRIP_ELEMENTS = 1 << 19  # decoded weights held at once: 2 MB in float32
 
 
 def strip_rows(in_features: int, align: int) -> int:
@@ -39,7 +39,15 @@ def strip_linear(x: torch.Tensor, decode_columns, row_ranges, bias=None) -> torc
     half_on_cpu = x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cpu"
     compute = torch.float32 if half_on_cpu else x.dtype
     x2 = x.reshape(-1, x.shape[-1]).to(compute)
-    parts = [x2 @ decode_columns(a, b).to(x.dtype).to(compute) for a, b in row_ranges]
+    parts = [x2 @ _rounded(decode_columns(a, b), x.dtype, compute) for a, b in row_ranges]
     y = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(x.dtype)
     y = y.reshape(*x.shape[:-1], y.shape[-1])
     return y + bias.to(y.dtype) if bias is not None else y
+
+
+def _rounded(w: torch.Tensor, dtype: torch.dtype, compute: torch.dtype) -> torch.Tensor:
+    """w rounded to `dtype`'s precision, held in `compute`; in place where that is w's own dtype (a bf16 strip
+    multiplied in float32 on the CPU), so no second full-size float32 copy of the strip is made."""
+    if compute != w.dtype:
+        return w.to(dtype).to(compute)
+    return w if dtype == w.dtype else w.copy_(w.to(dtype))

@@ -23,12 +23,14 @@ import ctypes
 import torch
 from torch import nn
 
-from quantkit.core import bitpack, strips
+from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import group_index, group_width, is_plain
 from quantkit.kernels import cpu_int4
 from quantkit.kernels.cpu_int4 import PLANE_BITS
 from quantkit.nn.quant_linear import QuantLinear, add_rotation, rotate_input
+
+REPACK_CODES = 1 << 18  # codes unpacked at a time: 1 MB as int32, a few MB with their temporaries
 
 
 class CpuInt4Linear(nn.Module):
@@ -85,19 +87,20 @@ class CpuInt4Linear(nn.Module):
 
 
 def _repack(qweight: torch.Tensor, bits: int, k: int, g: int, n: int, perm) -> torch.Tensor:
-    """The op's planes [P, N, K'/2] from GPTQ's qweight, a strip of outputs at a time (on block edges, so the strips'
-    packings are the whole layer's): the unpacked int32 codes and their shifted copies, 4 bytes and more per weight,
-    never exist for more than a strip (SmolLM2's lm_head: 49152 x 576 would be 113 MB at once)."""
-    n_planes = -(-bits // PLANE_BITS)
-    parts = [[] for _ in range(n_planes)]
-    for a, b in cpu_int4.blocks(n, strips.strip_rows(k, 1)):
+    """The op's planes [P, N, K'/2] from GPTQ's qweight, REPACK_CODES codes at a time, each strip packed into its rows
+    of the planes (strips on block edges, so the strips' packings are the whole layer's). The unpacked int32 codes and
+    their shifted copies, 4 bytes and more per weight, never exist for more than a strip: whole, SmolLM2's lm_head
+    (49152 x 576) took 230 MB of them at once, and glibc kept much of it as slack for the rest of the process."""
+    padded = k + -k % g
+    planes = torch.empty(-(-bits // PLANE_BITS), n, padded // 2, dtype=torch.uint8)
+    for a, b in cpu_int4.blocks(n, REPACK_CODES // padded):
         codes = bitpack.unpack(qweight[:, a:b], bits, k, dim=0).t()  # [b - a, K]
         if perm is not None:
             codes = codes.index_select(1, perm)
-        codes = torch.nn.functional.pad(codes, (0, -k % g))  # a short last group: zero codes to a whole one
-        for p in range(n_planes):
-            parts[p].append(cpu_int4.pack(codes >> (PLANE_BITS * p) & 15))
-    return torch.stack([torch.cat(part) for part in parts])
+        codes = torch.nn.functional.pad(codes, (0, padded - k))  # a short last group: zero codes to a whole one
+        for p, plane in enumerate(planes):
+            plane[a:b] = cpu_int4.pack(codes >> (PLANE_BITS * p) & 15)
+    return planes
 
 
 def _group_order(g_idx, k: int, g: int):

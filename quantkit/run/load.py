@@ -125,9 +125,9 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
         _assign(model, folder, {n: t.to(as_loaded(n, t.dtype)) for n, t in tensors.items()
                                 if not offload.under(n, units)})  # the streamed blocks' views (pages) go
     else:
-        stored = {in_files.to_model(n) for n in stored} - _kept_as_views(model, tensors, device, as_loaded)
-        _read_layer_by_layer(model, folder, tensors, stored, layers, in_files, as_loaded,
-                             repack=device == "cpu" and not cache_dequantized)
+        stored = {in_files.to_model(n) for n in stored}
+        _read_layer_by_layer(model, folder, tensors, stored, stored & _kept_as_views(model, tensors, device, as_loaded),
+                             layers, in_files, as_loaded, repack=device == "cpu" and not cache_dequantized)
     _check_complete(model, units)
     if stream:
         move_loaded(model, device)
@@ -167,25 +167,32 @@ def _kept_dtypes(model, layers, dtype) -> set:
     return keep | {n for n, b in model.named_buffers() if b.is_floating_point() and b.dtype != dtype}
 
 
-def _read_layer_by_layer(model, folder, tensors: dict, stored: set, layers, in_files, as_loaded, repack: bool):
+def _read_layer_by_layer(model, folder, tensors: dict, stored: set, mapped: set, layers, in_files, as_loaded,
+                         repack: bool):
     """One quantized layer at a time, and on the CPU each layer repacked for the int4 GEMM as soon as its tensors are
     in: the load's peak is the loaded model plus one layer, not the files' pages plus float copies plus every
     layer's GPTQ tensors. `tensors` are views of the memory-mapped files, which validated them; the `stored` ones
-    (not rewritten by the codec) are read again into memory of their own (quantkit.checkpoint.reads)."""
+    (not rewritten by the codec) are read again into memory of their own (quantkit.checkpoint.reads), or mapped
+    alone (the `mapped` ones), so their views are dropped first: with them go the files' maps and every page the
+    check made resident (16 MB on SmolLM2), before the layers come in."""
     reader = TensorReader(checkpoint.shard_files(folder))
+    dtypes = {name: view.dtype for name, view in tensors.items()}
+    rewritten = {name: view for name, view in tensors.items() if name not in stored}
+    tensors.clear()
 
     def read(group):
         out = {}
         for name in group:
-            view = tensors.pop(name)  # the last view of a file unmaps it
-            if name in stored:
-                out[name] = reader.read(in_files.of_tensor(name), as_loaded(name, view.dtype))
+            if name in mapped:
+                out[name] = reader.map(in_files.of_tensor(name))
+            elif name in stored:
+                out[name] = reader.read(in_files.of_tensor(name), as_loaded(name, dtypes[name]))
             else:
-                out[name] = view.to(as_loaded(name, view.dtype))
+                out[name] = rewritten.pop(name).to(as_loaded(name, dtypes[name]))
         return out
 
     by_module = {}
-    for name in list(tensors):
+    for name in dtypes:
         by_module.setdefault(name.rpartition(".")[0], []).append(name)
     for layer in layers:
         _assign(model, folder, read(by_module.pop(layer.name, [])))
@@ -195,8 +202,8 @@ def _read_layer_by_layer(model, folder, tensors: dict, stored: set, layers, in_f
 
 
 def _kept_as_views(model, tensors: dict, device: str, as_loaded) -> set:
-    """The input embedding, on the CPU, where it is stored in the load's dtype: it stays a view of the memory-mapped
-    file, of which a forward makes resident only the rows it looks up (Llama-3-8B's untied one is 1 GB in bf16)."""
+    """The input embedding, on the CPU, where it is stored in the load's dtype: it stays in the file, mapped, of which a
+    forward makes resident only the rows it looks up (Llama-3-8B's untied one is 1 GB in bf16)."""
     if device != "cpu":
         return set()
     try:
