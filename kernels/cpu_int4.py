@@ -3,9 +3,12 @@
 The op: `aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)` computes x Wᵀ with
 W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n] for 4-bit codes q that `aten._convert_weight_to_int4pack_for_cpu`
 packed from an int32 [N, K] tensor into uint8 [N, K/2]; scales_and_zeros is [K/group, N, 2] in x's dtype. Its limits,
-measured (torch 2.13): N % 16 == 0, K % group_size == 0, group_size in {32, 64, 128, 256}. A layer whose last group is
-short (SmolLM2's 576 inputs at group 128) is packed with zero codes up to whole groups, and x padded with zeros to
-match, so the padding multiplies nothing. Its precision is bf16's:
+measured (torch 2.13): N % 16 == 0, K % group_size == 0, group_size in {32, 64, 128, 256}. The op's group needs not be
+the checkpoint's: it is the largest of those sizes that divides both the checkpoint's group and K (`kernel_group`),
+each stored group's scale spread over the op's groups it spans. So a layer whose last group is short (SmolLM2's 576
+inputs at group 128) runs in groups of 64 and one group per row in groups of 256, unpadded. Only where K is no
+multiple of 32 are the codes padded with zeros up to whole groups, and x with zeros to match, so the padding
+multiplies nothing. Its precision is bf16's:
 on a CPU with AVX512-BF16 the decoded weight is rounded to bf16 before the dot products, even for float32 x (which
 also takes a slow fallback: 0.08x a dense float32 GEMM at M = 1), so it serves bf16 activations only.
 
@@ -61,8 +64,16 @@ def _split(width: int) -> str:
     return "pairs" if torch.equal(holds, torch.stack([2 * byte, 2 * byte + 1], dim=1)) else ""
 
 
-def supports(out_features: int, group_size: int) -> bool:
-    return out_features % N_MULTIPLE == 0 and group_size in GROUP_SIZES
+def kernel_group(in_features: int, group_size: int) -> Optional[int]:
+    """The op's group size for a layer of `group_size`-wide groups: the largest it takes that divides both (every op
+    group then lies in one stored group, and no input is padded); else the group size itself (the inputs padded up
+    to whole groups); None when the op takes neither."""
+    whole = [size for size in GROUP_SIZES if group_size % size == 0 and in_features % size == 0]
+    return max(whole) if whole else (group_size if group_size in GROUP_SIZES else None)
+
+
+def supports(out_features: int, in_features: int, group_size: int) -> bool:
+    return out_features % N_MULTIPLE == 0 and kernel_group(in_features, group_size) is not None
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -97,13 +108,19 @@ def stored_codes(planes, a: int, b: int) -> torch.Tensor:
 
 
 def decode_columns(planes, scales, zeros, group_size: int, a: int, b: int) -> torch.Tensor:
-    """Wᵀ[:, a:b] as float32 [K, b - a], exactly scale * (q - zero) with q = Σ 16^p plane_p (a, b on block edges)."""
+    """Wᵀ[:, a:b] as float32 [K, b - a], exactly scale * (q - zero) with q = Σ 16^p plane_p (a, b on block edges;
+    the last of the groups of `group_size` rows may be shorter)."""
     k = 2 * planes.shape[2]
     words = torch.full((k, b - a), MAGIC, dtype=torch.int32)
     _fill_codes(words.view(torch.uint8).view(k, b - a, 4)[..., 0], planes, a, b)
-    w_t = words.view(torch.float32).view(k // group_size, group_size, b - a)
-    w_t.sub_(zeros[:, a:b].float().add_(MAGIC_FLOAT).unsqueeze(1)).mul_(scales[:, a:b].float().unsqueeze(1))
-    return w_t.view(k, b - a)
+    w_t = words.view(torch.float32)
+    whole = k // group_size
+    for rows, groups in ((w_t[:whole * group_size], slice(0, whole)), (w_t[whole * group_size:], slice(whole, None))):
+        if rows.numel():
+            grouped = rows.view(-1, min(group_size, rows.shape[0]), b - a)
+            grouped.sub_(zeros[groups, a:b].float().add_(MAGIC_FLOAT).unsqueeze(1))
+            grouped.mul_(scales[groups, a:b].float().unsqueeze(1))
+    return w_t
 
 
 def _fill_codes(dst, planes, a: int, b: int) -> None:
@@ -142,24 +159,35 @@ def kernel_scales(scales, zeros, planes: int) -> torch.Tensor:
     return torch.stack(parts).to(torch.bfloat16)
 
 
-@torch.library.custom_op("quantkit::cpu_int4_linear", mutates_args=())
-def int4_linear(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                kernel_scales: torch.Tensor, group_size: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def linear(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+           kernel_scales: torch.Tensor, group_size: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [..., K] Wᵀ (+ bias): the op for bf16 x of at most INT4_MM_MAX_M rows, else the exact strip-wise decode.
-    The planes may hold more inputs than x (zero codes up to whole groups). One opaque custom op, so torch.compile
-    traces a model of these layers in one graph."""
-    k, padded, n = x.shape[-1], 2 * planes.shape[2], planes.shape[1]
-    rows = x.numel() // k
-    if x.dtype == torch.bfloat16 and 0 < rows <= INT4_MM_MAX_M:
-        x2 = x.reshape(rows, k)
-        x2 = (torch.nn.functional.pad(x2, (0, padded - k)) if padded > k else x2).contiguous()
-        parts = [int4_mm(x2, plane, group_size, sz) for plane, sz in zip(planes, kernel_scales)]
-        y = (parts[0] if len(parts) == 1 else sum(p.float() for p in parts).to(x.dtype)).reshape(*x.shape[:-1], n)
+    The planes may hold more inputs than x (zero codes up to whole groups); kernel_scales are per op group, scales
+    and zeros per stored group of `group_size` inputs. A decode step calls this ~200 times per
+    token on a small model, so its Python is kept to the few calls the op needs."""
+    k, n, padded = x.shape[-1], planes.shape[1], 2 * planes.shape[2]
+    x2 = x.reshape(-1, k)
+    if x.dtype == torch.bfloat16 and 0 < x2.shape[0] <= INT4_MM_MAX_M:
+        if padded > k:
+            x2 = torch.nn.functional.pad(x2, (0, padded - k))
+        x2, op_group = x2.contiguous(), padded // kernel_scales.shape[1]
+        y = int4_mm(x2, planes[0], op_group, kernel_scales[0])
+        if planes.shape[0] > 1:  # 8-bit codes: the high plane's product too, summed in float32
+            y = (y.float() + int4_mm(x2, planes[1], op_group, kernel_scales[1]).float()).to(x.dtype)
+        y = y.view(*x.shape[:-1], n)
         return y + bias.to(y.dtype) if bias is not None else y
 
     def decode(a, b):
         return decode_columns(planes, scales, zeros, group_size, a, b)[:k]  # a prefix of rows: still contiguous
     return strips.strip_linear(x, decode, blocks(n, strips.strip_rows(k, align=1)), bias)
+
+
+@torch.library.custom_op("quantkit::cpu_int4_linear", mutates_args=())
+def int4_linear(x: torch.Tensor, planes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                kernel_scales: torch.Tensor, group_size: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """`linear` as one opaque custom op, so torch.compile traces a model of these layers in one graph (eager code
+    calls `linear` itself: the custom op's dispatch costs ~10 us a call, a fifth of a small layer's)."""
+    return linear(x, planes, scales, zeros, kernel_scales, group_size, bias)
 
 
 @int4_linear.register_fake

@@ -59,12 +59,15 @@ def test_the_kernel_layout_reads_back_exactly(n):
 @pytest.mark.parametrize("k, bits, group_size, act_order, fmt", [
     (256, 4, 64, False, "gptq"), (256, 4, 128, True, "gptq_v2"), (256, 3, 32, False, "gptq"),
     (256, 2, 32, True, "gptq"), (256, 8, 128, False, "gptq"), (256, 8, 32, True, "gptq_v2"),
+    (192, 4, 128, False, "gptq"), (192, 8, 128, True, "gptq"), (256, 4, -1, False, "gptq"),
     (200, 4, 64, False, "gptq"), (200, 4, 128, True, "gptq")])
 def test_cpu_int4_linear_computes_the_reference_decode(k, bits, group_size, act_order, fmt):
-    """Every bit width, act-order, both zero conventions, and a short last group (200 inputs: padded to whole ones)."""
+    """Every bit width, act-order, both zero conventions; a short last group, run in the op's groups of 64 (192
+    inputs at group 128) or padded to whole groups (200 inputs); one group per row, in the op's groups of 256."""
     m = quant_linear(k, 80, bits, group_size, fmt, act_order)
     packed = CpuInt4Linear.from_quant_linear(m)
     assert packed is not None and len(packed.planes) == (2 if bits == 8 else 1)
+    assert packed.planes.shape[2] * 2 == (k if k % 32 == 0 else 256)  # padded only where K is no multiple of 32
     x = torch.randn(3, 7, k, generator=torch.Generator().manual_seed(1))
     # float32 activations (and bf16 past INT4_MM_MAX_M rows) decode exactly: float32's summation order only
     torch.testing.assert_close(packed(x), reference(m, x), **FP32_TOL)
@@ -75,24 +78,26 @@ def test_cpu_int4_linear_computes_the_reference_decode(k, bits, group_size, act_
     assert ((y.float() - ref).norm() / ref.norm()).item() < 4 * 2.0**-8  # a wrong plane or zero is off by O(1)
 
 
-def test_the_strip_decode_of_bf16_activations_rounds_the_weights_once(monkeypatch):
+@pytest.mark.parametrize("k, group_size", [(200, 64), (192, 128)])
+def test_the_strip_decode_of_bf16_activations_rounds_the_weights_once(monkeypatch, k, group_size):
     """Past INT4_MM_MAX_M rows, bf16 activations take the strip decode: each strip rounded to bf16 (in place), the
-    product in float32, the result rounded to bf16; that is the reference decode's bf16 weight, up to the sum order."""
-    m = quant_linear(200, 176, 4, 64)
+    product in float32, the result rounded to bf16; that is the reference decode's bf16 weight, up to the sum order.
+    Padded inputs (200) and a short last group decoded as one (192 at group 128)."""
+    m = quant_linear(k, 176, 4, group_size)
     packed = CpuInt4Linear.from_quant_linear(m)
-    monkeypatch.setattr(strips, "STRIP_ELEMENTS", 64 * 256)  # strips of 64 outputs: three
+    monkeypatch.setattr(strips, "STRIP_ELEMENTS", 64 * k)  # strips of 64 outputs: three
     monkeypatch.setattr(cpu_int4, "INT4_MM_MAX_M", 0)
-    x = torch.randn(5, 200, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    w_t = reference(m, torch.eye(200)) - m.bias  # the exact decode, [K, N]
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    w_t = reference(m, torch.eye(k)) - m.bias  # the exact decode, [K, N]
     want = (x.float() @ w_t.to(torch.bfloat16).float()).to(torch.bfloat16) + m.bias.to(torch.bfloat16)
     got = packed(x)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, rtol=2.0**-8, atol=2.0**-7)  # a bf16 ulp or two: the sum order
 
 
-@pytest.mark.parametrize("k, n, group_size", [(256, 40, 64), (256, 64, 16), (512, 64, -1)])
+@pytest.mark.parametrize("k, n, group_size", [(256, 40, 64), (256, 64, 16), (200, 64, -1)])
 def test_layers_the_kernel_cannot_take_stay_quant_linears(k, n, group_size):
-    """N % 16, group sizes outside 32..256, one group per row (wider than 256)."""
+    """N % 16, group sizes no op group divides: 16, one group per row of 200 (no multiple of 32, wider than 256)."""
     assert CpuInt4Linear.from_quant_linear(quant_linear(k, n, 4, group_size)) is None
 
 

@@ -5,15 +5,15 @@ byte per weight where a bf16 linear reads two. load_quantized swaps each QuantLi
 as soon as its tensors are read (`repack_layer`), dropping the GPTQ tensors, so the layer costs about its packed
 bytes and no dense copy.
 
-What it holds, per layer of K inputs, N outputs and groups of g:
-  planes  uint8 [P, N, K'/2] the codes in the op's layout (K' = K rounded up to whole groups, zero codes), 4 bits per
-                             plane: one plane for 2-, 3- and 4-bit codes
+What it holds, per layer of K inputs, N outputs and groups of g (the op's groups of g' = cpu_int4.kernel_group):
+  planes  uint8 [P, N, K'/2] the codes in the op's layout (K' = K, or where K is no multiple of 32, K rounded up to
+                             whole groups with zero codes), 4 bits per plane: one plane for 2-, 3- and 4-bit codes
                              (2- and 3-bit codes are held as 4-bit ones: faster, at 0.5 byte per weight), two for
                              8-bit codes (low and high nibble: W = W_low + 16 W_high, each plane an int4 GEMM);
   scales  [G, N] as stored (fp16), zeros uint8 [G, N] (the true zero point): the exact decode;
-  kernel_scales  bf16 [P, G, N, 2]: the op's per-plane (scale, offset) with w = (q - 8) scale + offset, derived;
+  kernel_scales  bf16 [P, K'/g', N, 2]: the op's per-plane (scale, offset) with w = (q - 8) scale + offset, derived;
   perm    int64 [K] or None: an act-order layer's inputs sorted by group, so each group is g consecutive inputs.
-Forward: the custom op quantkit::cpu_int4_linear (quantkit.kernels.cpu_int4): bf16 activations of a few rows go
+Forward: quantkit.kernels.cpu_int4.linear (under torch.compile, the custom op quantkit::cpu_int4_linear): bf16 activations of a few rows go
 through torch's op (its precision is bf16's); any other call (float32 activations, prefill, evaluation windows)
 decodes strip by strip from the exact codes and scales (quantkit.core.strips), which equals the reference decode.
 The module runs on the CPU only: the layout is the CPU kernel's (load with device_map="cuda" for the GPU).
@@ -44,7 +44,12 @@ class CpuInt4Linear(nn.Module):
         self.register_buffer("zeros", zeros)
         self.register_buffer("perm", perm)
         self.register_buffer("bias", bias)
-        self.register_buffer("kernel_scales", cpu_int4.kernel_scales(scales, zeros, len(planes)), persistent=False)
+        op_group = cpu_int4.kernel_group(in_features, self.group_size)
+
+        def per_op_group(t):  # a stored group's row for each op group it spans
+            return t.repeat_interleave(self.group_size // op_group, dim=0)[:2 * planes.shape[2] // op_group]
+        self.register_buffer("kernel_scales", cpu_int4.kernel_scales(per_op_group(scales), per_op_group(zeros),
+                                                                     len(planes)), persistent=False)
         add_rotation(self, in_features, rotation_block, planes.device)
 
     def extra_repr(self):
@@ -57,7 +62,7 @@ class CpuInt4Linear(nn.Module):
         """The repacked layer, or None where the op cannot take it (N % 16, group size, scattered groups)."""
         k, n, bits = m.in_features, m.out_features, m.bits
         g = group_width(k, m.group_size)
-        if bits > 2 * PLANE_BITS or m.qweight.device.type != "cpu" or not cpu_int4.supports(n, g):
+        if bits > 2 * PLANE_BITS or m.qweight.device.type != "cpu" or not cpu_int4.supports(n, k, g):
             return None
         perm = _group_order(m.g_idx, k, g)
         if perm is False:
@@ -76,8 +81,8 @@ class CpuInt4Linear(nn.Module):
         x = rotate_input(self, x)
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
-        return cpu_int4.int4_linear(x, self.planes, self.scales, self.zeros, self.kernel_scales, self.group_size,
-                                    self.bias)
+        op = cpu_int4.int4_linear if torch.compiler.is_compiling() else cpu_int4.linear
+        return op(x, self.planes, self.scales, self.zeros, self.kernel_scales, self.group_size, self.bias)
 
     def _apply(self, fn, *args, **kwargs):
         if fn(torch.empty(0)).device.type != "cpu":
@@ -91,13 +96,13 @@ def _repack(qweight: torch.Tensor, bits: int, k: int, g: int, n: int, perm) -> t
     of the planes (strips on block edges, so the strips' packings are the whole layer's). The unpacked int32 codes and
     their shifted copies, 4 bytes and more per weight, never exist for more than a strip: whole, SmolLM2's lm_head
     (49152 x 576) took 230 MB of them at once, and glibc kept much of it as slack for the rest of the process."""
-    padded = k + -k % g
+    padded = k + -k % cpu_int4.kernel_group(k, g)
     planes = torch.empty(-(-bits // PLANE_BITS), n, padded // 2, dtype=torch.uint8)
     for a, b in cpu_int4.blocks(n, REPACK_CODES // padded):
         codes = bitpack.unpack(qweight[:, a:b], bits, k, dim=0).t()  # [b - a, K]
         if perm is not None:
             codes = codes.index_select(1, perm)
-        codes = torch.nn.functional.pad(codes, (0, padded - k))  # a short last group: zero codes to a whole one
+        codes = torch.nn.functional.pad(codes, (0, padded - k))  # K no multiple of 32: zero codes to whole groups
         for p, plane in enumerate(planes):
             plane[a:b] = cpu_int4.pack(codes >> (PLANE_BITS * p) & 15)
     return planes
