@@ -78,14 +78,15 @@ def test_cpu_int4_linear_computes_the_reference_decode(k, bits, group_size, act_
     assert ((y.float() - ref).norm() / ref.norm()).item() < 4 * 2.0**-8  # a wrong plane or zero is off by O(1)
 
 
-@pytest.mark.parametrize("k, group_size", [(200, 64), (192, 128)])
-def test_the_strip_decode_of_bf16_activations_rounds_the_weights_once(monkeypatch, k, group_size):
-    """Past INT4_MM_MAX_M rows, bf16 activations take the strip decode: each strip rounded to bf16 (in place), the
-    product in float32, the result rounded to bf16; that is the reference decode's bf16 weight, up to the sum order.
-    Padded inputs (200) and a short last group decoded as one (192 at group 128)."""
+@pytest.mark.parametrize("k, group_size, slow_bf16", [(200, 64, True), (192, 128, True), (192, 128, False)])
+def test_the_strip_decode_of_bf16_activations_rounds_the_weights_once(monkeypatch, k, group_size, slow_bf16):
+    """Past INT4_MM_MAX_M rows, bf16 activations take the strip decode: each strip rounded to bf16, multiplied in bf16
+    (or, where torch's CPU bf16 GEMM is slow, in float32), the result rounded to bf16; that is the reference decode's
+    bf16 weight, up to the sum order. Padded inputs (200) and a short last group decoded as one (192 at group 128)."""
     m = quant_linear(k, 176, 4, group_size)
     packed = CpuInt4Linear.from_quant_linear(m)
     monkeypatch.setattr(strips, "STRIP_ELEMENTS", 64 * k)  # strips of 64 outputs: three
+    monkeypatch.setattr(strips, "_slow_on_cpu", lambda dtype: slow_bf16)
     monkeypatch.setattr(cpu_int4, "INT4_MM_MAX_M", 0)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     w_t = reference(m, torch.eye(k)) - m.bias  # the exact decode, [K, N]

@@ -10,6 +10,8 @@ The product is torch's (x @ Wᵀ strip), not quantkit.core.matmul's oneDNN one: 
 so it would first copy (transpose) each strip: measured on a 4096 x 4096 layer (2-core Xeon, AVX-512), that copy
 and oneDNN's reorder cost 3-4x the decode itself, more than oneDNN's faster float32 product ever saves.
 """
+from functools import cache
+
 import torch
 
 STRIP_ELEMENTS = 1 << 19  # decoded weights held at once: 2 MB in float32
@@ -32,12 +34,11 @@ def ranges(out_features: int, in_features: int, align: int):
 def strip_linear(x: torch.Tensor, decode_columns, row_ranges, bias=None) -> torch.Tensor:
     """x [..., K] Wᵀ (+ bias), with decode_columns(a, b) -> Wᵀ[:, a:b] as float32 [K, b - a], one range at a time.
 
-    The decoded strip is rounded once to x's dtype, as the reference decode does; float16 and bfloat16 on the CPU
-    multiply in float32 and round the result back: torch's CPU half-precision GEMMs accumulate in float32 anyway, and
-    without AMX they are far slower (x [128, 576] @ Wᵀ [576, 1536] in bfloat16: 186 ms against 2.2 ms in float32 on
-    a 2-core AMD EPYC with AVX2, no AVX-512)."""
-    half_on_cpu = x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cpu"
-    compute = torch.float32 if half_on_cpu else x.dtype
+    The decoded strip is rounded once to x's dtype, as the reference decode does, and multiplied in x's dtype, but
+    for float16 and bfloat16 on a CPU whose torch has no oneDNN kernels for them (`_slow_on_cpu`): there the strip
+    and x are multiplied in float32 and the result rounded back. Both sum in float32 (the same result up to the order
+    of the sums); what differs is the speed."""
+    compute = torch.float32 if x.device.type == "cpu" and _slow_on_cpu(x.dtype) else x.dtype
     x2 = x.reshape(-1, x.shape[-1]).to(compute)
     parts = [x2 @ _rounded(decode_columns(a, b), x.dtype, compute) for a, b in row_ranges]
     y = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(x.dtype)
@@ -51,3 +52,16 @@ def _rounded(w: torch.Tensor, dtype: torch.dtype, compute: torch.dtype) -> torch
     if compute != w.dtype:
         return w.to(dtype).to(compute)
     return w if dtype == w.dtype else w.copy_(w.to(dtype))
+
+
+@cache
+def _slow_on_cpu(dtype: torch.dtype) -> bool:
+    """Whether torch's CPU GEMM in a half-precision dtype takes its slow fallback: without oneDNN's kernels for it
+    (bf16 wants AVX-512, fp16 AVX512-FP16 or AMX), x [128, 576] @ Wᵀ [576, 1536] in bfloat16 took 186 ms against
+    2.2 ms in float32 on a 2-core AMD EPYC with AVX2; with them, bf16 runs 2.4x float32 (AMD EPYC with AVX-512 and
+    AVX512-BF16: [512, 4096] @ [4096, 4096] in 46 ms against 108)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False
+    supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
+    check = getattr(torch.ops.mkldnn, supported, None)
+    return not (torch.backends.mkldnn.is_available() and check is not None and check())
