@@ -13,9 +13,10 @@ What it holds, per layer of K inputs, N outputs and groups of g (the op's groups
   scales  [G, N] as stored (fp16), zeros uint8 [G, N] (the true zero point): the exact decode;
   kernel_scales  bf16 [P, K'/g', N, 2]: the op's per-plane (scale, offset) with w = (q - 8) scale + offset, derived;
   perm    int64 [K] or None: an act-order layer's inputs sorted by group, so each group is g consecutive inputs.
-Forward: quantkit.kernels.cpu_int4.linear (under torch.compile, the custom op quantkit::cpu_int4_linear): bf16 activations of a few rows go
-through torch's op (its precision is bf16's); any other call (float32 activations, prefill, evaluation windows)
-decodes strip by strip from the exact codes and scales (quantkit.core.strips), which equals the reference decode.
+Forward: quantkit.kernels.cpu_int4.linear (under torch.compile, the custom op quantkit::cpu_int4_linear): bf16
+activations of a few rows go through torch's op (its precision is bf16's); any other call (float32 activations,
+prefill, evaluation windows) decodes strip by strip from the exact codes and scales (quantkit.core.strips), which
+equals the reference decode.
 The module runs on the CPU only: the layout is the CPU kernel's (load with device_map="cuda" for the GPU).
 """
 import ctypes
