@@ -225,3 +225,19 @@ def test_bench_quality_runs_name_their_options():
                                                                   "sym": False, "rotate": "hadamard"}
     with pytest.raises(SystemExit, match="unknown flag"):
         bench_quality.parse_run("gptq:4:64:act-order")
+
+
+def test_bench_cpu_int4_times_one_layer_each_way(capsys):
+    """scripts/bench_cpu_int4.py: its dense rows multiply the weight its packed layer holds; a row per shape and M;
+    the op's row limit restored afterwards."""
+    bench_cpu_int4 = pytest.importorskip("bench_cpu_int4")
+    from quantkit.kernels import cpu_int4
+
+    packed, weight = bench_cpu_int4.layer(256, 64)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(packed(x), x @ weight.float().t(), rtol=1e-2, atol=1e-2)  # weight rounded to bf16
+    limit = cpu_int4.INT4_MM_MAX_M
+    bench_cpu_int4.main(["--shapes", "128x64", "--rows", "1", "80", "--repeat", "1", "--threads", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128 x 64 |")]
+    assert [row.split(" | ")[1] for row in rows] == ["1", "80"]
+    assert cpu_int4.INT4_MM_MAX_M == limit
