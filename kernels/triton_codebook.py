@@ -13,7 +13,7 @@ import triton.language as tl
 
 from quantkit.core import bitpack
 from quantkit.kernels.device import on_device
-from quantkit.kernels.triton_decode import packed_codes
+from quantkit.kernels.triton_decode import packed_codes, round_to
 
 TABLE, LATTICE, E8P = 0, 1, 2  # the DECODE variants of _decode
 
@@ -71,7 +71,7 @@ def _decode(q, cb_ptr, mask, OFFSET, RATIO, BITS: tl.constexpr, DECODE: tl.const
 @triton.jit
 def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, KW, OFFSET, RATIO,
                     BITS: tl.constexpr, DECODE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
@@ -85,15 +85,18 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, K
         q = packed_codes(c_ptr + offs_n[None, :], offs_k[:, None], N, mask, KW, BITS)
         g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
         s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
-        w = (_decode(q, cb_ptr, mask, OFFSET, RATIO, BITS, DECODE, BLOCK_K, BLOCK_N) * s.to(tl.float32)).to(x.dtype)
-        if IEEE:
+        w = round_to(_decode(q, cb_ptr, mask, OFFSET, RATIO, BITS, DECODE, BLOCK_K, BLOCK_N) * s.to(tl.float32),
+                     x.dtype, INTERPRETER)
+        if INTERPRETER:  # its tl.dot mishandles bf16 (numpy has none); the fp32 upcast is exact
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        elif IEEE:
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :],
+             round_to(acc, y_ptr.dtype.element_ty, INTERPRETER), mask=m_mask[:, None] & n_mask[None, :])
 
 
 VARIANTS = {"table": TABLE, "lattice": LATTICE, "e8p": E8P}
@@ -130,5 +133,6 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
         codebook_kernel[grid](x, codes, scales, g_idx.to(torch.int32), table.contiguous(),
                               bias if bias is not None else scales, y, m, n, k, kw, float(decode.offset),
                               float(decode.ratio), BITS=bits, DECODE=variant, HAS_BIAS=bias is not None,
-                              IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32)
+                              IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32,
+                              INTERPRETER=not x.is_cuda)
     return y

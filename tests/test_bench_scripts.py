@@ -241,3 +241,16 @@ def test_bench_cpu_int4_times_one_layer_each_way(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128 x 64 |")]
     assert [row.split(" | ")[1] for row in rows] == ["1", "80"]
     assert cpu_int4.INT4_MM_MAX_M == limit
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int4-asym", "int3", "int8", "int4-rotated", "turboquant4", "e8p2"])
+def test_kernel_formats_compute_with_the_weight_they_report(fmt):
+    """scripts/kernel_formats.py: each format's op (here its torch path) computes x Wᵀ with the dense weight the
+    benchmark's check and fp16 baseline use (W rounded to fp16: 2^-11), after the rotation where there is one."""
+    kernel_formats = pytest.importorskip("kernel_formats")
+    layer = kernel_formats.build(fmt, 64, 256, 128, "cpu")
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    ref = layer.reference(x)
+    assert ((layer.op(x).double() - ref).norm() / ref.norm()).item() < 2.0**-10
+    assert (layer.rotate is not None) == (fmt == "int4-rotated")
+    assert (layer.tinygemm is not None) == (fmt in ("int4", "int4-asym"))

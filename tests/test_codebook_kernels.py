@@ -4,8 +4,8 @@ codes straddling words at 3 and 5 bits), and DecodedLinear's kernel path against
 
 As in test_rotation_kernels.py, the CPU cases run the kernel under TRITON_INTERPRET=1 (in a fresh process
 when triton was imported without it first). Tolerance: both round the same float32 weight once to x's
-dtype and accumulate in float32, so they differ by summation order only: |Δy| <= 2^-11 * sum|x w| in fp16
-(the output rounding) and 1e-5 * sum|x w| in fp32. A wrong code, scale or group moves an output by about
+dtype and accumulate in float32, so they differ by summation order only: |Δy| <= 2^-11 * sum|x w| in fp16,
+2^-8 in bf16 (the output rounding) and 1e-5 * sum|x w| in fp32. A wrong code, scale or group moves an output by about
 one weight times x, ~1/sqrt(K) of that sum or more, far above these bounds.
 """
 import os
@@ -54,7 +54,7 @@ CASES = [(72, 96, TurboQuant(3, 64), 64), (40, 80, TurboQuant(5, 32), 32), (64, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("n,k,quantizer,d", CASES)
 def test_triton_matches_reference(device, dtype, m, n, k, quantizer, d):
@@ -65,7 +65,7 @@ def test_triton_matches_reference(device, dtype, m, n, k, quantizer, d):
     y = codebook_linear(x.to(device), *args, bias=bias.to(device), backend="triton").cpu()
     ref = codebook_linear(x, *[a.cpu() if torch.is_tensor(a) else a for a in args], bias=bias, backend="torch")
     scale = (x.float().abs() @ t["decoded"].t().abs()).max().item() + bias.abs().max().item()
-    tol = (2.0**-11 if dtype == torch.float16 else 1e-5) * scale
+    tol = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 1e-5}[dtype] * scale
     assert y.dtype == dtype and (y.float() - ref.float()).abs().max().item() <= tol
 
 
