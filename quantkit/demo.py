@@ -49,7 +49,7 @@ def run_demo(out, bits, group_size, method, n_tokens, overwrite=False) -> str:
     seqlen = context_length(fp_model.config) or SEQLEN  # windows as long as the model's context
     eval_rows = sample_text_ids(fp_model, n_tokens, seed=0, seqlen=seqlen)
     config = QuantConfig(method=method, bits=bits, group_size=group_size, nsamples=32, seqlen=seqlen)
-    config, kept = _skip_misfits(config, fp_model)
+    config, kept = skip_misfits(config, fp_model)
     calib_rows = None
     if config.needs_calibration:
         calib_rows = sample_text_ids(fp_model, config.nsamples * seqlen, seed=1, seqlen=seqlen)
@@ -75,7 +75,7 @@ def run_demo(out, bits, group_size, method, n_tokens, overwrite=False) -> str:
     ])
 
 
-def _skip_misfits(config, fp_model):
+def skip_misfits(config, fp_model):
     """(config, note lines): the bundled model's down_proj has 172 inputs, which E8's 8-column units do not
     divide; the demo keeps such layers in floating point, as the error of `quantize` tells a user to, and says so."""
     misfits = unit_misfits(*layer_specs(fp_model, quantizable_linears(fp_model, arch_for(fp_model)), config))

@@ -2,9 +2,10 @@
 """End-to-end prefill and decode tokens/s of a quantized model against the same model in fp16, one table.
 
 Builds a random Llama of the chosen shape (scripts/bench_scale.py's builder: fp16 safetensors shards, weights
-N(0, 0.02)), quantizes it with RTN INT4 (g128, sym: the kernels' target format; random weights make every
-method equally fast to serve), and for the fp16 model (transformers) and the quantized one (load_quantized)
-measures, per batch size:
+N(0, 0.02)), quantizes it into each --models checkpoint (data-free methods: random weights make every method
+equally fast to serve): "int4 g128" RTN INT4 g128 sym, the GPTQ kernels' target format; "turboquant w4" TurboQuant
+4-bit (rotated codebook layers); "e8p w2" E8P 2-bit (rotated lattice layers); and for the fp16 model (transformers)
+and each quantized one (load_quantized) measures, per batch size:
   prefill tok/s   B·P / the time of one forward over B prompts of P tokens (logits of the last position only)
   decode tok/s    B·(N − 1) / (t(N new tokens) − t(1 new token)), greedy generate(): the prefill and the first
                   token cancel, what is left is the per-token loop
@@ -16,6 +17,7 @@ mode="reduce-overhead": CUDA graphs) — the one line a user writes is
 and QuantLinear's custom op (torch.ops.quantkit.gptq_linear) lets the whole decode step be captured.
 
     python scripts/bench_generate.py --preset llama3-8b --workdir /tmp/bench_generate --static
+    python scripts/bench_generate.py --preset llama3-8b-4layers --models "int4 g128" "turboquant w4" "e8p w2"
     python scripts/bench_generate.py --preset tiny --device cpu     (smoke run: seconds, no GPU)
 The models are kept in --workdir and reused by later runs of the same preset.
 """
@@ -33,30 +35,46 @@ from bench_scale import build_model  # noqa: E402
 PRESETS = {  # name: (layers, hidden, intermediate, heads, kv_heads, vocab)
     "llama3-8b": (32, 4096, 14336, 32, 8, 128256),
     "llama3-8b-8layers": (8, 4096, 14336, 32, 8, 128256),  # same linears, a quarter of the depth: quicker
+    "llama3-8b-4layers": (4, 4096, 14336, 32, 8, 128256),  # an eighth: what a GPU slot's few minutes quantize
     "tiny": (2, 256, 512, 4, 2, 1024),
 }
 
 
-def prepare(workdir: Path, preset: str, device: str) -> tuple[Path, Path]:
-    """(fp16 folder, quantized folder), built on first use."""
-    from quantkit.api import quantize
-    from quantkit.run.config import QuantConfig
+QUANTIZED = {  # --models name: how its checkpoint is made
+    "int4 g128": dict(method="rtn", bits=4, group_size=128, sym=True),
+    "turboquant w4": dict(method="turboquant", bits=4, group_size=128),
+    "e8p w2": dict(method="e8", bits=2, group_size=128),
+}
 
-    fp, q = workdir / f"{preset}-fp16", workdir / f"{preset}-int4-g128"
+
+def source_model(workdir: Path, preset: str) -> Path:
+    """The fp16 folder of the preset's random model, built on first use."""
+    fp = workdir / f"{preset}-fp16"
     if not (fp / "config.json").exists():
         layers, hidden, inter, heads, kv, vocab = PRESETS[preset]
         shape = argparse.Namespace(layers=layers, hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv,
                                    vocab=vocab, shard_bytes=2 * 10**9, experts=0, source_dtype="float16")
         print(f"building {fp} ...", flush=True)
         build_model(fp, shape)
+    return fp
+
+
+def quantized_model(fp: Path, model: str, device: str) -> Path:
+    """The checkpoint of `model` (a QUANTIZED name) made from fp, on first use; the seconds it took are printed."""
+    from quantkit.api import quantize
+    from quantkit.run.config import QuantConfig
+
+    q = fp.parent / f"{fp.name.removesuffix('-fp16')}-{model.replace(' ', '-')}"
     if not (q / "config.json").exists():
-        print(f"quantizing {q} (rtn w4 g128 sym) ...", flush=True)
-        quantize(str(fp), q, QuantConfig(method="rtn", bits=4, group_size=128, sym=True), device=device)
-    return fp, q
+        print(f"quantizing {q} ({QUANTIZED[model]}) ...", flush=True)
+        start = time.perf_counter()
+        quantize(str(fp), q, QuantConfig(**QUANTIZED[model]), device=device)
+        print(f"quantized {model} in {time.perf_counter() - start:.0f} s", flush=True)
+    return q
 
 
 def load(kind: str, folder: Path, device: str, dtype: torch.dtype):
-    if kind != "int4 g128":
+    if kind not in QUANTIZED:
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
@@ -112,6 +130,8 @@ def main(argv=None):
     p.add_argument("--preset", choices=list(PRESETS), default="llama3-8b", help="model shape (default llama3-8b)")
     p.add_argument("--workdir", default="/tmp/quantkit_bench_generate", help="where the models are built and kept")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke runs)")
+    p.add_argument("--models", nargs="+", choices=list(QUANTIZED), default=["int4 g128"],
+                   help="quantized checkpoints beside the fp16 model (default: int4 g128)")
     p.add_argument("--batch", nargs="+", type=int, default=[1, 16], help="batch sizes (default 1 16)")
     p.add_argument("--prompt", type=int, default=512, help="prefill prompt length (default 512)")
     p.add_argument("--new", type=int, default=128, help="tokens generated in the decode measurement (default 128)")
@@ -125,26 +145,43 @@ def main(argv=None):
     if args.new < 2:
         sys.exit("--new must be at least 2 (decode is timed as N new tokens minus 1)")
     dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
-    fp, q = prepare(Path(args.workdir), args.preset, args.device)
+    fp = source_model(Path(args.workdir), args.preset)
     vocab = PRESETS[args.preset][5]
     rows = []
-    for kind, folder in ((str(dtype)[6:].replace("float", "fp"), fp), ("int4 g128", q)):
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        model = load(kind, folder, args.device, dtype)
-        for batch in args.batch:
-            row = dict(model=kind, batch=batch, **measure(model, batch, args, vocab))
-            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else None
-            rows.append(row)
-            print(row, flush=True)
-        del model
+    errors = []
+    for kind in [str(dtype)[6:].replace("float", "fp")] + args.models:
+        try:  # each checkpoint made when its turn comes, and one model's failure leaves the others their rows
+            rows += measure_model(kind, fp, args, dtype, vocab)
+        except Exception as e:  # noqa: BLE001 (reported, and the exit status says so)
+            print(f"{kind}: {type(e).__name__}: {e}", flush=True)
+            errors.append(f"{kind}: {type(e).__name__}: {e}")
+        if args.json:  # after every model: a run stopped at its time limit keeps what it measured
+            Path(args.json).write_text(json.dumps(dict(argv=sys.argv, rows=rows, errors=errors), indent=1))
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"\n{args.preset}, {device_name}, prompt {args.prompt}, {args.new} new tokens, "
           f"{'static cache (compiled)' if args.static else 'dynamic cache (eager)'}, torch {torch.__version__}\n")
-    print(table(rows))
+    print(table(rows) if rows else "no rows")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(device=device_name, argv=sys.argv, rows=rows), indent=1))
+        Path(args.json).write_text(json.dumps(dict(device=device_name, argv=sys.argv, rows=rows, errors=errors),
+                                              indent=1))
+    if errors:
+        sys.exit("failed: " + "; ".join(errors))
+
+
+def measure_model(kind: str, fp: Path, args, dtype, vocab: int) -> list:
+    """The rows of one model (kind: the fp model's dtype name or a QUANTIZED name), one per batch size."""
+    folder = quantized_model(fp, kind, args.device) if kind in QUANTIZED else fp
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = load(kind, folder, args.device, dtype)
+    rows = []
+    for batch in args.batch:
+        row = dict(model=kind, batch=batch, **measure(model, batch, args, vocab))
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else None
+        rows.append(row)
+        print(row, flush=True)
+    return rows
 
 
 def table(rows) -> str:

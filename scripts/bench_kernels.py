@@ -269,15 +269,20 @@ def main(argv=None):
     print(HEADER, flush=True)
     for fmt in formats:
         for name in args.shapes:
-            layer = kernel_formats.build(fmt, *shape_of(name), args.group_size, args.device, args.path)
-            dtypes = (torch.float16, torch.bfloat16) if name == args.shapes[0] else (torch.float16,)
-            if args.check and not check(fmt, name, layer, args.device, args.check_ms, bool(args.m1_half2), dtypes):
-                failed.append(f"{fmt} {name}")
-                continue
-            if args.dequant and layer.dequantize is not None:
-                dequant.append(dict(format=fmt, **bench_dequant(name, layer, args.rep, peak)))
-            rows += bench_shape(fmt, name, layer, args.ms, args, peak, args.device)
-            del layer
+            try:  # one format's failure (a check, a launch) is recorded and the others still run
+                layer = kernel_formats.build(fmt, *shape_of(name), args.group_size, args.device, args.path)
+                dtypes = (torch.float16, torch.bfloat16) if name == args.shapes[0] else (torch.float16,)
+                if args.check and not check(fmt, name, layer, args.device, args.check_ms, bool(args.m1_half2),
+                                            dtypes):
+                    failed.append(f"{fmt} {name}")
+                    continue
+                if args.dequant and layer.dequantize is not None:
+                    dequant.append(dict(format=fmt, **bench_dequant(name, layer, args.rep, peak)))
+                rows += bench_shape(fmt, name, layer, args.ms, args, peak, args.device)
+            except Exception as e:  # noqa: BLE001 (reported, and the exit status says so)
+                print(f"{fmt} {name}: {type(e).__name__}: {e}", flush=True)
+                failed.append(f"{fmt} {name} ({type(e).__name__})")
+            layer = None
         save()
     print("\n" + "\n".join([save(), "", HEADER] + [format_row(r) for r in rows]))
     if failed:

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The GPU measurement in one run (issue 42): kernel tests, every kernel format timed against fp16 and tinygemm,
+# end-to-end generation, calibration on the GPU; one table per part on stdout, and under $OUT (6 files, what a lent
+# machine's run returns: at most 8) a JSON per benchmark, the whole log and the summary; exit 1 when any result
+# is wrong (a test, a kernel against its reference, GPU against CPU perplexity).
+#
+#   OUT=/tmp/gpu_bench bash scripts/gpu_bench.sh                 on the GPU machine, from the repository root
+#   GPU_BENCH_DRY=1 OUT=/tmp/dry bash scripts/gpu_bench.sh       the dry run on a CPU (tiny shapes, Triton's
+#                                                                interpreter; tests/test_gpu_bench.py runs it)
+#
+# Each part has a time limit of its own (the sum, about 9 minutes, fits one 10-minute device command): a part that
+# runs over is stopped, the JSON it rewrites after every row keeps what it measured, the next part starts, and the
+# summary says it was cut (that alone is not a failure).
+#   tests      pytest -k "kernel or triton or cuda": the GPU cases of the kernel tests              90 s
+#   int4       scripts/bench_kernels.py --check: int4 g128 on Llama-3 8B and 70B shapes, tinygemm   100 s
+#              beside it; M = 1, 16, 64, 256, 1024, 4096
+#   formats    the same for int4 with random zeros, int3, int8, the rotated int4 layer,            110 s
+#              TurboQuant 4/3-bit and E8P 2-bit, on the 8B shapes
+#   generate   scripts/bench_generate.py: fp16 against int4 g128, TurboQuant w4 and E8P w2 on       150 s
+#              Llama-3-8B's shapes cut to 4 blocks, batch 1 and 16, static cache (CUDA graphs);
+#              each checkpoint made when its turn comes
+#   calibrate  scripts/bench_calibration.py: gptq, awq, turboquant+gptq, e8+gptq w4 g128 of the     90 s
+#              bundled stories260k (GPU ppl against CPU ppl) and of 2 Llama-3-8B blocks (s / block,
+#              peak memory)
+# SmolLM2 does not travel to the lent GPU machines (270 MB against the 64 MiB a call carries): the real model of
+# the calibration part is the bundled one, unless SMOLLM2 names a folder there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_bench}
+PY=${PYTHON:-python3}
+DRY=${GPU_BENCH_DRY:-0}
+mkdir -p "$OUT"
+rm -f "$OUT/gpu_bench.log"
+MODELS_DIR=$(mktemp -d)  # the random models: gigabytes on a GPU machine, never returned
+trap 'rm -rf "$MODELS_DIR"' EXIT
+export PYTHONUNBUFFERED=1
+failed=()
+status=()
+
+part() {  # part NAME LIMIT_S COMMAND...: run it, cut at its limit, record how it ended
+    local name=$1 limit=$2
+    shift 2
+    echo
+    echo "=== $name (limit ${limit} s): $*"
+    local start=$SECONDS
+    timeout -k 15 "$limit" "$@" 2>&1 | tee -a "$OUT/gpu_bench.log"
+    local rc=${PIPESTATUS[0]}
+    local took=$((SECONDS - start))
+    if [[ $rc == 124 || $rc == 137 ]]; then
+        status+=("$name: cut at its ${limit} s limit (what it measured is in $OUT)")
+    elif [[ $rc != 0 ]]; then
+        status+=("$name: FAILED (exit $rc, ${took} s; its output in $OUT/gpu_bench.log)")
+        failed+=("$name")
+    else
+        status+=("$name: ok (${took} s)")
+    fi
+}
+
+if ! "$PY" -c "import quantkit.kernels" 2>/dev/null; then  # a bare GPU machine: nothing to fetch, no deps needed
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+fi
+machine=$("$PY" -c "import platform, torch
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'
+print(f'{gpu}; torch {torch.__version__}; {platform.machine()}, {__import__(\"os\").cpu_count()} CPU threads')")
+echo "$machine"
+
+FORMATS=(int4-asym int3 int8 int4-rotated turboquant4 turboquant3 e8p2)
+MODELS=("int4 g128" "turboquant w4" "e8p w2")
+if [[ $DRY == 1 ]]; then
+    export TRITON_INTERPRET=1
+    KERNELS=(--device cpu --check --check-ms 1 7 --shapes 64x128 --ms 1 3)
+    part tests 120 "$PY" -m pytest -q --collect-only -p no:cacheprovider -k "kernel or triton or cuda" tests
+    part int4 120 "$PY" scripts/bench_kernels.py "${KERNELS[@]}" --formats int4 --json "$OUT/kernels_int4.json"
+    part formats 120 "$PY" scripts/bench_kernels.py "${KERNELS[@]}" --formats "${FORMATS[@]}" \
+        --json "$OUT/kernels_formats.json"
+    part generate 120 "$PY" scripts/bench_generate.py --preset tiny --device cpu --workdir "$MODELS_DIR" \
+        --models "${MODELS[@]}" --batch 1 --prompt 16 --new 3 --repeats 1 --json "$OUT/generate.json"
+    part calibrate 120 "$PY" scripts/bench_calibration.py --device cpu --cpu-reference --preset tiny --blocks 1 \
+        --nsamples 4 --seqlen 32 --eval-tokens 256 --json "$OUT/calibration.json"
+else
+    KERNELS=(--check --rep 50 --ms 1 16 64 256 1024 4096)
+    part tests 90 "$PY" -m pytest -q -p no:cacheprovider -k "kernel or triton or cuda" tests
+    part int4 100 "$PY" scripts/bench_kernels.py "${KERNELS[@]}" --formats int4 --json "$OUT/kernels_int4.json"
+    part formats 110 "$PY" scripts/bench_kernels.py "${KERNELS[@]}" --shapes 4096x4096 14336x4096 4096x14336 \
+        --formats "${FORMATS[@]}" --json "$OUT/kernels_formats.json"
+    part generate 150 "$PY" scripts/bench_generate.py --preset llama3-8b-4layers --workdir "$MODELS_DIR" \
+        --models "${MODELS[@]}" --batch 1 16 --static --repeats 2 --json "$OUT/generate.json"
+    part calibrate 90 "$PY" scripts/bench_calibration.py --device cuda --cpu-reference ${SMOLLM2:+--model "$SMOLLM2"} \
+        --blocks 2 --nsamples 64 --seqlen 2048 --json "$OUT/calibration.json"
+fi
+
+echo
+echo "=== summary ($machine)"
+{ echo "$machine"; printf '%s\n' "${status[@]}"; } | tee "$OUT/summary.txt"
+if (( ${#failed[@]} )); then
+    echo "wrong results in: ${failed[*]}"
+    exit 1
+fi
