@@ -151,7 +151,7 @@ def main(argv=None):
     errors = []
     for kind in [str(dtype)[6:].replace("float", "fp")] + args.models:
         try:  # each checkpoint made when its turn comes, and one model's failure leaves the others their rows
-            rows += measure_model(kind, fp, args, dtype, vocab)
+            measure_model(kind, fp, args, dtype, vocab, rows)
         except Exception as e:  # noqa: BLE001 (reported, and the exit status says so)
             print(f"{kind}: {type(e).__name__}: {e}", flush=True)
             errors.append(f"{kind}: {type(e).__name__}: {e}")
@@ -168,20 +168,19 @@ def main(argv=None):
         sys.exit("failed: " + "; ".join(errors))
 
 
-def measure_model(kind: str, fp: Path, args, dtype, vocab: int) -> list:
-    """The rows of one model (kind: the fp model's dtype name or a QUANTIZED name), one per batch size."""
+def measure_model(kind: str, fp: Path, args, dtype, vocab: int, rows: list) -> None:
+    """One model's rows (kind: the fp model's dtype name or a QUANTIZED name), one per batch size, appended to rows
+    as each is measured."""
     folder = quantized_model(fp, kind, args.device) if kind in QUANTIZED else fp
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     model = load(kind, folder, args.device, dtype)
-    rows = []
     for batch in args.batch:
         row = dict(model=kind, batch=batch, **measure(model, batch, args, vocab))
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else None
         rows.append(row)
         print(row, flush=True)
-    return rows
 
 
 def table(rows) -> str:
