@@ -148,14 +148,17 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_z
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
 
 
-def kernel_scales(scales, zeros, planes: int) -> torch.Tensor:
-    """The op's [P, G, N, 2] bf16 (scale, offset) per plane: plane p weighs 16^p, and with z = Σ 16^p z_p,
+def kernel_scales(scales, zeros, planes, in_features: int, group_size: int) -> torch.Tensor:
+    """The op's [P, K'/g', N, 2] bf16 (scale, offset) per plane and op group (g' = kernel_group: each stored group's
+    row repeated for the op groups it spans): plane p weighs 16^p, and with z = Σ 16^p z_p,
     scale_p (q_p - z_p) = (q_p - 8) scale_p + offset_p."""
-    s = scales.float()
+    op_group = kernel_group(in_features, group_size)
+    rows = torch.arange(2 * planes.shape[2] // op_group) * op_group // group_size  # each op group's stored group
+    s, z = scales.float()[rows], zeros.to(torch.int32)[rows]
     parts = []
-    for p in range(planes):
+    for p in range(len(planes)):
         scale = s * 16**p
-        parts.append(torch.stack([scale, scale * (8 - (zeros.to(torch.int32) >> (PLANE_BITS * p) & 15))], dim=-1))
+        parts.append(torch.stack([scale, scale * (8 - (z >> (PLANE_BITS * p) & 15))], dim=-1))
     return torch.stack(parts).to(torch.bfloat16)
 
 

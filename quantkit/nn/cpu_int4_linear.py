@@ -45,12 +45,8 @@ class CpuInt4Linear(nn.Module):
         self.register_buffer("zeros", zeros)
         self.register_buffer("perm", perm)
         self.register_buffer("bias", bias)
-        op_group = cpu_int4.kernel_group(in_features, self.group_size)
-
-        def per_op_group(t):  # a stored group's row for each op group it spans
-            return t.repeat_interleave(self.group_size // op_group, dim=0)[:2 * planes.shape[2] // op_group]
-        self.register_buffer("kernel_scales", cpu_int4.kernel_scales(per_op_group(scales), per_op_group(zeros),
-                                                                     len(planes)), persistent=False)
+        self.register_buffer("kernel_scales", cpu_int4.kernel_scales(scales, zeros, planes, in_features,
+                                                                     self.group_size), persistent=False)
         add_rotation(self, in_features, rotation_block, planes.device)
 
     def extra_repr(self):
