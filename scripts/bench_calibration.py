@@ -125,7 +125,8 @@ def table(rows) -> str:
         lines.append(f"| {r['model']} | {r['method']} | {r['seconds']:.1f} | {r['s_per_block']:.2f} | "
                      f"{cell(r['peak_gib'], '.2f')} | {cell(r.get('ppl'), '.3f')} | {cell(r.get('cpu_ppl'), '.3f')} | "
                      f"{agrees} |")
-    return "\n".join(lines)
+    kept = [f"{r['model']}, {r['method']}: {note}" for r in rows for note in r.get("kept", [])]
+    return "\n".join(lines + ([""] + kept if kept else []))  # what each run left in floating point
 
 
 def main(argv=None):
