@@ -4,16 +4,21 @@
 Each row is a child process that imports torch, transformers and quantkit and builds the model's skeleton on the
 meta device, which imports its modeling code (its resident memory then is the runtime's baseline); then it loads one
 model, runs a prefill of --prompt tokens and --new-tokens greedy decode steps with the KV cache (batch 1, inference
-mode; the prefill computes the last position's logits only, as generate() does), and reports:
+mode; the prefill computes the last position's logits only, as generate() does; each run's KV cache is released
+before the next, as a second generate() call would), and reports:
   load RSS      resident memory once loaded (VmRSS), minus the baseline
   peak RSS      the highest resident memory of the whole child (VmHWM), minus the baseline
+  of it, code   the runtime's machine code the run paged in (resident pages of the shared libraries and the Python
+                binary, grown since the baseline: torch's and oneDNN's kernels, first touched by the first forward):
+                part of the peak, the same for every model, shown so it can be told from the model's own memory
   peak / bf16   that peak over the bf16 source model's weight bytes (2 bytes per parameter, tied weights once; the
-                --lm-head row's untied copy is not counted in its favour)
+                --lm-head row's untied copy is not counted in its favour), and beside it the same less the code
   prefill, decode tokens/s (the fastest of --repeat runs)
 Rows: the source model in float32 and bfloat16, and quantkit checkpoints of it (made in --workdir by `quantize`, reused
 when there) from the source stored in --source-dtype: RTN w4 g128 (also with --lm-head: lm_head quantized, the
-embedding then only looked up) and w3 g128 (GPTQ layout) and TurboQuant w4 (codebook, rotated), loaded in bfloat16 (the
-int4 CPU kernel decodes, quantkit.nn.cpu_int4_linear) and in float32 (exact strip-wise decode), and w4 with
+embedding then only looked up) and w3 g128 (GPTQ layout), TurboQuant w4 and E8P w2 (codebooks, rotated: their strips
+decode through lookup tables, quantkit.kernels.codebook), loaded in bfloat16 (the int4 CPU kernel decodes,
+quantkit.nn.cpu_int4_linear) and in float32 (exact strip-wise decode), and w4 with
 cache_dequantized=True (the decoded weights kept: the memory of the fp32 model).
 With --llama-bench (llama.cpp's benchmark binary) and --gguf files of the same model, llama-bench's prefill and
 decode (pp and tg of the same lengths) of each file on the same number of threads are the anchor rows.
@@ -32,13 +37,15 @@ from pathlib import Path
 CHECKPOINTS = {"rtn-w4-g128": dict(method="rtn", bits=4, group_size=128),
                "rtn-w4-g128-lm-head": dict(method="rtn", bits=4, group_size=128, lm_head=True),
                "rtn-w3-g128": dict(method="rtn", bits=3, group_size=128),
-               "turboquant-w4-g128": dict(method="turboquant", bits=4, group_size=128)}
+               "turboquant-w4-g128": dict(method="turboquant", bits=4, group_size=128),
+               "e8p-w2-g128": dict(method="e8", bits=2, group_size=128)}
 ROWS = [("fp32", "source", "float32", False), ("bf16", "source", "bfloat16", False),
         ("w4 g128, bf16", "rtn-w4-g128", "bfloat16", False), ("w4 g128, fp32", "rtn-w4-g128", "float32", False),
         ("w4 g128, fp32, cache_dequantized", "rtn-w4-g128", "float32", True),
         ("w4 g128 + lm_head, bf16", "rtn-w4-g128-lm-head", "bfloat16", False),
         ("w3 g128, bf16", "rtn-w3-g128", "bfloat16", False),
-        ("turboquant w4 g128, bf16", "turboquant-w4-g128", "bfloat16", False)]
+        ("turboquant w4 g128, bf16", "turboquant-w4-g128", "bfloat16", False),
+        ("e8p w2 g128, bf16", "e8p-w2-g128", "bfloat16", False)]
 
 
 def status(key: str) -> int:
@@ -46,6 +53,19 @@ def status(key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     raise SystemExit(f"no {key} in /proc/self/status (Linux only)")
+
+
+def code_pages() -> int:
+    """Resident bytes of the shared libraries' and the interpreter's file mappings (their machine code and data)."""
+    total, code = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if not fields[0].endswith(":"):  # a mapping's header: address range, perms, offset, dev, inode[, path]
+            path = fields[5] if len(fields) > 5 else ""
+            code = ".so" in Path(path).name or path == sys.executable or Path(path).name.startswith("python")
+        elif fields[0] == "Rss:" and code:
+            total += int(fields[1]) * 1024
+    return total
 
 
 def child(path: str, dtype: str, cache: bool, args) -> dict:
@@ -57,7 +77,7 @@ def child(path: str, dtype: str, cache: bool, args) -> dict:
 
     torch.set_num_threads(args.threads)
     params = sum(p.numel() for p in skeleton(path).parameters())  # tied weights counted once
-    baseline = status("VmRSS")
+    baseline, code = status("VmRSS"), code_pages()
     quantized = (Path(path) / "quantkit_report.json").exists()
     if quantized:
         model = load_quantized(path, dtype=dtype, cache_dequantized=cache)
@@ -78,8 +98,9 @@ def child(path: str, dtype: str, cache: bool, args) -> dict:
             t2 = time.perf_counter()
             prefill.append(args.prompt / (t1 - t0))
             decode.append(args.new_tokens / (t2 - t1))
-    return dict(baseline=baseline, load=loaded - baseline, peak=status("VmHWM") - baseline, prefill=max(prefill),
-                decode=max(decode), bf16_bytes=2 * params)
+            del out, cache_kv, token  # the next run starts without this one's cache, as a new generate() would
+    return dict(baseline=baseline, load=loaded - baseline, peak=status("VmHWM") - baseline,
+                code=code_pages() - code, prefill=max(prefill), decode=max(decode), bf16_bytes=2 * params)
 
 
 def skeleton(path):
@@ -176,16 +197,18 @@ def main(argv=None):
           f"({torch.backends.cpu.get_cpu_capability()}); batch 1, prompt {args.prompt}, {args.new_tokens} new tokens\n")
     results = [(name, run_child(str(folders[src]), dtype, cache, args)) for name, src, dtype, cache in ROWS]
     bf16 = dict(results)["bf16"]
-    print("| model | load RSS (MB) | peak RSS (MB) | peak / bf16 weights | prefill tok/s | decode tok/s | "
-          "decode / bf16 |\n|---|---|---|---|---|---|---|")
+    print("| model | load RSS (MB) | peak RSS (MB) | of it, code (MB) | peak / bf16 weights | without the code | "
+          "prefill tok/s | decode tok/s | decode / bf16 |\n|---|---|---|---|---|---|---|---|---|")
+    weights = bf16["bf16_bytes"]
     for name, r in results:
-        print(f"| {name} | {r['load'] / 1e6:.0f} | {r['peak'] / 1e6:.0f} | {r['peak'] / bf16['bf16_bytes']:.2f} | "
-              f"{r['prefill']:.0f} | {r['decode']:.1f} | {r['decode'] / bf16['decode']:.2f}x |")
+        print(f"| {name} | {r['load'] / 1e6:.0f} | {r['peak'] / 1e6:.0f} | {r['code'] / 1e6:.0f} | "
+              f"{r['peak'] / weights:.2f} | {(r['peak'] - r['code']) / weights:.2f} | {r['prefill']:.0f} | "
+              f"{r['decode']:.1f} | {r['decode'] / bf16['decode']:.2f}x |")
     print(f"\nbaseline (imports, meta skeleton): {bf16['baseline'] / 1e6:.0f} MB, subtracted above; bf16 weights "
           f"{bf16['bf16_bytes'] / 1e6:.0f} MB")
     if args.llama_bench and args.gguf:
         for name, r in llama_bench(args):
-            print(f"| {name} ({r['size'] / 1e6:.0f} MB file) | | | | {r.get('prefill', 0):.0f} | "
+            print(f"| {name} ({r['size'] / 1e6:.0f} MB file) | | | | | | {r.get('prefill', 0):.0f} | "
                   f"{r.get('decode', 0):.1f} | {r.get('decode', 0) / bf16['decode']:.2f}x |")
 
 
