@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from quantkit.core import strips
+from quantkit.core.groups import row_groups
 
 GROUP_SIZES = (32, 64, 128, 256)
 N_MULTIPLE = 16
@@ -114,12 +115,9 @@ def decode_columns(planes, scales, zeros, group_size: int, a: int, b: int) -> to
     words = torch.full((k, b - a), MAGIC, dtype=torch.int32)
     _fill_codes(words.view(torch.uint8).view(k, b - a, 4)[..., 0], planes, a, b)
     w_t = words.view(torch.float32)
-    whole = k // group_size
-    for rows, groups in ((w_t[:whole * group_size], slice(0, whole)), (w_t[whole * group_size:], slice(whole, None))):
-        if rows.numel():
-            grouped = rows.view(-1, min(group_size, rows.shape[0]), b - a)
-            grouped.sub_(zeros[groups, a:b].float().add_(MAGIC_FLOAT).unsqueeze(1))
-            grouped.mul_(scales[groups, a:b].float().unsqueeze(1))
+    for grouped, groups in row_groups(w_t, group_size):
+        grouped.sub_(zeros[groups, a:b].float().add_(MAGIC_FLOAT).unsqueeze(1))
+        grouped.mul_(scales[groups, a:b].float().unsqueeze(1))
     return w_t
 
 

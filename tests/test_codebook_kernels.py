@@ -19,8 +19,9 @@ if not torch.cuda.is_available() and not PREIMPORTED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-from quantkit.core import bitpack  # noqa: E402
-from quantkit.kernels.codebook import codebook_linear, decode_codebook, decode_table  # noqa: E402
+from quantkit.core import bitpack, strips  # noqa: E402
+from quantkit.kernels.codebook import (codebook_linear, decode_codebook, decode_table,  # noqa: E402
+                                      lookup_columns, lookup_table)
 from quantkit.kernels.device import triton_available  # noqa: E402
 from quantkit.schemes.e8 import E8Box  # noqa: E402
 from quantkit.schemes.e8p import E8P  # noqa: E402
@@ -46,6 +47,41 @@ def test_reference_decodes_the_quantizer_result(quantizer):
     t = layer(24, 104, quantizer, 32, 0)
     w = decode_codebook(t["codes"], t["scales"], t["g_idx"], quantizer, 104)
     assert torch.equal(w, t["decoded"].t())
+
+
+LOOKUPS = [(72, 96, TurboQuant(3, 64), 64), (40, 80, TurboQuant(5, 32), 32), (64, 128, TurboQuant(4, 128), 128),
+           (33, 160, TurboQuant(2, 64), 64), (16, 96, TurboQuant(1, 32), 32), (40, 104, E8P(2), 64),
+           (24, 96, E8Box(2), 32), (20, 40, E8P(2), -1)]
+
+
+@pytest.mark.parametrize("n,k,quantizer,d", LOOKUPS)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_lookup_decode_equals_the_quantizers(n, k, quantizer, d, act_order):
+    """The CPU strip decode (one table lookup per unit, grouped scales) against the quantizer's dequantize, bit for
+    bit: TurboQuant's levels with codes that straddle words (3, 5 bits), E8P's and E8's 16-bit points, a short last
+    group (160 = 2.5 blocks, 104 = 1.6), one group per row, and g_idx not in group order."""
+    t = layer(n, k, quantizer, d, seed=k + quantizer.code_bits)
+    g_idx = t["g_idx"][torch.randperm(k, generator=torch.Generator().manual_seed(1))] if act_order else t["g_idx"]
+    want = decode_codebook(t["codes"], t["scales"], g_idx, quantizer, k)
+    got = lookup_columns(t["codes"], t["scales"], g_idx, lookup_table(quantizer, k), quantizer.code_bits, k, d)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("quantizer", [E8P(3), E8P(4), E8Box(3)])
+def test_units_of_more_than_16_bits_have_no_lookup_table(quantizer):
+    assert lookup_table(quantizer, 64) is None  # 2^24 or 2^32 rows: they decode through the quantizer
+
+
+@pytest.mark.parametrize("quantizer", [TurboQuant(4, 32), E8P(2), E8P(3)])
+def test_a_codebook_layer_decodes_strip_by_strip_on_the_cpu(monkeypatch, quantizer):
+    t = layer(48, 96, quantizer, 32, seed=3)
+    module = DecodedLinear(96, 48, quantizer, 32, 3, bias=False, dtype=torch.float32)
+    for key in ("codes", "g_idx"):
+        getattr(module, key).copy_(t[key])
+    module.scale.copy_(t["scales"])
+    monkeypatch.setattr(strips, "STRIP_ELEMENTS", 16 * 96)  # three strips of 16 outputs
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(module(x), x @ t["decoded"].t(), rtol=1e-5, atol=1e-5)
 
 
 CASES = [(72, 96, TurboQuant(3, 64), 64), (40, 80, TurboQuant(5, 32), 32), (64, 128, TurboQuant(4, 128), 128),

@@ -22,6 +22,15 @@ def group_index(cols: int, group_size: int) -> torch.Tensor:
     return (torch.arange(cols) // group_width(cols, group_size)).to(torch.int32)
 
 
+def row_groups(t: torch.Tensor, group_size: int):
+    """A [K, cols] tensor's rows as views [groups, rows per group, cols], each with the slice of the [G, cols]
+    parameters that go with it: the whole groups, then the shorter last one (if any). For plain g_idx only."""
+    whole = t.shape[0] // group_size
+    parts = [(t[:whole * group_size], slice(0, whole)), (t[whole * group_size:], slice(whole, None))]
+    return [(rows.view(-1, min(group_size, rows.shape[0]), t.shape[1]), groups) for rows, groups in parts
+            if rows.numel()]
+
+
 def is_plain(g_idx: torch.Tensor, cols: int, group_size: int) -> bool:
     """Whether g_idx is the plain k // group_size (no act-order reordering)."""
     return torch.equal(g_idx.long().cpu(), group_index(cols, group_size).long())
