@@ -42,6 +42,15 @@ def layer(n, k, quantizer, d, seed):
             "table": decode_table(quantizer.kernel_decode), "decoded": res.decoded()}
 
 
+def decoded_linear(t: dict, quantizer) -> DecodedLinear:
+    """A 96 -> 48 DecodedLinear (groups of 32) holding `layer`'s tensors."""
+    module = DecodedLinear(96, 48, quantizer, 32, 3, bias=False, dtype=torch.float32)
+    for key in ("codes", "g_idx"):
+        getattr(module, key).copy_(t[key])
+    module.scale.copy_(t["scales"])
+    return module
+
+
 @pytest.mark.parametrize("quantizer", [TurboQuant(5, 32), E8Box(3), E8P(2), E8P(3), E8P(4)])
 def test_reference_decodes_the_quantizer_result(quantizer):
     t = layer(24, 104, quantizer, 32, 0)
@@ -75,10 +84,7 @@ def test_units_of_more_than_16_bits_have_no_lookup_table(quantizer):
 @pytest.mark.parametrize("quantizer", [TurboQuant(4, 32), E8P(2), E8P(3)])
 def test_a_codebook_layer_decodes_strip_by_strip_on_the_cpu(monkeypatch, quantizer):
     t = layer(48, 96, quantizer, 32, seed=3)
-    module = DecodedLinear(96, 48, quantizer, 32, 3, bias=False, dtype=torch.float32)
-    for key in ("codes", "g_idx"):
-        getattr(module, key).copy_(t[key])
-    module.scale.copy_(t["scales"])
+    module = decoded_linear(t, quantizer)
     monkeypatch.setattr(strips, "STRIP_ELEMENTS", 16 * 96)  # three strips of 16 outputs
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(module(x), x @ t["decoded"].t(), rtol=1e-5, atol=1e-5)
@@ -109,10 +115,7 @@ def test_triton_matches_reference(device, dtype, m, n, k, quantizer, d):
 @pytest.mark.parametrize("quantizer", [TurboQuant(3, 32), E8Box(2), E8P(3), E8P(4)])
 def test_decoded_linear_kernel_path_matches_its_cached_weight(device, quantizer):
     t = layer(48, 96, quantizer, 32, seed=7)
-    module = DecodedLinear(96, 48, quantizer, 32, 3, bias=False, dtype=torch.float32)
-    for key in ("codes", "g_idx"):
-        getattr(module, key).copy_(t[key])
-    module.scale.copy_(t["scales"])
+    module = decoded_linear(t, quantizer)
     x = torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(1))
     cached = module(x)
     module.to(device)
