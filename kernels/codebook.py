@@ -14,6 +14,7 @@ Backends as in dispatch.py: Triton on CUDA fp16/bf16 (kernels/triton_codebook.py
 feeding tl.dot, fp32 accumulation), the torch reference elsewhere (the quantizer's own dequantize in float32,
 rounded once to x's dtype, one GEMM), "triton" on CPU under TRITON_INTERPRET=1 for the tests.
 """
+from dataclasses import dataclass
 from functools import cache
 from typing import Optional
 
@@ -40,42 +41,63 @@ def decode_weight(codes, params: dict, g_idx, quantizer, in_features) -> torch.T
     return quantizer.dequantize(q.t(), per_column({k: v.t().float() for k, v in params.items()}, g_idx))
 
 
-LOOKUP_BITS = 16  # a lookup decodes at most this many code bits (a table of 2^16 rows of 8 floats: 2 MB)
+LOOKUP_BITS = 16  # a lookup reads at most this many code bits (a table of 2^16 rows of 8 floats: 2 MB)
 
 
-def lookup_table(quantizer, in_features: int) -> Optional[torch.Tensor]:
-    """Every value a lookup can return, float32 [2^(m * width * bits), m * width], for a kernel quantizer whose unit
-    (`width` codes along K: one TurboQuant level, one 8-weight E8 or E8P point) fits LOOKUP_BITS; else None. A lookup
-    reads m whole units at once (m a power of two dividing K's units: TurboQuant 4-bit takes 4 levels a lookup, E8P
-    one point), so each row is m units' values, row i the units whose codes are i's bit fields, low first (as the
-    packing lays them along K), dequantized at scale 1: a kernel quantizer's weight is scale * value(codes)
-    (KernelDecode), so scale * row is exactly what its dequantize makes."""
+@dataclass(frozen=True)
+class Lookup:
+    """How a strip decodes by table lookups: every `per_row` codes along K (whole units) are one field of the packed
+    stream, and their values at scale 1 are Σ table[(field >> shift) & (len(table) - 1)] over `stages`, summed in
+    this order in float32: one stage for most quantizers, two for E8P's residual stage at 3 and 4 bits."""
+    per_row: int
+    stages: tuple  # ((shift, float32 table [2^bits, per_row]), ...)
+
+
+def lookup_table(quantizer, in_features: int) -> Optional[Lookup]:
+    """The Lookup of a kernel quantizer (w = scale * value(codes), KernelDecode), or None where it has none.
+    A unit (`width` codes: one TurboQuant level, one 8-weight E8 or E8P point) that fits LOOKUP_BITS decodes through
+    one table built from the quantizer's own dequantize at scale 1, each row m whole units (m a power of two dividing
+    K's units: TurboQuant 4-bit reads 4 levels a lookup), row i the units whose codes are i's bit fields, low first,
+    as the packing lays them along K. A wider unit decodes through the quantizer's `lookup_stages` where it has
+    them (E8P at 3 and 4 bits: the point of the low 16 bits, then the residual's)."""
     bits, width = quantizer.code_bits, quantizer.width
-    if getattr(quantizer, "kernel_decode", None) is None or bits * width > LOOKUP_BITS:
+    if getattr(quantizer, "kernel_decode", None) is None:
         return None
+    if bits * width > LOOKUP_BITS:
+        return Lookup(width, _staged_tables(quantizer)) if hasattr(quantizer, "lookup_stages") else None
     m = 1
     while 2 * m * bits * width <= LOOKUP_BITS and (in_features // width) % (2 * m) == 0:
         m *= 2
-    return _lookup_table(quantizer, m * width)
+    return Lookup(m * width, ((0, _dequantized_table(quantizer, m * width)),))
 
 
 @cache
-def _lookup_table(quantizer, codes_per_row: int) -> torch.Tensor:
+def _staged_tables(quantizer) -> tuple:
+    return quantizer.lookup_stages()
+
+
+@cache
+def _dequantized_table(quantizer, codes_per_row: int) -> torch.Tensor:
     bits = quantizer.code_bits
     rows = torch.arange(1 << (bits * codes_per_row)).unsqueeze(1)
     codes = (rows >> (bits * torch.arange(codes_per_row))) & ((1 << bits) - 1)
     return quantizer.dequantize(codes, {"scale": torch.ones(codes.shape)}).float().contiguous()
 
 
-def lookup_columns(codes, scales, g_idx, table, bits: int, in_features: int, group_size: int) -> torch.Tensor:
-    """Ŵᵀ [in_features, cols] float32 of a codebook layer's columns (codes int32 [packed, cols], scales [G, cols]) from
-    its `lookup_table`: one lookup per row's worth of codes, times each weight's scale; bit for bit the quantizer's
-    dequantize. This is how a CPU strip decodes (576 x 1536, AMD EPYC, 2 threads: TurboQuant 4-bit 1.1 ms against
-    4.5 through the dequantize, E8P 2-bit 0.6 against 17), with temporaries of a few bytes per weight."""
-    per_row, table = table.shape[1], table.to(codes.device)
-    rows = bitpack.unpack(codes, bits * per_row, in_features // per_row, dim=0)  # int32 [K / per_row, cols]
-    w = table.index_select(0, rows.t().flatten()).view(rows.shape[1], in_features)  # [cols, K], in K order
-    w_t = w.t()
+def lookup_columns(codes, scales, g_idx, lookup: Lookup, bits: int, in_features: int, group_size: int) -> torch.Tensor:
+    """Ŵᵀ [in_features, cols] float32 of a codebook layer's columns (codes int32 [packed, cols], scales [G, cols])
+    through its Lookup, times each weight's scale: bit for bit the quantizer's dequantize. This is how a CPU strip
+    decodes: 4x (TurboQuant 4-bit) to 29x (E8P 2-bit) faster than the dequantize, whose int64 codes and per-weight
+    copy of the scales it does without (scripts/bench_cpu_codebook.py)."""
+    per_row = lookup.per_row
+    fields = bitpack.unpack(codes, bits * per_row, in_features // per_row, dim=0)  # int32 [K / per_row, cols]
+    cols, flat = fields.shape[1], fields.t().flatten()  # the [cols, K] order: a column's units in K order
+    w = None
+    for shift, table in lookup.stages:
+        index = flat if len(lookup.stages) == 1 else (flat >> shift) & (table.shape[0] - 1)
+        part = table.to(codes.device).index_select(0, index)
+        w = part if w is None else w.add_(part)
+    w_t = w.view(cols, in_features).t()
     size = group_width(in_features, group_size)
     if not is_plain(g_idx, in_features, size):
         return w_t.mul_(scales.float().index_select(0, g_idx.int()))

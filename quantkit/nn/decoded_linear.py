@@ -8,8 +8,8 @@ Quantizers that describe a kernel decode (`kernel_decode`, quantkit.schemes.base
 table, w = scale * codebook[code], E8's lattice offset, or E8P's int32 tables and residual ratio) run the codebook
 dequant-GEMM (quantkit.kernels.codebook): a Triton kernel that decodes in registers on CUDA. Everywhere else, forward
 decodes the weight a strip of outputs at a time (quantkit.core.strips), so the layer never holds a dense copy: by
-table lookups where the quantizer's unit fits 16 bits (`lookup_table`: TurboQuant, and E8P and E8 at 2 bits; 4x to
-27x faster than its dequantize), through the quantizer for the others; `cache_dequantized = True` (as for
+table lookups where the quantizer has them (`lookup_table`: TurboQuant, E8P, and E8 at 2 bits; 4x to 29x faster
+than its dequantize), through the quantizer for the others (E8 at 3 bits and more); `cache_dequantized = True` (as for
 QuantLinear) decodes it once and keeps it instead (a dense fp32 copy per layer, for speed).
 """
 import torch
@@ -73,9 +73,9 @@ class DecodedLinear(nn.Module):
         return strips.strip_linear(x, self._decode_columns, row_ranges, self.bias)
 
     def _decode_columns(self, a: int, b: int) -> torch.Tensor:
-        table = lookup_table(self.quantizer, self.in_features)
-        if table is not None:
-            return lookup_columns(self.codes[:, a:b], self.scale[:, a:b], self.g_idx, table, self.quantizer.code_bits,
+        lookup = lookup_table(self.quantizer, self.in_features)
+        if lookup is not None:
+            return lookup_columns(self.codes[:, a:b], self.scale[:, a:b], self.g_idx, lookup, self.quantizer.code_bits,
                                   self.in_features, self.group_size)
         params = {k: getattr(self, k)[:, a:b] for k in self.quantizer.param_bits}
         return decode_weight(self.codes[:, a:b], params, self.g_idx, self.quantizer, self.in_features).t()

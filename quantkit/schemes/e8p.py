@@ -11,7 +11,8 @@ from quantkit.core.errors import QuantkitError
 from quantkit.schemes.base import KernelDecode, offer_method, register_quantizer, register_spec_name
 from quantkit.schemes.e8 import E8Box
 from quantkit.schemes.e8p_codebook import (ABS_TABLE, E8_1BIT_TABLE, NATURAL_SPREAD, RATIO, SUPPORTED_BITS, decode,
-                                           e8_1bit_error, e8p_nearest, encode, join_word, split_word)
+                                           e8_1bit_decode, e8_1bit_error, e8p_decode, e8p_nearest, encode, join_word,
+                                           split_word)
 from quantkit.schemes.grid import check_bits
 from quantkit.schemes.scales import OneScalePerGroup
 
@@ -78,6 +79,19 @@ class E8P(OneScalePerGroup):
         tables = list(self.abs_table) + list(self.residual_table or ())
         as_int32 = tuple(v - (1 << 32) if v >= 1 << 31 else v for v in tables)  # two's complement
         return KernelDecode("e8p", table=as_int32, ratio=self.ratio or 1.0)
+
+    def lookup_stages(self) -> tuple:
+        """The point of a code word as table lookups summed in order (quantkit.kernels.codebook.Lookup), float32, as
+        `decode` computes it: E8P's point of the low 16 bits, then the residual stage's point of the bits above
+        divided by the ratio. Tables of 2^16 (and 2^8) points where the whole word would need 2^24 or 2^32."""
+        first = e8p_decode(torch.arange(1 << 16), torch.float32, self.abs_table)
+        if self.bits == 2:
+            return ((0, first),)
+        if self.bits == 3:
+            second = e8_1bit_decode(torch.arange(1 << 8), torch.float32, self.residual_table)
+        else:
+            second = e8p_decode(torch.arange(1 << 16), torch.float32, self.abs_table)
+        return (0, first), (16, second / self.ratio)
 
     def round(self, w: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, dequantized) of w [rows, 8 k] with per-row scales [rows]."""
