@@ -243,6 +243,23 @@ def test_bench_cpu_int4_times_one_layer_each_way(capsys):
     assert cpu_int4.INT4_MM_MAX_M == limit
 
 
+def test_bench_cpu_codebook_checks_the_lookup_against_the_dequantize(capsys, monkeypatch):
+    """scripts/bench_cpu_codebook.py: a row per quantizer and shape, exit 0 when the two decodes agree; a lookup
+    that decodes differently fails the run."""
+    bench = pytest.importorskip("bench_cpu_codebook")
+    argv = ["--shapes", "64x32", "--quantizers", "turboquant3", "e8p4", "e8box3", "--group-size", "32",
+            "--repeat", "1", "--threads", "1"]
+    assert bench.main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "x 32" in line]
+    assert [row.split(" | ")[0] for row in rows] == ["| turboquant3", "| e8p4", "| e8box3"]
+    assert "(none)" in rows[2]  # E8 at 3 bits: 24-bit points, no table
+    from quantkit.kernels import codebook
+
+    wrong = codebook.lookup_columns
+    monkeypatch.setattr(codebook, "lookup_columns", lambda *a: wrong(*a).add_(1))
+    assert bench.main(argv) == 1
+
+
 @pytest.mark.parametrize("fmt", ["int4", "int4-asym", "int3", "int8", "int4-rotated", "turboquant4", "e8p2"])
 def test_kernel_formats_compute_with_the_weight_they_report(fmt):
     """scripts/kernel_formats.py: each format's op (here its torch path) computes x Wᵀ with the dense weight the
