@@ -53,7 +53,7 @@ class Lookup:
     stages: tuple  # ((shift, float32 table [2^bits, per_row]), ...)
 
 
-def lookup_table(quantizer, in_features: int) -> Optional[Lookup]:
+def lookup_of(quantizer, in_features: int) -> Optional[Lookup]:
     """The Lookup of a kernel quantizer (w = scale * value(codes), KernelDecode), or None where it has none.
     A unit (`width` codes: one TurboQuant level, one 8-weight E8 or E8P point) that fits LOOKUP_BITS decodes through
     one table built from the quantizer's own dequantize at scale 1, each row m whole units (m a power of two dividing

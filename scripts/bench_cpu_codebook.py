@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """A codebook layer's CPU strip decode, side by side in one run: through the quantizer's dequantize, and through the
-lookup tables (quantkit.kernels.codebook.lookup_table) that DecodedLinear's strips now take.
+lookup tables (quantkit.kernels.codebook.lookup_of) that DecodedLinear's strips now take.
 
 For each quantizer and layer shape (K inputs x N outputs, random codes, fp16 scales, groups of --group-size), the
 milliseconds (the fastest of --repeat) to decode the whole layer to float32 Wᵀ [K, N] each way, and their ratio.
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args(argv)
-    from quantkit.kernels.codebook import decode_codebook, lookup_columns, lookup_table
+    from quantkit.kernels.codebook import decode_codebook, lookup_columns, lookup_of
 
     torch.set_num_threads(args.threads)
     print(f"{torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, torch {torch.__version__}; "
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         for shape in args.shapes:
             k, n = map(int, shape.split("x"))
             codes, scales, g_idx = layer(q, k, n, args.group_size)
-            lookup = lookup_table(q, k)
+            lookup = lookup_of(q, k)
             slow, want = timed(lambda: decode_codebook(codes, scales, g_idx, q, k), args.repeat)
             if lookup is None:
                 print(f"| {spec} | {k} x {n} | {slow:.2f} | (none) | |")

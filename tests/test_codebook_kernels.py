@@ -21,7 +21,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 from quantkit.core import bitpack, strips  # noqa: E402
 from quantkit.kernels.codebook import (codebook_linear, decode_codebook, decode_table,  # noqa: E402
-                                      lookup_columns, lookup_table)
+                                      lookup_columns, lookup_of)
 from quantkit.kernels.device import triton_available  # noqa: E402
 from quantkit.schemes.e8 import E8Box  # noqa: E402
 from quantkit.schemes.e8p import E8P  # noqa: E402
@@ -73,13 +73,13 @@ def test_the_lookup_decode_equals_the_quantizers(n, k, quantizer, d, act_order):
     t = layer(n, k, quantizer, d, seed=k + quantizer.code_bits)
     g_idx = t["g_idx"][torch.randperm(k, generator=torch.Generator().manual_seed(1))] if act_order else t["g_idx"]
     want = decode_codebook(t["codes"], t["scales"], g_idx, quantizer, k)
-    got = lookup_columns(t["codes"], t["scales"], g_idx, lookup_table(quantizer, k), quantizer.code_bits, k, d)
+    got = lookup_columns(t["codes"], t["scales"], g_idx, lookup_of(quantizer, k), quantizer.code_bits, k, d)
     assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("quantizer", [E8Box(3), E8Box(4)])
 def test_units_of_more_than_16_bits_without_stages_have_no_lookup(quantizer):
-    assert lookup_table(quantizer, 64) is None  # 2^24 or 2^32 rows: they decode through the quantizer
+    assert lookup_of(quantizer, 64) is None  # 2^24 or 2^32 rows: they decode through the quantizer
 
 
 @pytest.mark.parametrize("quantizer", [TurboQuant(4, 32), E8P(2), E8P(3)])

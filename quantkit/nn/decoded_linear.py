@@ -8,7 +8,7 @@ Quantizers that describe a kernel decode (`kernel_decode`, quantkit.schemes.base
 table, w = scale * codebook[code], E8's lattice offset, or E8P's int32 tables and residual ratio) run the codebook
 dequant-GEMM (quantkit.kernels.codebook): a Triton kernel that decodes in registers on CUDA. Everywhere else, forward
 decodes the weight a strip of outputs at a time (quantkit.core.strips), so the layer never holds a dense copy: by
-table lookups where the quantizer has them (`lookup_table`: TurboQuant, E8P, and E8 at 2 bits; 4x to 29x faster
+table lookups where the quantizer has them (`lookup_of`: TurboQuant, E8P, and E8 at 2 bits; 4x to 29x faster
 than its dequantize), through the quantizer for the others (E8 at 3 bits and more); `cache_dequantized = True` (as for
 QuantLinear) decodes it once and keeps it instead (a dense fp32 copy per layer, for speed).
 """
@@ -17,7 +17,7 @@ from torch import nn
 
 from quantkit.core import bitpack, strips
 from quantkit.core.matmul import linear
-from quantkit.kernels.codebook import codebook_linear, decode_table, decode_weight, lookup_columns, lookup_table
+from quantkit.kernels.codebook import codebook_linear, decode_table, decode_weight, lookup_columns, lookup_of
 from quantkit.kernels.dispatch import choose_backend
 from quantkit.nn.quant_linear import add_rotation, buffers_key, rotate_input
 from quantkit.schemes.base import param_dtype
@@ -73,7 +73,7 @@ class DecodedLinear(nn.Module):
         return strips.strip_linear(x, self._decode_columns, row_ranges, self.bias)
 
     def _decode_columns(self, a: int, b: int) -> torch.Tensor:
-        lookup = lookup_table(self.quantizer, self.in_features)
+        lookup = lookup_of(self.quantizer, self.in_features)
         if lookup is not None:
             return lookup_columns(self.codes[:, a:b], self.scale[:, a:b], self.g_idx, lookup, self.quantizer.code_bits,
                                   self.in_features, self.group_size)
