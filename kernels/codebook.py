@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from quantkit.core import bitpack
-from quantkit.core.groups import group_width, is_plain, per_column, row_groups
+from quantkit.core.groups import per_column, row_groups
 from quantkit.kernels.dispatch import choose_backend
 from quantkit.kernels.reference import linear_dequantized
 
@@ -84,9 +84,11 @@ def _dequantized_table(quantizer, codes_per_row: int) -> torch.Tensor:
     return quantizer.dequantize(codes, {"scale": torch.ones(codes.shape)}).float().contiguous()
 
 
-def lookup_columns(codes, scales, g_idx, lookup: Lookup, bits: int, in_features: int, group_size: int) -> torch.Tensor:
+def lookup_columns(codes, scales, lookup: Lookup, bits: int, in_features: int, group_size: int,
+                   g_idx=None) -> torch.Tensor:
     """Ŵᵀ [in_features, cols] float32 of a codebook layer's columns (codes int32 [packed, cols], scales [G, cols])
-    through its Lookup, times each weight's scale: bit for bit the quantizer's dequantize. This is how a CPU strip
+    through its Lookup, times each weight's scale (groups of `group_size` consecutive inputs, the last one maybe
+    shorter; or, given g_idx, the groups it names): bit for bit the quantizer's dequantize. This is how a CPU strip
     decodes: 4x (TurboQuant 4-bit) to 29x (E8P 2-bit) faster than the dequantize, whose int64 codes and per-weight
     copy of the scales it does without (scripts/bench_cpu_codebook.py)."""
     per_row = lookup.per_row
@@ -98,10 +100,9 @@ def lookup_columns(codes, scales, g_idx, lookup: Lookup, bits: int, in_features:
         part = table.to(codes.device).index_select(0, index)
         w = part if w is None else w.add_(part)
     w_t = w.view(cols, in_features).t()
-    size = group_width(in_features, group_size)
-    if not is_plain(g_idx, in_features, size):
+    if g_idx is not None:
         return w_t.mul_(scales.float().index_select(0, g_idx.int()))
-    for grouped, groups in row_groups(w_t, size):
+    for grouped, groups in row_groups(w_t, group_size):
         grouped.mul_(scales[groups].float().unsqueeze(1))
     return w_t
 

@@ -11,9 +11,11 @@ The two must agree bit for bit: the script exits 1 where they do not.
 """
 import argparse
 import sys
-import time
+from functools import partial
 
 import torch
+
+from bench_cpu_int4 import add_cpu_options, start, timed
 
 QUANTIZERS = ("turboquant2", "turboquant3", "turboquant4", "e8p2", "e8p3", "e8p4", "e8box2", "e8box3")
 
@@ -39,29 +41,17 @@ def layer(q, k: int, n: int, group_size: int):
     return bitpack.pack(codes, q.code_bits, dim=0), scales, group_index(k, group_size)
 
 
-def timed(fn, repeat: int):
-    fn()
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3, out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["576x1536", "1536x576"], help="KxN per layer")
     p.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS), choices=QUANTIZERS)
     p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeat", type=int, default=3)
+    add_cpu_options(p)
     args = p.parse_args(argv)
+    from quantkit.core.groups import group_width
     from quantkit.kernels.codebook import decode_codebook, lookup_columns, lookup_of
 
-    torch.set_num_threads(args.threads)
-    print(f"{torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, torch {torch.__version__}; "
-          f"group size {args.group_size}\n")
+    start(args, f"group size {args.group_size}")
     print("| quantizer | K x N | dequantize (ms) | lookup (ms) | speed-up |\n|---|---|---|---|---|")
     wrong = []
     for spec in args.quantizers:
@@ -70,13 +60,13 @@ def main(argv=None) -> int:
             k, n = map(int, shape.split("x"))
             codes, scales, g_idx = layer(q, k, n, args.group_size)
             lookup = lookup_of(q, k)
-            slow, want = timed(lambda: decode_codebook(codes, scales, g_idx, q, k), args.repeat)
+            slow = timed(lambda: decode_codebook(codes, scales, g_idx, q, k), args.repeat)
             if lookup is None:
                 print(f"| {spec} | {k} x {n} | {slow:.2f} | (none) | |")
                 continue
-            fast, got = timed(lambda: lookup_columns(codes, scales, g_idx, lookup, q.code_bits, k, args.group_size),
-                              args.repeat)
-            if not torch.equal(got, want):
+            by_lookup = partial(lookup_columns, codes, scales, lookup, q.code_bits, k, group_width(k, args.group_size))
+            fast = timed(by_lookup, args.repeat)
+            if not torch.equal(by_lookup(), decode_codebook(codes, scales, g_idx, q, k)):
                 wrong.append(f"{spec} {shape}")
             print(f"| {spec} | {k} x {n} | {slow:.2f} | {fast:.2f} | {slow / fast:.1f}x |")
     if wrong:

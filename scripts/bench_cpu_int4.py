@@ -37,6 +37,17 @@ def layer(k: int, n: int):
     return CpuInt4Linear.from_quant_linear(m), weight.t().contiguous()
 
 
+def add_cpu_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=3)
+
+
+def start(args, setting: str) -> None:
+    """Threads set, and the line naming the CPU path and the setting the table ran under."""
+    torch.set_num_threads(args.threads)
+    print(f"{torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, torch {torch.__version__}; {setting}\n")
+
+
 def timed(fn, repeat: int) -> float:
     with torch.inference_mode():
         fn()
@@ -52,14 +63,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["4096x4096", "4096x14336", "14336x4096"], help="KxN per layer")
     p.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64, 128, 256, 512], help="M, the rows per call")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeat", type=int, default=3)
+    add_cpu_options(p)
     args = p.parse_args(argv)
     from quantkit.kernels import cpu_int4
 
-    torch.set_num_threads(args.threads)
-    print(f"{torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, torch {torch.__version__}; "
-          f"INT4_MM_MAX_M = {cpu_int4.INT4_MM_MAX_M}\n")
+    start(args, f"INT4_MM_MAX_M = {cpu_int4.INT4_MM_MAX_M}")
     print("| K x N | M | int4 op (ms) | strip (ms) | bf16 dense (ms) | fp32 dense (ms) | op / strip |")
     print("|---|---|---|---|---|---|---|")
     default_max_m = cpu_int4.INT4_MM_MAX_M

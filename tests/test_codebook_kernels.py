@@ -73,7 +73,9 @@ def test_the_lookup_decode_equals_the_quantizers(n, k, quantizer, d, act_order):
     t = layer(n, k, quantizer, d, seed=k + quantizer.code_bits)
     g_idx = t["g_idx"][torch.randperm(k, generator=torch.Generator().manual_seed(1))] if act_order else t["g_idx"]
     want = decode_codebook(t["codes"], t["scales"], g_idx, quantizer, k)
-    got = lookup_columns(t["codes"], t["scales"], g_idx, lookup_of(quantizer, k), quantizer.code_bits, k, d)
+    groups = dict(g_idx=g_idx) if act_order else {}  # plain groups go by the group size
+    got = lookup_columns(t["codes"], t["scales"], lookup_of(quantizer, k), quantizer.code_bits, k,
+                         k if d == -1 else d, **groups)
     assert torch.equal(got, want)
 
 

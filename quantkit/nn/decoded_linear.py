@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from quantkit.core import bitpack, strips
+from quantkit.core.groups import group_width, is_plain
 from quantkit.core.matmul import linear
 from quantkit.kernels.codebook import codebook_linear, decode_table, decode_weight, lookup_columns, lookup_of
 from quantkit.kernels.dispatch import choose_backend
@@ -70,15 +71,21 @@ class DecodedLinear(nn.Module):
         if self.cache_dequantized:
             return linear(x, self.weight().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
         row_ranges = strips.ranges(self.out_features, self.in_features, align=1)
-        return strips.strip_linear(x, self._decode_columns, row_ranges, self.bias)
+        return strips.strip_linear(x, self._strip_decoder(), row_ranges, self.bias)
 
-    def _decode_columns(self, a: int, b: int) -> torch.Tensor:
+    def _strip_decoder(self):
+        """decode_columns(a, b) -> Ŵᵀ[:, a:b] for the strips: through the quantizer's Lookup where it has one (what
+        the lookups need is settled once per call, not per strip), else through its dequantize."""
         lookup = lookup_of(self.quantizer, self.in_features)
-        if lookup is not None:
-            return lookup_columns(self.codes[:, a:b], self.scale[:, a:b], self.g_idx, lookup, self.quantizer.code_bits,
-                                  self.in_features, self.group_size)
-        params = {k: getattr(self, k)[:, a:b] for k in self.quantizer.param_bits}
-        return decode_weight(self.codes[:, a:b], params, self.g_idx, self.quantizer, self.in_features).t()
+        if lookup is None:
+            def through_quantizer(a, b):
+                params = {k: getattr(self, k)[:, a:b] for k in self.quantizer.param_bits}
+                return decode_weight(self.codes[:, a:b], params, self.g_idx, self.quantizer, self.in_features).t()
+            return through_quantizer
+        size = group_width(self.in_features, self.group_size)
+        g_idx = None if is_plain(self.g_idx, self.in_features, size) else self.g_idx
+        return lambda a, b: lookup_columns(self.codes[:, a:b], self.scale[:, a:b], lookup, self.quantizer.code_bits,
+                                           self.in_features, size, g_idx)
 
     def _apply(self, fn, *args, **kwargs):
         self.__dict__.pop("_weight_cache", None)
