@@ -54,6 +54,15 @@ def choose_backend(x, bits, backend):
     return "triton" if fits and triton_available() else "torch"
 
 
+def reserve_workspace(device: torch.device, out_features: int, in_features: int) -> None:
+    """A layer of this shape now lives on `device`: on a GPU, its split-K scratch is allocated at once, outside any
+    CUDA-graph memory pool (triton_gptq_ops.workspace says why)."""
+    if device.type == "cuda" and triton_available():
+        from quantkit.kernels.triton_gptq_ops import reserve_workspace as reserve
+
+        reserve(device, out_features, in_features)
+
+
 def choose_path(m, path=None):
     """'fused' or 'prefill' for a Triton call with m rows of activations."""
     path = path or "auto"

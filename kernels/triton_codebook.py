@@ -7,15 +7,20 @@ the codes of the K x N weight tile from the packed words, decodes them (_decode:
 accumulates x·Ŵᵀ in fp32 on the tensor cores. Correct for every M, K and group layout; its GPU speed is
 not measured yet (docs/BENCHMARKS.md).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from quantkit.core import bitpack
 from quantkit.kernels.device import on_device
-from quantkit.kernels.triton_decode import packed_codes, round_to
+from quantkit.kernels.triton_decode import round_to, store_tile, tile_codes
+from quantkit.kernels.triton_gptq import split_k
+from quantkit.kernels.triton_gptq_ops import group_layout, num_sms, workspace
 
 TABLE, LATTICE, E8P = 0, 1, 2  # the DECODE variants of _decode
+WAVES = 4  # split-K until the programs fill the SMs this many times over (memory-level parallelism at small M)
 
 
 @triton.jit
@@ -35,7 +40,7 @@ def _e8p_point(c, tab_ptr, j):
 
 
 @triton.jit
-def _decode(q, cb_ptr, mask, OFFSET, RATIO, BITS: tl.constexpr, DECODE: tl.constexpr, BLOCK_K: tl.constexpr,
+def _decode(q, cb_ptr, OFFSET, RATIO, BITS: tl.constexpr, DECODE: tl.constexpr, BLOCK_K: tl.constexpr,
             BLOCK_N: tl.constexpr):
     """Unit-scale values of the codes q [BLOCK_K, BLOCK_N]: the swappable decode step.
 
@@ -45,6 +50,8 @@ def _decode(q, cb_ptr, mask, OFFSET, RATIO, BITS: tl.constexpr, DECODE: tl.const
     of a point are one 8·BITS-bit word, code j at bits [BITS·j, BITS·j + BITS); bits 0–15 are an E8P code, and at
     3 bits bits 16–23 index the 256 residual points (cb_ptr + 256, 2v + 8 nibbles), at 4 bits bits 16–31 are a
     second E8P code; the residual adds its point / RATIO."""
+    # One return: Triton types every return of a function together, constexpr branches included, and the
+    # E8P table is int32 where the TABLE branch's load would return it.
     if DECODE == 2:
         j = tl.arange(0, 8)[None, :, None]
         q3 = tl.reshape(q, (BLOCK_K // 8, 8, BLOCK_N))
@@ -55,8 +62,8 @@ def _decode(q, cb_ptr, mask, OFFSET, RATIO, BITS: tl.constexpr, DECODE: tl.const
             v += ((((word[:, None, :] >> (4 * j)) & 15) - 8).to(tl.float32) * 0.5) / RATIO
         if BITS == 4:
             v += _e8p_point((c >> 16) & 0xFFFF, cb_ptr, j) / RATIO
-        return tl.reshape(v, (BLOCK_K, BLOCK_N))
-    if DECODE == 1:
+        values = tl.reshape(v, (BLOCK_K, BLOCK_N))
+    elif DECODE == 1:
         q3 = tl.reshape(q, (BLOCK_K // 8, 8, BLOCK_N))
         last = (tl.arange(0, 8) == 7)[None, :, None]
         q7 = tl.sum(tl.where(last, q3, 0), axis=1)
@@ -64,28 +71,42 @@ def _decode(q, cb_ptr, mask, OFFSET, RATIO, BITS: tl.constexpr, DECODE: tl.const
         parity = (tl.sum(q3, axis=1) - coset) & 1
         k = tl.where(last, ((q7 - coset) | parity)[:, None, :], q3)
         v = k.to(tl.float32) + (OFFSET - (1 << (BITS - 1))) + 0.5 * coset.to(tl.float32)[:, None, :]
-        return tl.reshape(v, (BLOCK_K, BLOCK_N))
-    return tl.load(cb_ptr + q, mask=mask, other=0.0)
+        values = tl.reshape(v, (BLOCK_K, BLOCK_N))
+    else:
+        values = tl.load(cb_ptr + q)
+    return values
 
 
 @triton.jit
-def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, KW, OFFSET, RATIO,
-                    BITS: tl.constexpr, DECODE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, KW, GS, SPLIT_K,
+                    OFFSET, RATIO, BITS: tl.constexpr, DECODE: tl.constexpr, UNIFORM: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = pid // grid_n, pid % grid_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
+    # This program's K slice: whole BLOCK_K tiles (triton_gptq's split-K, reduced in store_tile).
+    tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_begin = pid_k * tiles_per_split * BLOCK_K
+    k_end = tl.minimum(K, k_begin + tiles_per_split * BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
+        # Codes past K (zero-padded words) meet x = 0; codes past N are 0, a valid index, and never stored.
+        q = tile_codes(c_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS, BLOCK_K, BLOCK_N, False)
+        if UNIFORM:  # the tile lies in one group: one row of scales
+            s = tl.load(s_ptr + (k0 // GS) * N + offs_n, mask=n_mask, other=0.0)[None, :]
+        else:
+            g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
+            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        mask = k_mask[:, None] & n_mask[None, :]
-        q = packed_codes(c_ptr + offs_n[None, :], offs_k[:, None], N, mask, KW, BITS)
-        g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
-        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
-        w = round_to(_decode(q, cb_ptr, mask, OFFSET, RATIO, BITS, DECODE, BLOCK_K, BLOCK_N) * s.to(tl.float32),
+        w = round_to(_decode(q, cb_ptr, OFFSET, RATIO, BITS, DECODE, BLOCK_K, BLOCK_N) * s.to(tl.float32),
                      x.dtype, INTERPRETER)
         if INTERPRETER:  # its tl.dot mishandles bf16 (numpy has none); the fp32 upcast is exact
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -93,10 +114,8 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, M, N, K, K
             acc += tl.dot(x, w, input_precision="ieee")
         else:
             acc += tl.dot(x, w)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :],
-             round_to(acc, y_ptr.dtype.element_ty, INTERPRETER), mask=m_mask[:, None] & n_mask[None, :])
+    store_tile(y_ptr, b_ptr, ws_ptr, lock_ptr, acc, offs_m, offs_n, m_mask, n_mask, M, N, N, pid, pid_k, SPLIT_K,
+               HAS_BIAS, INTERPRETER)
 
 
 VARIANTS = {"table": TABLE, "lattice": LATTICE, "e8p": E8P}
@@ -127,12 +146,40 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    block_m = 16 if m <= 16 else 64
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+    block_m, block_n, block_k, warps = tile_for(m)
+    uniform, gs = group_layout(g_idx, scales.shape[0])
+    uniform = uniform and gs % block_k == 0
+    splits, partials, counters = _split(m, n, k, num_sms(x.device))
+    ws, locks = workspace(x.device, partials, counters)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), splits)
     with on_device(x):
         codebook_kernel[grid](x, codes, scales, g_idx.to(torch.int32), table.contiguous(),
-                              bias if bias is not None else scales, y, m, n, k, kw, float(decode.offset),
-                              float(decode.ratio), BITS=bits, DECODE=variant, HAS_BIAS=bias is not None,
-                              IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32,
-                              INTERPRETER=not x.is_cuda)
+                              bias if bias is not None else scales, y, ws, locks, m, n, k, kw, gs if uniform else 1,
+                              splits, float(decode.offset), float(decode.ratio), BITS=bits, DECODE=variant,
+                              UNIFORM=uniform, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=not x.is_cuda,
+                              num_warps=warps)
     return y
+
+
+def _split(m, n, k, sms):
+    """(K slices, fp32 partials, tile counters) of an [m, n, k] launch: no workspace without split-K."""
+    block_m, block_n, block_k, _ = tile_for(m)
+    splits = split_k(m, n, k, block_m, block_n, block_k, sms, WAVES)
+    if splits == 1:
+        return 1, 0, 0
+    return splits, splits * m * n, triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+
+
+@functools.lru_cache(maxsize=256)
+def workspace_bound(n, k, sms):
+    """(partials, counters): the most any M asks of an [n, k] layer (triton_gptq_ops.workspace_bound's reasoning:
+    M = 16, and the multiples of 64 until the tiles fill the SMs WAVES times)."""
+    needs = [_split(m, n, k, sms)[1:] for m in [16] + list(range(64, 64 * sms * WAVES + 1, 64))]
+    return tuple(map(max, zip(*needs)))
+
+
+def tile_for(m):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps): 16-row mma.sync tiles while M is small (split-K fills the GPU),
+    64-row tiles above. Not autotuned: untimed on a GPU, so fixed until a GPU run picks (docs/BENCHMARKS.md)."""
+    return (16, 64, 64, 4) if m <= 16 else (64, 64, 64, 4)

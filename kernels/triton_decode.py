@@ -1,4 +1,4 @@
-"""Device helpers shared by the GPTQ Triton kernels: packed codes -> integers -> weights.
+"""Device helpers shared by the Triton kernels: packed codes -> integers -> weights, and the output tile.
 
 Layout (see quantkit.checkpoint.gptq): qweight int32 [KW = packed_len(K, bits), N], codes along K, LSB
 first; qzeros int32 [G, packed_len(N, bits)] packed along N (stores zero - zero_offset); scales fp16
@@ -144,3 +144,35 @@ def round_to(v, dtype: tl.constexpr, INTERPRETER: tl.constexpr):
 def f16_bits(v):
     """int32 holding an fp16 bit pattern in its low half -> that fp16 value."""
     return v.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def store_tile(y_ptr, b_ptr, ws_ptr, lock_ptr, acc, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym, tile, pid_k,
+               SPLIT_K, HAS_BIAS: tl.constexpr, INTERPRETER: tl.constexpr):
+    """Write an output tile's fp32 sum acc (+ bias) as y's dtype; under split-K (SPLIT_K > 1, this program's
+    K slice pid_k) reduce the slices inside the launch: each program stores its partial in ws, bumps the
+    tile's counter, and the last to arrive sums the partials in slice order (deterministic), writes the
+    tile and resets the counter for the next launch (no memset)."""
+    out_offs = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        _store_output(y_ptr, b_ptr, acc, out_offs, offs_n, n_mask, out_mask, HAS_BIAS, INTERPRETER)
+    else:
+        part = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + pid_k * M * N + part, acc, mask=out_mask)
+        tl.debug_barrier()                                  # every thread's partial is stored ...
+        arrived = tl.atomic_add(lock_ptr + tile, 1)         # ... before the (acq_rel) count
+        if arrived == SPLIT_K - 1:                          # last slice of this tile to finish
+            total = tl.zeros_like(acc)
+            for s in range(SPLIT_K):                        # fixed order: deterministic result
+                total += tl.load(ws_ptr + s * M * N + part, mask=out_mask, other=0.0, cache_modifier=".cg")
+            _store_output(y_ptr, b_ptr, total, out_offs, offs_n, n_mask, out_mask, HAS_BIAS, INTERPRETER)
+            tl.atomic_xchg(lock_ptr + tile, 0)              # ready for the next launch
+
+
+@triton.jit
+def _store_output(y_ptr, b_ptr, acc, out_offs, offs_n, n_mask, out_mask, HAS_BIAS: tl.constexpr,
+                  INTERPRETER: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + out_offs, round_to(acc, y_ptr.dtype.element_ty, INTERPRETER), mask=out_mask)

@@ -34,7 +34,7 @@ Measured on H100 and what limits each path: docs/BENCHMARKS.md.
 import triton
 import triton.language as tl
 
-from quantkit.kernels.triton_decode import (dequant, group_params, group_row, in_range, load_words, round_to,
+from quantkit.kernels.triton_decode import (dequant, group_params, group_row, in_range, load_words, store_tile,
                                             tile_codes, x_by_code)
 from quantkit.kernels.triton_gemv import gemv_tile, gemv_tile_half2
 
@@ -114,22 +114,8 @@ def _gptq_matmul_kernel(
     if BLOCK_M == 1:
         acc = tl.reshape(tl.sum(acc2, axis=0), (1, BLOCK_N))
 
-    out_offs = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        _store_output(y_ptr, b_ptr, acc, out_offs, offs_n, n_mask, out_mask, HAS_BIAS, INTERPRETER)
-    else:
-        tile = pid_m * grid_n + pid_n
-        part = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptr + pid_k * M * N + part, acc, mask=out_mask)
-        tl.debug_barrier()                                  # every thread's partial is stored ...
-        arrived = tl.atomic_add(lock_ptr + tile, 1)         # ... before the (acq_rel) count
-        if arrived == SPLIT_K - 1:                          # last slice of this tile to finish
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(SPLIT_K):                        # fixed order: deterministic result
-                total += tl.load(ws_ptr + s * M * N + part, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _store_output(y_ptr, b_ptr, total, out_offs, offs_n, n_mask, out_mask, HAS_BIAS, INTERPRETER)
-            tl.atomic_xchg(lock_ptr + tile, 0)              # ready for the next launch
+    store_tile(y_ptr, b_ptr, ws_ptr, lock_ptr, acc, offs_m, offs_n, m_mask, n_mask, M, N, stride_ym,
+               pid_m * grid_n + pid_n, pid_k, SPLIT_K, HAS_BIAS, INTERPRETER)
 
 
 @triton.jit
@@ -137,14 +123,6 @@ def _dot(x, w, acc, INTERPRETER: tl.constexpr):
     if INTERPRETER:  # its tl.dot mishandles bf16 (numpy has none); the fp32 upcast is exact
         return tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(x, w, acc)
-
-
-@triton.jit
-def _store_output(y_ptr, b_ptr, acc, out_offs, offs_n, n_mask, out_mask, HAS_BIAS: tl.constexpr,
-                  INTERPRETER: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + out_offs, round_to(acc, y_ptr.dtype.element_ty, INTERPRETER), mask=out_mask)
 
 
 def split_k(m, n, k, block_m, block_n, block_k, num_sms, waves):

@@ -19,7 +19,7 @@ DECODE_MAX_M = 16     # M up to this is memory-bound: decode launch shape
 _MIN_BLOCK_K = 32     # smallest BLOCK_K in the configs; uniform mode needs it to divide the group size
 _ONE_GROUP = 1 << 30  # group size for a single group (-1): a multiple of every BLOCK_K
 _INTERPRETER_SMS = 4  # pretend SM count on CPU, small so interpreter runs still exercise split-K
-_WORKSPACES = {}      # (device, stream) -> (fp32 partials, int32 tile counters); counters reset themselves
+_WORKSPACES = {}      # device -> (fp32 partials, int32 tile counters); counters reset themselves
 _NUM_SMS = {}
 
 
@@ -91,7 +91,7 @@ def check_layer(x, qweight, qzeros, scales, g_idx, bits, k, bias, zero_offset):
     check_packed(qweight, qzeros, scales, g_idx, bits, k, zero_offset, bias, x.device, "x")
 
 
-def _num_sms(device):
+def num_sms(device):
     if device.type != "cuda":
         return _INTERPRETER_SMS
     if device not in _NUM_SMS:
@@ -99,16 +99,38 @@ def _num_sms(device):
     return _NUM_SMS[device]
 
 
-def _workspace(device, partials, counters):
-    """Cached per (device, stream): launches on one stream run in order, so they may share it."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    ws, locks = _WORKSPACES.get((device, stream), (None, None))
+def workspace(device, partials, counters):
+    """The split-K scratch of a device, grown on demand: every launch there shares it, as launches on one stream
+    run in order (quantkit's layers run on one stream at a time). Under CUDA graphs it must not grow: memory
+    allocated while torch.compile's CUDA-graph trees warm up lands in their pool, and a tensor left alive there is
+    an error, so the layers reserve what their shapes can ask for when they move to the GPU (reserve_workspace)."""
+    ws, locks = _WORKSPACES.get(device, (None, None))
     if ws is None or ws.numel() < partials:
         ws = torch.empty(max(partials, 1), dtype=torch.float32, device=device)
     if locks is None or locks.numel() < counters:
         locks = torch.zeros(max(counters, 1), dtype=torch.int32, device=device)
-    _WORKSPACES[(device, stream)] = (ws, locks)
+    _WORKSPACES[device] = (ws, locks)
     return ws, locks
+
+
+def reserve_workspace(device, n, k):
+    """Grow the device's workspace to the most any M asks of an [n, k] layer, GPTQ or codebook (a CUDA device)."""
+    from quantkit.kernels.triton_codebook import workspace_bound as codebook_bound  # it imports this module
+
+    sms = num_sms(device)
+    workspace(device, *map(max, zip(workspace_bound(n, k, sms), codebook_bound(n, k, sms))))
+
+
+@functools.lru_cache(maxsize=256)
+def workspace_bound(n, k, sms):
+    """(partials, counters): the most any M and any tuned config asks of an [n, k] layer. Split-K stops once the
+    tiles fill the GPU, and for a fixed number of row tiles the need grows with M, so the M that matter are 1, 16
+    and the multiples of 16 (every BLOCK_M divides them) up to where the largest tiles fill the SMs."""
+    size = _workspace_size.__wrapped__  # not through its cache, which holds the shapes that run
+    bounds = [size(1, n, k, _TUNED[1][1], None, sms), size(16, n, k, _TUNED[16][1], 16, sms)]
+    largest_m = max(dict(c)["BLOCK_M"] for c in _TUNED[0][1]) * sms
+    bounds += [size(m, n, k, _TUNED[0][1], None, sms) for m in range(32, largest_m + 1, 16)]
+    return tuple(map(max, zip(*bounds)))
 
 
 def _m_bucket(m):
@@ -145,23 +167,23 @@ def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, in_features, bias=None,
         config = {"BLOCK_M": 1 if gemv else 16, **config}
     elif decode and not gemv:           # tl.dot needs 16 rows; M = 1's tuned configs name their own BLOCK_M
         meta["BLOCK_M"] = 16
-    num_sms = _num_sms(x.device)
+    sms = num_sms(x.device)
     if config is not None:
         kernel = untuned_kernel
         uniform = uniform and gs % config["BLOCK_K"] == 0
-        sizes = _workspace_size(m, n, k, (tuple(config.items()),), meta.get("BLOCK_M"), num_sms)
+        sizes = _workspace_size(m, n, k, (tuple(config.items()),), meta.get("BLOCK_M"), sms)
     else:
         kernel, configs = _TUNED[1 if gemv else 16 if decode else 0]
-        sizes = _workspace_size(m, n, k, configs, meta.get("BLOCK_M"), num_sms)
+        sizes = _workspace_size(m, n, k, configs, meta.get("BLOCK_M"), sms)
     meta["UNIFORM"] = uniform
-    ws, locks = _workspace(x.device, *sizes)
+    ws, locks = workspace(x.device, *sizes)
     grid = lambda a: (triton.cdiv(m, a["BLOCK_M"]) * triton.cdiv(n, a["BLOCK_N"]), a["SPLIT_K"])  # noqa: E731
     with on_device(x):
         kernel[grid](
             x_ptr=x, qw_ptr=qweight, qz_ptr=qzeros, s_ptr=scales, g_ptr=g_idx,
             b_ptr=bias if bias is not None else y, y_ptr=y, ws_ptr=ws, lock_ptr=locks,
             M=m, N=n, K=k, KW=qweight.shape[0], NW=qzeros.shape[1], GS=gs if uniform else 1,
-            stride_xm=x.stride(0), stride_ym=y.stride(0), M_BUCKET=_m_bucket(m), NUM_SMS=num_sms,
+            stride_xm=x.stride(0), stride_ym=y.stride(0), M_BUCKET=_m_bucket(m), NUM_SMS=sms,
             **meta, **(config or {}))
     return y
 
@@ -194,3 +216,4 @@ def use_m1_configs(configs):
     m1_kernel.configs = list(configs)
     m1_kernel.cache.clear()
     _TUNED[1] = (m1_kernel, _items(configs))
+    workspace_bound.cache_clear()

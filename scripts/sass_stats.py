@@ -28,9 +28,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from quantkit.kernels import triton_dequant, triton_gptq  # noqa: E402
+from quantkit.kernels import triton_codebook, triton_dequant, triton_gptq, triton_rotation  # noqa: E402
 
-KINDS = ("m1", "m1h2", "decode", "gemm", "dequant")
+KINDS = ("m1", "m1h2", "decode", "gemm", "dequant", "codebook", "rotate")
+MATMULS = ("m1", "m1h2", "decode", "gemm")  # the GPTQ kernel's launch kinds
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
 _PREDICATE = re.compile(r"^@!?U?P\w+\s+")
@@ -108,6 +109,38 @@ def _dequant_launch(config, _, bits):
     return triton_dequant._dequant_kernel, sig, const, list(sig)
 
 
+def _codebook_launch(config, _, bits):
+    kw = config.kwargs
+    variant = triton_codebook.VARIANTS[kw["VARIANT"]]
+    sig = {n: "*fp16" for n in ("x_ptr", "s_ptr", "b_ptr", "y_ptr")}
+    sig.update({n: "*i32" for n in ("c_ptr", "g_ptr", "lock_ptr")}, ws_ptr="*fp32",
+               cb_ptr="*i32" if variant == triton_codebook.E8P else "*fp32")
+    sig.update({n: "i32" for n in ("M", "N", "K", "KW", "GS", "SPLIT_K")}, OFFSET="fp32", RATIO="fp32")
+    const = dict(BITS=bits, DECODE=variant, UNIFORM=True, HAS_BIAS=False, IEEE=False, BLOCK_M=kw["BLOCK_M"],
+                 BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"], INTERPRETER=False)
+    return triton_codebook.codebook_kernel, sig, const, [n for n in sig if n.endswith("_ptr")] + ["N", "K", "KW", "GS"]
+
+
+def _rotate_launch(config, _, bits):
+    kw = config.kwargs
+    sig = {"x_ptr": "*fp16", "s_ptr": "*fp32", "y_ptr": "*fp16", "M": "i32", "N": "i32", "scale": "fp32"}
+    const = dict(B=kw["B"], LOG_B=kw["B"].bit_length() - 1, BLOCK_M=kw["BLOCK_M"])
+    return triton_rotation._rotate_kernel, sig, const, ["x_ptr", "s_ptr", "y_ptr", "N"]
+
+
+def _codebook_configs():
+    """Each decode variant on both of triton_codebook's tiles (M <= 16 and above); --bits picks the code width."""
+    tiles = {triton_codebook.tile_for(m) for m in (1, 17)}
+    return [triton.Config(dict(VARIANT=v, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=3)
+            for v in triton_codebook.VARIANTS for bm, bn, bk, w in sorted(tiles)]
+
+
+def _rotate_configs():
+    """The tiles rotate_triton launches for many rows, from the smallest Hadamard block to the largest."""
+    return [triton.Config(dict(B=b, BLOCK_M=bm), num_warps=w, num_stages=3)
+            for b, bm, w in (triton_rotation.tile_for(b, 1 << 16) for b in (32, 128, 1024, 4096))]
+
+
 # kind -> (configs, how to build the launch, BLOCK_M fixed by the launch kind or None)
 LAUNCHES = {
     "m1": (triton_gptq.M1_CONFIGS, _matmul_launch, 1),
@@ -115,6 +148,8 @@ LAUNCHES = {
     "decode": (triton_gptq.DECODE_CONFIGS, _matmul_launch, 16),
     "gemm": (triton_gptq.GEMM_CONFIGS, _matmul_launch, None),
     "dequant": (triton_dequant.DEQUANT_CONFIGS, _dequant_launch, None),
+    "codebook": (_codebook_configs(), _codebook_launch, None),
+    "rotate": (_rotate_configs(), _rotate_launch, None),
 }
 
 
@@ -122,11 +157,21 @@ def unique_configs(kind, bits=4):
     """The kind's configs for `bits`, once per compiled variant (WAVES only changes the launch grid)."""
     seen = {}
     for c in LAUNCHES[kind][0]:
-        if kind != "dequant" and not triton_gptq.fits_bits(c, bits):
+        if kind in MATMULS and not triton_gptq.fits_bits(c, bits):
             continue
-        key = (c.kwargs.get("BLOCK_M"), c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+        key = (tuple((k, v) for k, v in c.kwargs.items() if k != "WAVES"), c.num_warps, c.num_stages)
         seen.setdefault(key, c)
     return list(seen.values())
+
+
+def tile_name(config):
+    """The compiled variant in a few characters: its tile (BLOCK M x N x K, or the rotation's rows x block) and
+    the codebook decode."""
+    kw = config.kwargs
+    if "B" in kw:
+        return f"{kw['BLOCK_M']} x {kw['B']}"
+    tile = f"{kw.get('BLOCK_M', '-')} x {kw['BLOCK_N']} x {kw['BLOCK_K']}"
+    return f"{kw['VARIANT']} {tile}" if "VARIANT" in kw else tile
 
 
 def loop_stats(kind, config, arch=90, bits=4, dump=None):
@@ -135,14 +180,18 @@ def loop_stats(kind, config, arch=90, bits=4, dump=None):
     fn, sig, const, aligned = build(config, block_m, bits)
     sig = {**sig, **{k: "constexpr" for k in const}}
     sass = compile_sass(fn, sig, const, aligned, config.num_warps, config.num_stages, arch)
-    name = f"{kind}_b{bits}_m{const.get('BLOCK_M', '')}_n{const['BLOCK_N']}_k{const['BLOCK_K']}_w{config.num_warps}"
+    name = f"{kind}_b{bits}_{tile_name(config).replace(' ', '')}_w{config.num_warps}"
     if dump:
         os.makedirs(dump, exist_ok=True)
         with open(os.path.join(dump, name + f"_sm{arch}.sass"), "w") as f:
             f.write(sass)
-    loop = main_loop(sass) or whole_kernel(sass)   # the dequantize kernel has no loop: one tile per program
+    loop = main_loop(sass) or whole_kernel(sass)   # the dequantize and rotation kernels have no K loop
     ops = opcode_counts(loop)
-    per_thread = const["BLOCK_N"] * const["BLOCK_K"] / (32 * config.num_warps)   # weights per thread per trip
+    if kind == "rotate":   # no loop over K: per element, and the butterflies unroll into the whole kernel
+        loop = whole_kernel(sass)
+        per_thread = const["BLOCK_M"] * const["B"] / (32 * config.num_warps)
+    else:                  # weights per thread per trip
+        per_thread = const["BLOCK_N"] * const["BLOCK_K"] / (32 * config.num_warps)
     return dict(name=name, block_m=const.get("BLOCK_M"), instructions=len(loop), weights_per_thread=per_thread,
                 per_weight=len(loop) / per_thread, ldg=ops["LDG"], shared=sum(ops[o] for o in SHARED),
                 spills=sum(ops[o] for o in SPILLS), i2f=ops["I2F"], mma=ops["HMMA"] + ops["HGMMA"])
@@ -161,7 +210,8 @@ def problems(kind, stats):
         found.append(f"{stats['shared']} shared-memory instructions (a layout conversion of the tile)")
     if fma_loop and stats["i2f"]:
         found.append(f"{stats['i2f']} I2F conversions")
-    if (kind in ("decode", "gemm") or stats["block_m"] == 16) and not stats["mma"]:
+    dot = kind in ("decode", "gemm", "codebook") or (kind.startswith("m1") and stats["block_m"] == 16)
+    if dot and not stats["mma"]:
         found.append("no tensor-core MMA")
     return [f"{stats['name']}: {p}" for p in found]
 
@@ -183,17 +233,18 @@ def main():
               file=sys.stderr)
         sys.exit(NO_TOOLS)
     print(f"K-loop SASS statistics, sm_{args.arch}, {args.bits}-bit g128 sym fp16 (triton {triton.__version__})\n")
-    print("| kind | BLOCK M x N x K | warps | stages | loop instr | weights/thread | instr/weight | LDG |"
+    print("| kind | tile: BLOCK M x N x K (rotate: rows x block) | warps | stages | loop instr | weights/thread | instr/weight | LDG |"
           " shared mem ops | spills | I2F | MMA |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     failures = []
     for kind in args.kind:
         if kind.startswith("m1") and args.bits == 3:   # no such launch: 3-bit M = 1 runs the decode shape
             continue
+        if kind == "codebook" and args.bits not in (2, 3, 4):   # the widths E8P decodes (and TurboQuant's)
+            continue
         for c in unique_configs(kind, args.bits):
             s = loop_stats(kind, c, args.arch, args.bits, args.dump)
-            bm = s["block_m"] or "-"
-            print(f"| {kind} | {bm} x {c.kwargs['BLOCK_N']} x {c.kwargs['BLOCK_K']} | {c.num_warps} | "
+            print(f"| {kind} | {tile_name(c)} | {c.num_warps} | "
                   f"{c.num_stages} | {s['instructions']} | {s['weights_per_thread']:.0f} | {s['per_weight']:.2f} | "
                   f"{s['ldg']} | {s['shared']} | {s['spills']} | {s['i2f']} | {s['mma']} |", flush=True)
             failures += problems(kind, s)

@@ -456,6 +456,25 @@ def test_workspace_covers_every_tuned_config(m, n, k):
 
 
 @pytest.mark.skipif(triton_gptq_ops is None, reason="triton unavailable")
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (576, 1536), (128, 256)])
+def test_the_reserved_workspace_covers_every_m(n, k):
+    """Under CUDA graphs the workspace must not grow after the layers reserve it (triton_gptq_ops.workspace): the
+    bound, taken at a few M, must cover every M of every launch kind, GPTQ and codebook, on an H100's 132 SMs."""
+    from quantkit.kernels import triton_codebook
+
+    gptq_bound = triton_gptq_ops.workspace_bound(n, k, 132)
+    codebook_bound = triton_codebook.workspace_bound(n, k, 132)
+    for m in range(1, 64 * 132 * triton_codebook.WAVES + 65):  # past the last M that splits, for both
+        kind = 1 if m == 1 else 16 if m <= triton_gptq_ops.DECODE_MAX_M else 0
+        _, configs = triton_gptq_ops._TUNED[kind]
+        need = triton_gptq_ops._workspace_size.__wrapped__(m, n, k, configs, 16 if kind == 16 else None, 132)
+        assert need[0] <= gptq_bound[0] and need[1] <= gptq_bound[1], m
+        _, partials, counters = triton_codebook._split(m, n, k, 132)
+        assert partials <= codebook_bound[0] and counters <= codebook_bound[1], m
+    assert gptq_bound[0] > 0 and codebook_bound[0] > 0  # both split at M = 1 on these shapes
+
+
+@pytest.mark.skipif(triton_gptq_ops is None, reason="triton unavailable")
 def test_use_m1_configs_swaps_candidates_and_resizes_the_workspace():
     from quantkit.kernels import triton_gptq
 

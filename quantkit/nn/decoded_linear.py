@@ -19,7 +19,7 @@ from quantkit.core import bitpack, strips
 from quantkit.core.groups import group_width, is_plain
 from quantkit.core.matmul import linear
 from quantkit.kernels.codebook import codebook_linear, decode_table, decode_weight, lookup_columns, lookup_of
-from quantkit.kernels.dispatch import choose_backend
+from quantkit.kernels.dispatch import choose_backend, reserve_workspace
 from quantkit.nn.quant_linear import add_rotation, buffers_key, rotate_input
 from quantkit.schemes.base import param_dtype
 
@@ -89,4 +89,7 @@ class DecodedLinear(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         self.__dict__.pop("_weight_cache", None)
-        return super()._apply(fn, *args, **kwargs)
+        moved = super()._apply(fn, *args, **kwargs)
+        if self.kernel is not None:
+            reserve_workspace(self.codes.device, self.out_features, self.in_features)
+        return moved

@@ -13,7 +13,7 @@ from torch import nn
 from quantkit.core import bitpack, gptq_layout, strips
 from quantkit.core.gptq_layout import V1_ZERO_OFFSET
 from quantkit.core.groups import group_width, is_plain, n_groups
-from quantkit.kernels.dispatch import choose_backend, gptq_linear_op
+from quantkit.kernels.dispatch import choose_backend, gptq_linear_op, reserve_workspace
 from quantkit.kernels.reference import dequantize_weight, linear_dequantized
 from quantkit.kernels.rotation import rotate_activations
 
@@ -117,4 +117,6 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         self.clear_cache()
-        return super()._apply(fn, *args, **kwargs)
+        moved = super()._apply(fn, *args, **kwargs)
+        reserve_workspace(self.qweight.device, self.out_features, self.in_features)
+        return moved
