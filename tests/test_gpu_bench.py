@@ -35,7 +35,7 @@ def test_the_dry_run_goes_through_every_part(tmp_path):
     assert {r["format"] for r in formats["rows"]} == {"int4-asym", "int3", "int8", "int4-rotated", "turboquant4",
                                                       "turboquant3", "e8p2"}
     generate = json.loads((tmp_path / "generate.json").read_text())["rows"]
-    assert [r["model"] for r in generate] == ["fp32", "int4 g128", "turboquant w4", "e8p w2"]
+    assert [r["model"] for r in generate] == ["fp32", "int4 g128", "e8p w2", "turboquant w4"]
     calibration = json.loads((tmp_path / "calibration.json").read_text())["rows"]
     methods = ["gptq", "awq", "turboquant+gptq", "e8+gptq"]
     assert [r["method"] for r in calibration] == methods * 2
