@@ -58,9 +58,12 @@ def reserve_workspace(device: torch.device, out_features: int, in_features: int)
     """A layer of this shape now lives on `device`: on a GPU, its split-K scratch is allocated at once, outside any
     CUDA-graph memory pool (triton_gptq_ops.workspace says why)."""
     if device.type == "cuda" and triton_available():
-        from quantkit.kernels.triton_gptq_ops import reserve_workspace as reserve
+        from quantkit.kernels import triton_codebook, triton_gptq_ops
 
-        reserve(device, out_features, in_features)
+        sms = triton_gptq_ops.num_sms(device)
+        bounds = (triton_gptq_ops.workspace_bound(out_features, in_features, sms),
+                  triton_codebook.workspace_bound(out_features, in_features, sms))
+        triton_gptq_ops.workspace(device, *map(max, zip(*bounds)))
 
 
 def choose_path(m, path=None):

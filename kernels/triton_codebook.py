@@ -1,11 +1,13 @@
 """Triton kernel of the codebook dequant-GEMM (kernels/codebook.py): codes -> values -> tl.dot.
 
-One program per [BLOCK_M, BLOCK_N] output tile walks K in BLOCK_K steps: it loads the x tile, extracts
-the codes of the K x N weight tile from the packed words, decodes them (_decode: a lookup in the codebook,
-2^bits cache-resident floats, the E8 lattice point of each 8 codes, or the E8P point of each 8 codes through a
-256-entry int32 table), multiplies by the group scales, rounds once to x's dtype (as the reference does) and
-accumulates x·Ŵᵀ in fp32 on the tensor cores. Correct for every M, K and group layout; its GPU speed is
-not measured yet (docs/BENCHMARKS.md).
+Each program takes a [BLOCK_M, BLOCK_N] output tile and one K slice of it (split-K while the tiles alone do not
+fill the GPU, reduced inside the launch by triton_decode.store_tile, as in the GPTQ kernel). It walks its slice in
+BLOCK_K steps: it loads the x tile, reads each packed word of the K x N weight tile once and shifts its codes out
+(triton_decode.tile_codes), decodes them (_decode: a lookup in the codebook, 2^bits cache-resident floats, the E8
+lattice point of each 8 codes, or the E8P point of each 8 codes through a 256-entry int32 table), multiplies by the
+group scales (one row per tile where g_idx is plain and BLOCK_K divides the group), rounds once to x's dtype (as the
+reference does) and accumulates x·Ŵᵀ in fp32 on the tensor cores. Correct for every M, K and group layout.
+Timed once on an H100 before split-K and the word loads, at 0.06-0.13x fp16 (docs/BENCHMARKS.md); not since.
 """
 import functools
 

@@ -103,7 +103,8 @@ def workspace(device, partials, counters):
     """The split-K scratch of a device, grown on demand: every launch there shares it, as launches on one stream
     run in order (quantkit's layers run on one stream at a time). Under CUDA graphs it must not grow: memory
     allocated while torch.compile's CUDA-graph trees warm up lands in their pool, and a tensor left alive there is
-    an error, so the layers reserve what their shapes can ask for when they move to the GPU (reserve_workspace)."""
+    an error, so the layers reserve what their shapes can ask for when they move to the GPU
+    (dispatch.reserve_workspace)."""
     ws, locks = _WORKSPACES.get(device, (None, None))
     if ws is None or ws.numel() < partials:
         ws = torch.empty(max(partials, 1), dtype=torch.float32, device=device)
@@ -111,14 +112,6 @@ def workspace(device, partials, counters):
         locks = torch.zeros(max(counters, 1), dtype=torch.int32, device=device)
     _WORKSPACES[device] = (ws, locks)
     return ws, locks
-
-
-def reserve_workspace(device, n, k):
-    """Grow the device's workspace to the most any M asks of an [n, k] layer, GPTQ or codebook (a CUDA device)."""
-    from quantkit.kernels.triton_codebook import workspace_bound as codebook_bound  # it imports this module
-
-    sms = num_sms(device)
-    workspace(device, *map(max, zip(workspace_bound(n, k, sms), codebook_bound(n, k, sms))))
 
 
 @functools.lru_cache(maxsize=256)

@@ -534,3 +534,21 @@ def test_launches_run_on_their_tensors_gpu(monkeypatch):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and id(node) not in guarded:
                 unguarded.append(f"{path.name}:{node.lineno}")
     assert not unguarded, unguarded
+
+
+def test_layers_reserve_the_split_k_workspace_when_they_move(monkeypatch):
+    """QuantLinear and a kernel-decoded DecodedLinear ask for their shape's workspace whenever they move (on a GPU
+    that allocates it before any CUDA graph is captured; on the CPU the call does nothing)."""
+    from quantkit.nn import decoded_linear, quant_linear
+    from quantkit.schemes.turboquant import TurboQuant
+
+    calls = []
+    for module in (quant_linear, decoded_linear):
+        monkeypatch.setattr(module, "reserve_workspace", lambda device, n, k: calls.append((device.type, n, k)))
+    QuantLinear(64, 48, 4, 32, bias=False).to("cpu")
+    decoded_linear.DecodedLinear(96, 40, TurboQuant(4, 32), 32, 3, bias=False, dtype=torch.float32).to("cpu")
+    assert calls == [("cpu", 48, 64), ("cpu", 40, 96)]
+    before = dict(getattr(triton_gptq_ops, "_WORKSPACES", {}))
+    monkeypatch.undo()
+    QuantLinear(64, 48, 4, 32, bias=False).to("cpu")
+    assert dict(getattr(triton_gptq_ops, "_WORKSPACES", {})) == before
