@@ -24,6 +24,7 @@ from quantkit.core import bitpack
 from quantkit.core.groups import per_column, row_groups
 from quantkit.kernels.dispatch import choose_backend
 from quantkit.kernels.reference import linear_dequantized
+from quantkit.schemes.base import KernelDecode
 
 
 def decode_table(decode, device=None) -> torch.Tensor:
@@ -122,10 +123,28 @@ def codebook_linear(x, codes, scales, g_idx, table, quantizer, in_features, bias
     backend "auto" | "triton" | "torch" (see dispatch.py)."""
     if choose_backend(x, quantizer.code_bits, backend) == "torch":
         return codebook_linear_torch(x, codes, scales, g_idx, quantizer, in_features, bias)
-    from quantkit.kernels.triton_codebook import codebook_matmul  # triton imports only where it runs
-
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"x must be [..., in_features={in_features}], got {tuple(x.shape)}")
-    y = codebook_matmul(x.reshape(-1, in_features).contiguous(), codes, scales, g_idx, table, quantizer.code_bits,
-                        quantizer.kernel_decode, bias)
+    decode = quantizer.kernel_decode
+    y = codebook_matmul_op(x.reshape(-1, in_features).contiguous(), codes, scales, g_idx, table, quantizer.code_bits,
+                           decode.variant, float(decode.offset), float(decode.ratio), bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+# The Triton call as one opaque custom op, as torch.ops.quantkit.gptq_linear is (dispatch.py): torch.compile then
+# traces a codebook model without breaking its graph at the launch code (the g_idx check, the split-K workspace),
+# and CUDA graphs capture it.
+@torch.library.custom_op("quantkit::codebook_matmul", mutates_args=())
+def codebook_matmul_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                       table: torch.Tensor, bits: int, variant: str, offset: float, ratio: float,
+                       bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """triton_codebook.codebook_matmul of x [M, K] with the KernelDecode given by its fields."""
+    from quantkit.kernels.triton_codebook import codebook_matmul  # triton imports only where it runs
+
+    return codebook_matmul(x, codes, scales, g_idx, table, bits, KernelDecode(variant, offset=offset, ratio=ratio),
+                           bias)
+
+
+@codebook_matmul_op.register_fake
+def _codebook_matmul_fake(x, codes, scales, g_idx, table, bits, variant, offset, ratio, bias):
+    return x.new_empty((x.shape[0], scales.shape[1]))

@@ -8,7 +8,8 @@ any width works (576 = 9 x 64 -> blocks of 64). Both implementations use the fas
 transform (log2(b) butterfly stages, O(n log b)), never a dense matrix:
   torch  -> fwht / rotate / unrotate (quantkit.schemes.hadamard): the reference, any device and shape.
   triton -> triton_rotation.rotate_triton: one program per (row tile, block), the butterflies in registers.
-rotate_activations is what a quantized layer calls; its backend choice mirrors dispatch.py.
+rotate_activations is what a quantized layer calls; its backend choice mirrors dispatch.py, and the Triton call is
+the custom op torch.ops.quantkit.hadamard_rotate.
 """
 import os
 
@@ -31,7 +32,20 @@ def rotate_activations(x: torch.Tensor, signs: torch.Tensor, block: int, backend
         fits = x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
         backend = "triton" if fits and triton_available() else "torch"
     if backend == "triton":
-        from quantkit.kernels.triton_rotation import rotate_triton  # triton imports only where it runs
-
-        return rotate_triton(x, signs, block)
+        return rotate_triton_op(x, signs, block)
     return rotate(x, signs, block)
+
+
+# One opaque custom op, as the quantized GEMMs are (dispatch.py): torch.compile traces a rotated layer without the
+# launch code, and CUDA graphs capture it.
+@torch.library.custom_op("quantkit::hadamard_rotate", mutates_args=())
+def rotate_triton_op(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
+    """triton_rotation.rotate_triton(x, signs, block)."""
+    from quantkit.kernels.triton_rotation import rotate_triton  # triton imports only where it runs
+
+    return rotate_triton(x, signs, block)
+
+
+@rotate_triton_op.register_fake
+def _rotate_triton_fake(x, signs, block):
+    return torch.empty_like(x)

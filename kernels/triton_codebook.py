@@ -17,7 +17,7 @@ import triton.language as tl
 
 from quantkit.core import bitpack
 from quantkit.kernels.device import on_device
-from quantkit.kernels.triton_decode import round_to, store_tile, tile_codes
+from quantkit.kernels.triton_decode import load_words, round_to, store_tile, tile_codes, x_by_code
 from quantkit.kernels.triton_gptq import split_k
 from quantkit.kernels.triton_gptq_ops import group_layout, num_sms, workspace
 
@@ -96,28 +96,42 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, ws_ptr, lo
     k_begin = pid_k * tiles_per_split * BLOCK_K
     k_end = tl.minimum(K, k_begin + tiles_per_split * BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # 4-bit table levels with one group per tile: one tl.dot per code position of the words (rows 8j + c), as the
+    # GPTQ kernel's mma.sync tiles do, so the decoded tile is never reshaped through shared memory.
+    BY_CODE: tl.constexpr = DECODE == 0 and UNIFORM and BITS == 4 and BLOCK_M <= 32 and BLOCK_K >= 128
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        # Codes past K (zero-padded words) meet x = 0; codes past N are 0, a valid index, and never stored.
-        q = tile_codes(c_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS, BLOCK_K, BLOCK_N, False)
         if UNIFORM:  # the tile lies in one group: one row of scales
-            s = tl.load(s_ptr + (k0 // GS) * N + offs_n, mask=n_mask, other=0.0)[None, :]
+            s = tl.load(s_ptr + (k0 // GS) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         else:
             g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
-            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :],
+                        other=0.0).to(tl.float32)
         x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = round_to(_decode(q, cb_ptr, OFFSET, RATIO, BITS, DECODE, BLOCK_K, BLOCK_N) * s.to(tl.float32),
-                     x.dtype, INTERPRETER)
-        if INTERPRETER:  # its tl.dot mishandles bf16 (numpy has none); the fp32 upcast is exact
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            acc += tl.dot(x, w, input_precision="ieee")
+        # Codes past K (zero-padded words) meet x = 0; codes past N are 0, a valid index, and never stored.
+        if BY_CODE:
+            words = load_words(c_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, False)
+            xs = x_by_code(x, BITS, BLOCK_M, BLOCK_K)
+            for c in tl.static_range(32 // BITS):
+                level = tl.load(cb_ptr + ((words >> (BITS * c)) & ((1 << BITS) - 1)))
+                acc = _dot(xs[c], round_to(level * s, x.dtype, INTERPRETER), acc, IEEE, INTERPRETER)
         else:
-            acc += tl.dot(x, w)
+            q = tile_codes(c_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS, BLOCK_K, BLOCK_N, False)
+            w = round_to(_decode(q, cb_ptr, OFFSET, RATIO, BITS, DECODE, BLOCK_K, BLOCK_N) * s, x.dtype, INTERPRETER)
+            acc = _dot(x, w, acc, IEEE, INTERPRETER)
     store_tile(y_ptr, b_ptr, ws_ptr, lock_ptr, acc, offs_m, offs_n, m_mask, n_mask, M, N, N, pid, pid_k, SPLIT_K,
                HAS_BIAS, INTERPRETER)
+
+
+@triton.jit
+def _dot(x, w, acc, IEEE: tl.constexpr, INTERPRETER: tl.constexpr):
+    if INTERPRETER:  # its tl.dot mishandles bf16 (numpy has none); the fp32 upcast is exact
+        return tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    if IEEE:
+        return tl.dot(x, w, acc, input_precision="ieee")
+    return tl.dot(x, w, acc)
 
 
 VARIANTS = {"table": TABLE, "lattice": LATTICE, "e8p": E8P}
@@ -148,10 +162,11 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    block_m, block_n, block_k, warps = tile_for(m)
     uniform, gs = group_layout(g_idx, scales.shape[0])
+    by_code = variant == TABLE and bits == 4 and uniform and gs % 128 == 0
+    block_m, block_n, block_k, warps = tile_for(m, by_code)
     uniform = uniform and gs % block_k == 0
-    splits, partials, counters = _split(m, n, k, num_sms(x.device))
+    splits, partials, counters = _split(m, n, k, num_sms(x.device), by_code)
     ws, locks = workspace(x.device, partials, counters)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), splits)
     with on_device(x):
@@ -164,9 +179,9 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
     return y
 
 
-def _split(m, n, k, sms):
+def _split(m, n, k, sms, by_code=False):
     """(K slices, fp32 partials, tile counters) of an [m, n, k] launch: no workspace without split-K."""
-    block_m, block_n, block_k, _ = tile_for(m)
+    block_m, block_n, block_k, _ = tile_for(m, by_code)
     splits = split_k(m, n, k, block_m, block_n, block_k, sms, WAVES)
     if splits == 1:
         return 1, 0, 0
@@ -176,12 +191,16 @@ def _split(m, n, k, sms):
 @functools.lru_cache(maxsize=256)
 def workspace_bound(n, k, sms):
     """(partials, counters): the most any M asks of an [n, k] layer (triton_gptq_ops.workspace_bound's reasoning:
-    M = 16, and the multiples of 64 until the tiles fill the SMs WAVES times)."""
-    needs = [_split(m, n, k, sms)[1:] for m in [16] + list(range(64, 64 * sms * WAVES + 1, 64))]
-    return tuple(map(max, zip(*needs)))
+    M = 16, and the multiples of 64 until the tiles fill the SMs WAVES times), with either tile."""
+    ms = [16] + list(range(64, 64 * sms * WAVES + 1, 64))
+    return tuple(map(max, zip(*[_split(m, n, k, sms, by_code)[1:] for m in ms for by_code in (False, True)])))
 
 
-def tile_for(m):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps): 16-row mma.sync tiles while M is small (split-K fills the GPU),
-    64-row tiles above. Not autotuned: untimed on a GPU, so fixed until a GPU run picks (docs/BENCHMARKS.md)."""
-    return (16, 64, 64, 4) if m <= 16 else (64, 64, 64, 4)
+def tile_for(m, by_code=False):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps): 16-row mma.sync tiles while M is small (split-K fills the GPU), 64-row
+    tiles above; at M <= 16 the tiles by code position (4-bit table levels, groups of 128 or more) take
+    BLOCK_K = 128, so that each code position still gives tl.dot 16 rows. Not autotuned: fixed until a GPU run
+    picks (docs/BENCHMARKS.md)."""
+    if m > 16:
+        return 64, 64, 64, 4
+    return (16, 128, 128, 4) if by_code else (16, 64, 64, 4)

@@ -129,10 +129,13 @@ def _rotate_launch(config, _, bits):
 
 
 def _codebook_configs():
-    """Each decode variant on both of triton_codebook's tiles (M <= 16 and above); --bits picks the code width."""
-    tiles = {triton_codebook.tile_for(m) for m in (1, 17)}
+    """Each decode variant on triton_codebook's tiles (M <= 16 and above; for table levels also the tile by code
+    position, which 4-bit codes take); --bits picks the code width."""
+    def tiles(variant):
+        by_code = (False, True) if variant == "table" else (False,)
+        return sorted({triton_codebook.tile_for(m, b) for m in (1, 17) for b in by_code})
     return [triton.Config(dict(VARIANT=v, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=3)
-            for v in triton_codebook.VARIANTS for bm, bn, bk, w in sorted(tiles)]
+            for v in triton_codebook.VARIANTS for bm, bn, bk, w in tiles(v)]
 
 
 def _rotate_configs():

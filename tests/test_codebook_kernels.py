@@ -94,6 +94,7 @@ def test_a_codebook_layer_decodes_strip_by_strip_on_the_cpu(monkeypatch, quantiz
 
 
 CASES = [(72, 96, TurboQuant(3, 64), 64), (40, 80, TurboQuant(5, 32), 32), (64, 128, TurboQuant(4, 128), 128),
+         (48, 384, TurboQuant(4, 128), 128),  # M <= 16: by code position, three K tiles split
          (33, 160, TurboQuant(2, 64), 64), (40, 104, E8Box(2), 64), (24, 96, E8Box(3), 32), (33, 64, E8Box(4), 64),
          (40, 104, E8P(2), 64), (24, 96, E8P(3), 32), (33, 80, E8P(4), 64), (20, 40, E8P(3), -1)]
 
@@ -136,3 +137,16 @@ def test_decoded_linear_kernel_path_matches_its_cached_weight(device, quantizer)
 def test_interpreter_cases_in_fresh_process():
     """Triton was imported before this module could turn the interpreter on: rerun it in a new one."""
     rerun_with_interpreter(__file__, timeout=600)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_codebook_layer_compiles_in_one_graph(device, monkeypatch):
+    """The Triton call is one custom op (torch.ops.quantkit.codebook_matmul): fullgraph=True fails on any graph break,
+    which the launch code (the g_idx check, the split-K workspace) would cause if traced."""
+    quantizer = TurboQuant(4, 32)
+    module = decoded_linear(layer(48, 96, quantizer, 32, seed=3), quantizer).to(device)
+    monkeypatch.setenv("QUANTKIT_BACKEND", "triton")  # off CUDA this is what sends the call to the kernel
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=True)
+    for m in (1, 5):
+        x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)).to(device, torch.float16)
+        torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)

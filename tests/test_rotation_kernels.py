@@ -152,6 +152,16 @@ def test_triton_3d_and_large_block(device):
     assert torch.allclose(y.cpu(), rotate(torch.ones(4, 576), signs, 64), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_triton_rotation_compiles_in_one_graph(device):
+    """The Triton call is the custom op torch.ops.quantkit.hadamard_rotate: no graph break at its launch code."""
+    signs = random_signs(576, 3).to(device)
+    rotated = torch.compile(lambda x: rotate_activations(x, signs, 64, backend="triton") * 2, backend="aot_eager",
+                            fullgraph=True)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(3)).half().to(device)
+    assert torch.equal(rotated(x), rotate_activations(x, signs, 64, backend="triton") * 2)
+
+
 @pytest.mark.skipif(not PREIMPORTED or torch.cuda.is_available(),
                     reason="the interpreter cases already ran in this process (or a GPU runs the real ones)")
 def test_interpreter_cases_in_fresh_process():
