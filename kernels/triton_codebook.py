@@ -26,19 +26,64 @@ WAVES = 4  # split-K until the programs fill the SMs this many times over (memor
 
 
 @triton.jit
-def _e8p_point(c, tab_ptr, j):
-    """E8P points of 16-bit codes c [P, BLOCK_N] (quantkit.schemes.e8p) as [P, 8, BLOCK_N] float32; j = the
-    coordinate index as [1, 8, 1]. tab[c & 255] holds 2|a_j| at bits [4j, 4j + 4); bits 8–14 are the signs of
-    coordinates 0–6; coordinate 7 is negative when (their count + Σa) is odd; bit 15 picks −¼ over +¼."""
+def _e8p_fields(c, tab_ptr):
+    """What the coordinates of E8P points need from their 16-bit codes c [P, BLOCK_N] (quantkit.schemes.e8p), per
+    point: tab[c & 255], which holds 2|a_j| at bits [4j, 4j + 4); the 8 sign bits (bit j: coordinate j negative;
+    bits 8-14 of c are those of coordinates 0-6, and coordinate 7 is negative when their count + Σa is odd); and
+    the shift, −¼ when bit 15 is set, else +¼. Bit arithmetic on whole words instead of per-coordinate sums."""
     word = tl.load(tab_ptr + (c & 255))
-    nib = (word[:, None, :] >> (4 * j)) & 15
-    half_sum = tl.sum(nib, axis=1) >> 1                              # Σa = Σ 2|a| / 2, an integer
-    sbit = (c[:, None, :] >> (8 + j)) & 1
-    first7 = j < 7
-    last = (tl.sum(tl.where(first7, sbit, 0), axis=1) + half_sum) & 1
-    sbit = tl.where(first7, sbit, last[:, None, :])
-    shift = 0.25 - 0.5 * ((c >> 15) & 1).to(tl.float32)
-    return nib.to(tl.float32) * (0.5 - sbit.to(tl.float32)) + shift[:, None, :]
+    nibbles = (word & 0x0F0F0F0F) + ((word >> 4) & 0x0F0F0F0F)      # 4 byte sums of 2|a|, each <= 30
+    nibbles += nibbles >> 16
+    twice_sum = (nibbles + (nibbles >> 8)) & 0xFF                   # Σ 2|a_j|
+    signs = (c >> 8) & 0x7F
+    parity = signs ^ (signs >> 4)
+    parity ^= parity >> 2
+    parity ^= parity >> 1
+    signs |= ((parity + (twice_sum >> 1)) & 1) << 7
+    shift = (0x3E800000 | (((c >> 15) & 1) << 31)).to(tl.float32, bitcast=True)  # ±0.25 by its sign bit
+    return word, signs, shift
+
+
+@triton.jit
+def _e8p_coordinate(word, signs, shift, j):
+    """Coordinate j (an int, or a tensor that broadcasts) of the points of _e8p_fields: ±|a_j| + shift, in float32,
+    without an int -> float conversion: 2^23 + n is the float with n in its low mantissa bits."""
+    magnitude = (((word >> (4 * j)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) * 0.5 - 4194304.0
+    signed = magnitude.to(tl.int32, bitcast=True) ^ (((signs >> j) & 1) << 31)
+    return signed.to(tl.float32, bitcast=True) + shift
+
+
+@triton.jit
+def _e8p_point(c, tab_ptr, j):
+    """E8P points of 16-bit codes c [P, BLOCK_N] as [P, 8, BLOCK_N] float32; j = the coordinate index as [1, 8, 1]."""
+    word, signs, shift = _e8p_fields(c, tab_ptr)
+    return _e8p_coordinate(word[:, None, :], signs[:, None, :], shift[:, None, :], j)
+
+
+@triton.jit
+def _e8p_values(c, cb_ptr, RATIO, BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Unit-scale values [BLOCK_K, BLOCK_N] of the E8P points c [BLOCK_K // 8, BLOCK_N] (each the 8·BITS-bit word of
+    a point's 8 codes; _decode says what its bits mean)."""
+    j = tl.arange(0, 8)[None, :, None]
+    v = _e8p_point(c & 0xFFFF, cb_ptr, j)
+    if BITS == 3:
+        word = tl.load(cb_ptr + 256 + ((c >> 16) & 255))
+        v += ((((word[:, None, :] >> (4 * j)) & 15) - 8).to(tl.float32) * 0.5) / RATIO
+    if BITS == 4:
+        v += _e8p_point((c >> 16) & 0xFFFF, cb_ptr, j) / RATIO
+    return tl.reshape(v, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _e8p_words(words, BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The E8P points [BLOCK_K // 8, BLOCK_N] of packed words [BLOCK_K * BITS // 32, BLOCK_N] at 2 and 4 bits, where
+    points never straddle words: a 4-bit word is one point, a 2-bit word two (its low half first)."""
+    if BITS == 4:
+        points = words
+    else:
+        halves = tl.join(words & 0xFFFF, (words >> 16) & 0xFFFF)      # [words, N, 2]
+        points = tl.reshape(tl.permute(halves, (0, 2, 1)), (BLOCK_K // 8, BLOCK_N))
+    return points  # one return (see _decode)
 
 
 @triton.jit
@@ -55,16 +100,9 @@ def _decode(q, cb_ptr, OFFSET, RATIO, BITS: tl.constexpr, DECODE: tl.constexpr, 
     # One return: Triton types every return of a function together, constexpr branches included, and the
     # E8P table is int32 where the TABLE branch's load would return it.
     if DECODE == 2:
-        j = tl.arange(0, 8)[None, :, None]
         q3 = tl.reshape(q, (BLOCK_K // 8, 8, BLOCK_N))
-        c = tl.sum(q3 << (BITS * j), axis=1)                          # disjoint bit fields: the sum is the OR
-        v = _e8p_point(c & 0xFFFF, cb_ptr, j)
-        if BITS == 3:
-            word = tl.load(cb_ptr + 256 + ((c >> 16) & 255))
-            v += ((((word[:, None, :] >> (4 * j)) & 15) - 8).to(tl.float32) * 0.5) / RATIO
-        if BITS == 4:
-            v += _e8p_point((c >> 16) & 0xFFFF, cb_ptr, j) / RATIO
-        values = tl.reshape(v, (BLOCK_K, BLOCK_N))
+        c = tl.sum(q3 << (BITS * tl.arange(0, 8)[None, :, None]), axis=1)  # disjoint bit fields: the sum is the OR
+        values = _e8p_values(c, cb_ptr, RATIO, BITS, BLOCK_K, BLOCK_N)
     elif DECODE == 1:
         q3 = tl.reshape(q, (BLOCK_K // 8, 8, BLOCK_N))
         last = (tl.arange(0, 8) == 7)[None, :, None]
@@ -99,6 +137,9 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, ws_ptr, lo
     # 4-bit table levels with one group per tile: one tl.dot per code position of the words (rows 8j + c), as the
     # GPTQ kernel's mma.sync tiles do, so the decoded tile is never reshaped through shared memory.
     BY_CODE: tl.constexpr = DECODE == 0 and UNIFORM and BITS == 4 and BLOCK_M <= 32 and BLOCK_K >= 128
+    # E8P at 2 and 4 bits the same way, one tl.dot per coordinate j of the points (rows 8p + j): each coordinate is
+    # a few bit operations on its point's fields, and the points are never spread into a [P, 8, N] tensor.
+    BY_COORDINATE: tl.constexpr = DECODE == 2 and BITS != 3 and UNIFORM and BLOCK_M <= 32 and BLOCK_K >= 128
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -117,10 +158,26 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, ws_ptr, lo
             for c in tl.static_range(32 // BITS):
                 level = tl.load(cb_ptr + ((words >> (BITS * c)) & ((1 << BITS) - 1)))
                 acc = _dot(xs[c], round_to(level * s, x.dtype, INTERPRETER), acc, IEEE, INTERPRETER)
+        elif BY_COORDINATE:
+            points = _e8p_words(load_words(c_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, False), BITS, BLOCK_K,
+                                BLOCK_N)
+            xs = x_by_code(x, 4, BLOCK_M, BLOCK_K)  # 8 rows a point, as 4-bit words have 8 codes
+            word, signs, shift = _e8p_fields(points & 0xFFFF, cb_ptr)
+            if BITS == 4:
+                word2, signs2, shift2 = _e8p_fields((points >> 16) & 0xFFFF, cb_ptr)
+            for j in tl.static_range(8):
+                v = _e8p_coordinate(word, signs, shift, j)
+                if BITS == 4:
+                    v += _e8p_coordinate(word2, signs2, shift2, j) / RATIO
+                acc = _dot(xs[j], round_to(v * s, x.dtype, INTERPRETER), acc, IEEE, INTERPRETER)
         else:
-            q = tile_codes(c_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS, BLOCK_K, BLOCK_N, False)
-            w = round_to(_decode(q, cb_ptr, OFFSET, RATIO, BITS, DECODE, BLOCK_K, BLOCK_N) * s, x.dtype, INTERPRETER)
-            acc = _dot(x, w, acc, IEEE, INTERPRETER)
+            if DECODE == 2 and BITS != 3:  # whole points per word: no codes to take apart and put back together
+                words = load_words(c_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, False)
+                v = _e8p_values(_e8p_words(words, BITS, BLOCK_K, BLOCK_N), cb_ptr, RATIO, BITS, BLOCK_K, BLOCK_N)
+            else:
+                q = tile_codes(c_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS, BLOCK_K, BLOCK_N, False)
+                v = _decode(q, cb_ptr, OFFSET, RATIO, BITS, DECODE, BLOCK_K, BLOCK_N)
+            acc = _dot(x, round_to(v * s, x.dtype, INTERPRETER), acc, IEEE, INTERPRETER)
     store_tile(y_ptr, b_ptr, ws_ptr, lock_ptr, acc, offs_m, offs_n, m_mask, n_mask, M, N, N, pid, pid_k, SPLIT_K,
                HAS_BIAS, INTERPRETER)
 
@@ -163,7 +220,7 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
     if m == 0 or n == 0:
         return y
     uniform, gs = group_layout(g_idx, scales.shape[0])
-    by_code = variant == TABLE and bits == 4 and uniform and gs % 128 == 0
+    by_code = uniform and gs % 128 == 0 and (variant == TABLE and bits == 4 or variant == E8P and bits != 3)
     block_m, block_n, block_k, warps = tile_for(m, by_code)
     uniform = uniform and gs % block_k == 0
     splits, partials, counters = _split(m, n, k, num_sms(x.device), by_code)
@@ -198,9 +255,9 @@ def workspace_bound(n, k, sms):
 
 def tile_for(m, by_code=False):
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps): 16-row mma.sync tiles while M is small (split-K fills the GPU), 64-row
-    tiles above; at M <= 16 the tiles by code position (4-bit table levels, groups of 128 or more) take
-    BLOCK_K = 128, so that each code position still gives tl.dot 16 rows. Not autotuned: fixed until a GPU run
+    tiles above; at M <= 16 the tiles by code position (4-bit table levels, 2- and 4-bit E8P; groups of 128 or more)
+    take BLOCK_K = 128, so that each code position still gives tl.dot 16 rows. Not autotuned: fixed until a GPU run
     picks (docs/BENCHMARKS.md)."""
     if m > 16:
         return 64, 64, 64, 4
-    return (16, 128, 128, 4) if by_code else (16, 64, 64, 4)
+    return (16, 128, 128, 8) if by_code else (16, 64, 64, 4)  # 4 warps spill 4-bit E8P's two points

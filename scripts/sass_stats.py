@@ -129,10 +129,10 @@ def _rotate_launch(config, _, bits):
 
 
 def _codebook_configs():
-    """Each decode variant on triton_codebook's tiles (M <= 16 and above; for table levels also the tile by code
-    position, which 4-bit codes take); --bits picks the code width."""
+    """Each decode variant on triton_codebook's tiles (M <= 16 and above; for table levels and E8P also the tile by
+    code position, which 4-bit levels and 2- and 4-bit E8P take); --bits picks the code width."""
     def tiles(variant):
-        by_code = (False, True) if variant == "table" else (False,)
+        by_code = (False, True) if variant in ("table", "e8p") else (False,)
         return sorted({triton_codebook.tile_for(m, b) for m in (1, 17) for b in by_code})
     return [triton.Config(dict(VARIANT=v, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=3)
             for v in triton_codebook.VARIANTS for bm, bn, bk, w in tiles(v)]

@@ -95,6 +95,7 @@ def test_a_codebook_layer_decodes_strip_by_strip_on_the_cpu(monkeypatch, quantiz
 
 CASES = [(72, 96, TurboQuant(3, 64), 64), (40, 80, TurboQuant(5, 32), 32), (64, 128, TurboQuant(4, 128), 128),
          (48, 384, TurboQuant(4, 128), 128),  # M <= 16: by code position, three K tiles split
+         (40, 256, E8P(2), 128), (24, 384, E8P(4), 128),  # M <= 16: by coordinate of the points
          (33, 160, TurboQuant(2, 64), 64), (40, 104, E8Box(2), 64), (24, 96, E8Box(3), 32), (33, 64, E8Box(4), 64),
          (40, 104, E8P(2), 64), (24, 96, E8P(3), 32), (33, 80, E8P(4), 64), (20, 40, E8P(3), -1)]
 
