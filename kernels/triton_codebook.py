@@ -7,6 +7,9 @@ BLOCK_K steps: it loads the x tile, reads each packed word of the K x N weight t
 lattice point of each 8 codes, or the E8P point of each 8 codes through a 256-entry int32 table), multiplies by the
 group scales (one row per tile where g_idx is plain and BLOCK_K divides the group), rounds once to x's dtype (as the
 reference does) and accumulates x·Ŵᵀ in fp32 on the tensor cores. Correct for every M, K and group layout.
+At M <= 16 with one group per tile, 4-bit levels and 2- and 4-bit E8P points skip the [BLOCK_K, BLOCK_N] decoded
+tile: one tl.dot per code position of the words (levels) or per coordinate of the points (E8P), x split to match,
+as the GPTQ kernel's tiles by code position do.
 Timed once on an H100 before split-K and the word loads, at 0.06-0.13x fp16 (docs/BENCHMARKS.md); not since.
 """
 import functools
