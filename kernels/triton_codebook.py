@@ -223,7 +223,7 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
     if m == 0 or n == 0:
         return y
     uniform, gs = group_layout(g_idx, scales.shape[0])
-    by_code = uniform and gs % 128 == 0 and (variant == TABLE and bits == 4 or variant == E8P and bits != 3)
+    by_code = uniform and gs % 128 == 0 and takes_tiles_by_code(variant, bits)
     block_m, block_n, block_k, warps = tile_for(m, by_code)
     uniform = uniform and gs % block_k == 0
     splits, partials, counters = _split(m, n, k, num_sms(x.device), by_code)
@@ -254,6 +254,12 @@ def workspace_bound(n, k, sms):
     M = 16, and the multiples of 64 until the tiles fill the SMs WAVES times), with either tile."""
     ms = [16] + list(range(64, 64 * sms * WAVES + 1, 64))
     return tuple(map(max, zip(*[_split(m, n, k, sms, by_code)[1:] for m in ms for by_code in (False, True)])))
+
+
+def takes_tiles_by_code(variant: int, bits: int) -> bool:
+    """Whether a layer's M <= 16 calls split their dots by code position (4-bit levels) or coordinate (E8P whose
+    points fill whole words), given one group per tile."""
+    return variant == TABLE and bits == 4 or variant == E8P and bits in (2, 4)
 
 
 def tile_for(m, by_code=False):

@@ -162,6 +162,9 @@ def unique_configs(kind, bits=4):
     for c in LAUNCHES[kind][0]:
         if kind in MATMULS and not triton_gptq.fits_bits(c, bits):
             continue
+        if kind == "codebook" and c.kwargs["BLOCK_K"] > 64 and not triton_codebook.takes_tiles_by_code(
+                triton_codebook.VARIANTS[c.kwargs["VARIANT"]], bits):   # a tile these codes never take
+            continue
         key = (tuple((k, v) for k, v in c.kwargs.items() if k != "WAVES"), c.num_warps, c.num_stages)
         seen.setdefault(key, c)
     return list(seen.values())
