@@ -119,7 +119,12 @@ def _prefill(x2, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_o
     """Decode W^T to a transient x.dtype matrix, then one cuBLAS GEMM (bias in its epilogue)."""
     from quantkit.kernels.triton_dequant import dequantize_checked
 
-    w = dequantize_checked(qweight, qzeros, scales, g_idx, bits, in_features, zero_offset, x2.dtype)
+    return prefill_gemm(x2, dequantize_checked(qweight, qzeros, scales, g_idx, bits, in_features, zero_offset,
+                                               x2.dtype), bias)
+
+
+def prefill_gemm(x2, w, bias):
+    """x2 [M, K] @ w [K, N] (+ bias) by cuBLAS, bias in its epilogue: the prefill path's GEMM on a decoded weight."""
     if not x2.is_cuda:  # interpreter runs (tests): CPU fp16 GEMMs go through fp32
         return linear_dequantized(x2, w, bias)
     if bias is None:

@@ -20,12 +20,14 @@ import triton.language as tl
 
 from quantkit.core import bitpack
 from quantkit.kernels.device import on_device
+from quantkit.kernels.dispatch import PREFILL_MIN_M, prefill_gemm
 from quantkit.kernels.triton_decode import load_words, round_to, store_tile, tile_codes, x_by_code
 from quantkit.kernels.triton_gptq import split_k
 from quantkit.kernels.triton_gptq_ops import group_layout, num_sms, workspace
 
 TABLE, LATTICE, E8P = 0, 1, 2  # the DECODE variants of _decode
 WAVES = 4  # split-K until the programs fill the SMs this many times over (memory-level parallelism at small M)
+DEQUANT_BLOCK_K, DEQUANT_BLOCK_N = 64, 64  # the prefill path's decode tile
 
 
 @triton.jit
@@ -146,15 +148,9 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, ws_ptr, lo
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        if UNIFORM:  # the tile lies in one group: one row of scales
-            s = tl.load(s_ptr + (k0 // GS) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        else:
-            g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
-            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :],
-                        other=0.0).to(tl.float32)
+        s = _group_scales(s_ptr, g_ptr, k0, offs_k, k_mask, offs_n, n_mask, N, GS, UNIFORM)
         x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        # Codes past K (zero-padded words) meet x = 0; codes past N are 0, a valid index, and never stored.
         if BY_CODE:
             words = load_words(c_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, False)
             xs = x_by_code(x, BITS, BLOCK_M, BLOCK_K)
@@ -174,15 +170,52 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, ws_ptr, lo
                     v += _e8p_coordinate(word2, signs2, shift2, j) / RATIO
                 acc = _dot(xs[j], round_to(v * s, x.dtype, INTERPRETER), acc, IEEE, INTERPRETER)
         else:
-            if DECODE == 2 and BITS != 3:  # whole points per word: no codes to take apart and put back together
-                words = load_words(c_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, False)
-                v = _e8p_values(_e8p_words(words, BITS, BLOCK_K, BLOCK_N), cb_ptr, RATIO, BITS, BLOCK_K, BLOCK_N)
-            else:
-                q = tile_codes(c_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS, BLOCK_K, BLOCK_N, False)
-                v = _decode(q, cb_ptr, OFFSET, RATIO, BITS, DECODE, BLOCK_K, BLOCK_N)
+            v = _tile_values(c_ptr, cb_ptr, k0, offs_k, offs_n, n_mask, N, KW, OFFSET, RATIO, BITS, DECODE, BLOCK_K,
+                             BLOCK_N)
             acc = _dot(x, round_to(v * s, x.dtype, INTERPRETER), acc, IEEE, INTERPRETER)
     store_tile(y_ptr, b_ptr, ws_ptr, lock_ptr, acc, offs_m, offs_n, m_mask, n_mask, M, N, N, pid, pid_k, SPLIT_K,
                HAS_BIAS, INTERPRETER)
+
+
+@triton.jit
+def codebook_dequant_kernel(c_ptr, s_ptr, g_ptr, cb_ptr, w_ptr, N, K, KW, GS, OFFSET, RATIO, BITS: tl.constexpr,
+                            DECODE: tl.constexpr, UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            INTERPRETER: tl.constexpr):
+    """Ŵᵀ [K, N] in w's dtype, one [BLOCK_K, BLOCK_N] tile a program, rounded once as codebook_kernel rounds."""
+    k0 = tl.program_id(0) * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_mask, n_mask = offs_k < K, offs_n < N
+    s = _group_scales(s_ptr, g_ptr, k0, offs_k, k_mask, offs_n, n_mask, N, GS, UNIFORM)
+    v = _tile_values(c_ptr, cb_ptr, k0, offs_k, offs_n, n_mask, N, KW, OFFSET, RATIO, BITS, DECODE, BLOCK_K, BLOCK_N)
+    tl.store(w_ptr + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :],
+             round_to(v * s, w_ptr.dtype.element_ty, INTERPRETER), mask=k_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _group_scales(s_ptr, g_ptr, k0, offs_k, k_mask, offs_n, n_mask, N, GS, UNIFORM: tl.constexpr):
+    """The fp32 scales of the K tile at k0: one row [1, BLOCK_N] when the tile lies in one group, else gathered."""
+    if UNIFORM:
+        s = tl.load(s_ptr + (k0 // GS) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    else:
+        g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
+        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :],
+                    other=0.0).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _tile_values(c_ptr, cb_ptr, k0, offs_k, offs_n, n_mask, N, KW, OFFSET, RATIO, BITS: tl.constexpr,
+                 DECODE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Unit-scale values [BLOCK_K, BLOCK_N] of the K tile at k0. Codes past K (zero-padded words) meet x = 0, or are
+    never stored; codes past N are 0, a valid index, and never stored."""
+    if DECODE == 2 and BITS != 3:  # whole points per word: no codes to take apart and put back together
+        words = load_words(c_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, False)
+        v = _e8p_values(_e8p_words(words, BITS, BLOCK_K, BLOCK_N), cb_ptr, RATIO, BITS, BLOCK_K, BLOCK_N)
+    else:
+        q = tile_codes(c_ptr, k0, offs_k, offs_n, n_mask, N, KW, BITS, BLOCK_K, BLOCK_N, False)
+        v = _decode(q, cb_ptr, OFFSET, RATIO, BITS, DECODE, BLOCK_K, BLOCK_N)
+    return v
 
 
 @triton.jit
@@ -219,6 +252,8 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
     tensors = [x, codes, scales, g_idx, table] + ([bias] if bias is not None else [])
     if len({t.device for t in tensors}) != 1:
         raise ValueError("x and the layer's tensors must be on one device")
+    if m >= PREFILL_MIN_M and n:  # compute-bound: decode once, then the dense GEMM (dispatch.py's prefill path)
+        return prefill_gemm(x, codebook_dequantize(codes, scales, g_idx, table, bits, decode, k, x.dtype), bias)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -237,6 +272,22 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=not x.is_cuda,
                               num_warps=warps)
     return y
+
+
+def codebook_dequantize(codes, scales, g_idx, table, bits, decode, k, dtype):
+    """Ŵᵀ [K, N] in `dtype`, a transient weight for the prefill path (2 bytes a weight), decoded as the GEMM
+    kernel decodes it (the caller has checked the layer)."""
+    n = scales.shape[1]
+    w = torch.empty(k, n, dtype=dtype, device=codes.device)
+    uniform, gs = group_layout(g_idx, scales.shape[0])
+    uniform = uniform and gs % DEQUANT_BLOCK_K == 0
+    grid = (triton.cdiv(k, DEQUANT_BLOCK_K), triton.cdiv(n, DEQUANT_BLOCK_N))
+    with on_device(codes):
+        codebook_dequant_kernel[grid](codes, scales, g_idx.to(torch.int32), table.contiguous(), w, n, k,
+                                      codes.shape[0], gs if uniform else 1, float(decode.offset), float(decode.ratio),
+                                      BITS=bits, DECODE=VARIANTS[decode.variant], UNIFORM=uniform,
+                                      BLOCK_N=DEQUANT_BLOCK_N, BLOCK_K=DEQUANT_BLOCK_K, INTERPRETER=not codes.is_cuda)
+    return w
 
 
 def _split(m, n, k, sms, by_code=False):

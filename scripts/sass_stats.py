@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from quantkit.kernels import triton_codebook, triton_dequant, triton_gptq, triton_rotation  # noqa: E402
 
-KINDS = ("m1", "m1h2", "decode", "gemm", "dequant", "codebook", "rotate")
+KINDS = ("m1", "m1h2", "decode", "gemm", "dequant", "codebook", "cbdequant", "rotate")
 MATMULS = ("m1", "m1h2", "decode", "gemm")  # the GPTQ kernel's launch kinds
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
@@ -121,6 +121,17 @@ def _codebook_launch(config, _, bits):
     return triton_codebook.codebook_kernel, sig, const, [n for n in sig if n.endswith("_ptr")] + ["N", "K", "KW", "GS"]
 
 
+def _codebook_dequant_launch(config, _, bits):
+    kw = config.kwargs
+    variant = triton_codebook.VARIANTS[kw["VARIANT"]]
+    sig = {"c_ptr": "*i32", "s_ptr": "*fp16", "g_ptr": "*i32", "cb_ptr": "*i32" if variant == triton_codebook.E8P
+           else "*fp32", "w_ptr": "*fp16", "N": "i32", "K": "i32", "KW": "i32", "GS": "i32", "OFFSET": "fp32",
+           "RATIO": "fp32"}
+    const = dict(BITS=bits, DECODE=variant, UNIFORM=True, BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
+                 INTERPRETER=False)
+    return triton_codebook.codebook_dequant_kernel, sig, const, [n for n in sig if n.endswith("_ptr")] + ["N", "K"]
+
+
 def _rotate_launch(config, _, bits):
     kw = config.kwargs
     sig = {"x_ptr": "*fp16", "s_ptr": "*fp32", "y_ptr": "*fp16", "M": "i32", "N": "i32", "scale": "fp32"}
@@ -138,6 +149,13 @@ def _codebook_configs():
             for v in triton_codebook.VARIANTS for bm, bn, bk, w in tiles(v)]
 
 
+def _codebook_dequant_configs():
+    """Each decode variant on the prefill path's decode tile."""
+    bk, bn = triton_codebook.DEQUANT_BLOCK_K, triton_codebook.DEQUANT_BLOCK_N
+    return [triton.Config(dict(VARIANT=v, BLOCK_N=bn, BLOCK_K=bk), num_warps=4, num_stages=3)
+            for v in triton_codebook.VARIANTS]
+
+
 def _rotate_configs():
     """The tiles rotate_triton launches for many rows, from the smallest Hadamard block to the largest."""
     return [triton.Config(dict(B=b, BLOCK_M=bm), num_warps=w, num_stages=3)
@@ -152,6 +170,7 @@ LAUNCHES = {
     "gemm": (triton_gptq.GEMM_CONFIGS, _matmul_launch, None),
     "dequant": (triton_dequant.DEQUANT_CONFIGS, _dequant_launch, None),
     "codebook": (_codebook_configs(), _codebook_launch, None),
+    "cbdequant": (_codebook_dequant_configs(), _codebook_dequant_launch, None),
     "rotate": (_rotate_configs(), _rotate_launch, None),
 }
 
@@ -191,7 +210,7 @@ def loop_stats(kind, config, arch=90, bits=4, dump=None):
         os.makedirs(dump, exist_ok=True)
         with open(os.path.join(dump, name + f"_sm{arch}.sass"), "w") as f:
             f.write(sass)
-    loop = main_loop(sass) or whole_kernel(sass)   # the dequantize and rotation kernels have no K loop
+    loop = main_loop(sass) or whole_kernel(sass)   # the dequantize kernels have no K loop
     ops = opcode_counts(loop)
     if kind == "rotate":   # no loop over K: per element, and the butterflies unroll into the whole kernel
         loop = whole_kernel(sass)
@@ -246,7 +265,7 @@ def main():
     for kind in args.kind:
         if kind.startswith("m1") and args.bits == 3:   # no such launch: 3-bit M = 1 runs the decode shape
             continue
-        if kind == "codebook" and args.bits not in (2, 3, 4):   # the widths E8P decodes (and TurboQuant's)
+        if kind in ("codebook", "cbdequant") and args.bits not in (2, 3, 4):  # E8P's widths (and TurboQuant's)
             continue
         for c in unique_configs(kind, args.bits):
             s = loop_stats(kind, c, args.arch, args.bits, args.dump)

@@ -1,6 +1,7 @@
 """The codebook dequant-GEMM (kernels/codebook.py) of TurboQuant, E8 and E8P layers: the Triton kernel against the
-torch reference on awkward shapes (M = 1, 3, 17; K not a multiple of the block d or of the kernel's K tile;
-codes straddling words at 3 and 5 bits), and DecodedLinear's kernel path against its cached-weight path.
+torch reference on awkward shapes (M = 1, 3, 17, and 300 for the prefill path; K not a multiple of the block d or of
+the kernel's K tile; codes straddling words at 3 and 5 bits), and DecodedLinear's kernel path against its
+cached-weight path.
 
 As in test_rotation_kernels.py, the CPU cases run the kernel under TRITON_INTERPRET=1 (in a fresh process
 when triton was imported without it first). Tolerance: both round the same float32 weight once to x's
@@ -102,7 +103,7 @@ CASES = [(72, 96, TurboQuant(3, 64), 64), (40, 80, TurboQuant(5, 32), 32), (64, 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("m", [1, 3, 17, 300])  # 300: the prefill path (decode to a weight, then a GEMM)
 @pytest.mark.parametrize("n,k,quantizer,d", CASES)
 def test_triton_matches_reference(device, dtype, m, n, k, quantizer, d):
     t = layer(n, k, quantizer, d, seed=m + k)

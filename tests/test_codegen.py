@@ -21,7 +21,8 @@ SCRIPT = os.path.join(ROOT, "scripts", "sass_stats.py")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton unavailable")
-@pytest.mark.parametrize("bits,kinds", [(4, []), (3, ["m1", "decode", "gemm", "dequant", "codebook"]), (2, ["codebook"])])
+@pytest.mark.parametrize("bits,kinds", [(4, []), (3, ["decode", "gemm", "dequant", "codebook", "cbdequant"]),
+                                        (2, ["codebook", "cbdequant"])])
 def test_kernels_compile_for_sm90_without_spills_or_conversions(bits, kinds):
     """Every kind at 4 bits (the default list: GPTQ, codebook and rotation kernels); 3 and 2 bits where the code
     width changes what compiles (E8P's 2-bit codes are its main use)."""
@@ -32,5 +33,5 @@ def test_kernels_compile_for_sm90_without_spills_or_conversions(bits, kinds):
     if run.returncode == 77:  # sass_stats.NO_TOOLS: a triton wheel without ptxas/cuobjdump
         pytest.skip(run.stderr.strip())
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    for kind in [k for k in kinds or ["m1", "decode", "codebook", "rotate"] if not (k == "m1" and bits == 3)]:  # the table really lists compiled configs
+    for kind in kinds or ["m1", "decode", "codebook", "cbdequant", "rotate"]:  # the table lists compiled configs
         assert any(line.startswith(f"| {kind} |") for line in run.stdout.splitlines()), run.stdout
