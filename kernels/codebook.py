@@ -11,7 +11,8 @@ The decode step is the GPTQ kernels' code extraction (triton_decode.packed_codes
 decode where the integer grid does scale * (q - zero).
 
 Backends as in dispatch.py: Triton on CUDA fp16/bf16 (kernels/triton_codebook.py: in-register decode
-feeding tl.dot, fp32 accumulation), the torch reference elsewhere (the quantizer's own dequantize in float32,
+feeding tl.dot, fp32 accumulation; from M = 256, dispatch.py's prefill path: the weight decoded once to a transient
+matrix, then cuBLAS), the torch reference elsewhere (the quantizer's own dequantize in float32,
 rounded once to x's dtype, one GEMM), "triton" on CPU under TRITON_INTERPRET=1 for the tests.
 """
 from dataclasses import dataclass

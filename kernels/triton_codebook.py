@@ -9,7 +9,8 @@ group scales (one row per tile where g_idx is plain and BLOCK_K divides the grou
 reference does) and accumulates x·Ŵᵀ in fp32 on the tensor cores. Correct for every M, K and group layout.
 At M <= 16 with one group per tile, 4-bit levels and 2- and 4-bit E8P points skip the [BLOCK_K, BLOCK_N] decoded
 tile: one tl.dot per code position of the words (levels) or per coordinate of the points (E8P), x split to match,
-as the GPTQ kernel's tiles by code position do.
+as the GPTQ kernel's tiles by code position do. From M = PREFILL_MIN_M (dispatch.py) the weight is decoded once
+instead (codebook_dequant_kernel, the same decode and rounding) and cuBLAS multiplies.
 Timed once on an H100 before split-K and the word loads, at 0.06-0.13x fp16 (docs/BENCHMARKS.md); not since.
 """
 import functools
