@@ -43,11 +43,21 @@ def test_greedy_tokens_match_fake_quant(checkpoint, device):
     assert torch.equal(got, want)
 
 
+@pytest.fixture(scope="module")
+def codebook_checkpoint(model_factory, tmp_path_factory):
+    """TurboQuant w4: rotated codebook layers (DecodedLinear, the codebook and rotation custom ops)."""
+    out = tmp_path_factory.mktemp("gen") / "tq"
+    quantize(str(model_factory("llama-gqa")), out, QuantConfig(method="turboquant", bits=4, group_size=32), device="cpu")
+    return None, out
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_static_cache_decode_gives_the_same_tokens(checkpoint, device):
+@pytest.mark.parametrize("which", ["checkpoint", "codebook_checkpoint"])
+def test_static_cache_decode_gives_the_same_tokens(which, device, request):
     """The one line that gets CUDA-graph decoding: generate(..., cache_implementation="static") (transformers
-    compiles the decode step on a GPU; QuantLinear's custom op lets it capture the whole step)."""
-    _, out = checkpoint
+    compiles the decode step on a GPU; the layers' custom ops let it capture the whole step, and their split-K
+    workspace is reserved before the capture: the first GPU run of an int4 model failed there)."""
+    _, out = request.getfixturevalue(which)
     dtype = torch.float32 if device == "cpu" else torch.float16
     model = load_quantized(out, device_map="auto" if device == "cuda" else None, dtype=dtype)
     prompt = torch.tensor([[1, 17, 42, 99, 7], [3, 5, 8, 13, 21]], device=device)
