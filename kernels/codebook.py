@@ -23,7 +23,7 @@ import torch
 
 from quantkit.core import bitpack
 from quantkit.core.groups import per_column, row_groups
-from quantkit.kernels.dispatch import choose_backend
+from quantkit.kernels.dispatch import choose_backend, choose_path, prefill_gemm
 from quantkit.kernels.reference import linear_dequantized
 from quantkit.schemes.base import KernelDecode
 
@@ -139,11 +139,16 @@ def codebook_linear(x, codes, scales, g_idx, table, quantizer, in_features, bias
 def codebook_matmul_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                        table: torch.Tensor, bits: int, variant: str, offset: float, ratio: float,
                        bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """triton_codebook.codebook_matmul of x [M, K] with the KernelDecode given by its fields."""
-    from quantkit.kernels.triton_codebook import codebook_matmul  # triton imports only where it runs
+    """x [M, K] @ Ŵᵀ by Triton, the KernelDecode given by its fields: the fused kernel (triton_codebook), or from
+    dispatch.py's PREFILL_MIN_M rows, the weight decoded once to a transient matrix and one cuBLAS GEMM."""
+    from quantkit.kernels import triton_codebook  # triton imports only where it runs
 
-    return codebook_matmul(x, codes, scales, g_idx, table, bits, KernelDecode(variant, offset=offset, ratio=ratio),
-                           bias)
+    decode = KernelDecode(variant, offset=offset, ratio=ratio)
+    if choose_path(x.shape[0]) == "fused":
+        return triton_codebook.codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias)
+    triton_codebook.check_layer(x, codes, scales, g_idx, table, bits, decode, bias)
+    w = triton_codebook.codebook_dequantize(codes, scales, g_idx, table, bits, decode, x.shape[1], x.dtype)
+    return prefill_gemm(x, w, bias)
 
 
 @codebook_matmul_op.register_fake

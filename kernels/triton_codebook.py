@@ -9,8 +9,8 @@ group scales (one row per tile where g_idx is plain and BLOCK_K divides the grou
 reference does) and accumulates x·Ŵᵀ in fp32 on the tensor cores. Correct for every M, K and group layout.
 At M <= 16 with one group per tile, 4-bit levels and 2- and 4-bit E8P points skip the [BLOCK_K, BLOCK_N] decoded
 tile: one tl.dot per code position of the words (levels) or per coordinate of the points (E8P), x split to match,
-as the GPTQ kernel's tiles by code position do. From M = PREFILL_MIN_M (dispatch.py) the weight is decoded once
-instead (codebook_dequant_kernel, the same decode and rounding) and cuBLAS multiplies.
+as the GPTQ kernel's tiles by code position do. For the prefill path (dispatch.py) codebook_dequantize decodes the
+weight once instead (codebook_dequant_kernel: the same decode and rounding), and cuBLAS multiplies.
 Timed once on an H100 before split-K and the word loads, at 0.06-0.13x fp16 (docs/BENCHMARKS.md); not since.
 """
 import functools
@@ -21,7 +21,6 @@ import triton.language as tl
 
 from quantkit.core import bitpack
 from quantkit.kernels.device import on_device
-from quantkit.kernels.dispatch import PREFILL_MIN_M, prefill_gemm
 from quantkit.kernels.triton_decode import load_words, round_to, store_tile, tile_codes, x_by_code
 from quantkit.kernels.triton_gptq import split_k
 from quantkit.kernels.triton_gptq_ops import group_layout, num_sms, workspace
@@ -231,10 +230,9 @@ def _dot(x, w, acc, IEEE: tl.constexpr, INTERPRETER: tl.constexpr):
 VARIANTS = {"table": TABLE, "lattice": LATTICE, "e8p": E8P}
 
 
-def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
-    """x [M, K] (fp16/bf16/fp32, contiguous) @ Ŵᵀ -> [M, N] in x's dtype; ValueError on a malformed layer.
-    decode: the quantizer's KernelDecode (quantkit.schemes.base); table: kernels.codebook.decode_table(decode)."""
-    m, k = x.shape
+def check_layer(x, codes, scales, g_idx, table, bits, decode, bias=None) -> int:
+    """ValueError unless x [M, K] and the layer's tensors fit the kernels; the decode variant's number."""
+    k = x.shape[1]
     n = scales.shape[1]
     kw = bitpack.packed_len(k, bits)
     if tuple(codes.shape) != (kw, n) or codes.dtype != torch.int32:
@@ -253,8 +251,17 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
     tensors = [x, codes, scales, g_idx, table] + ([bias] if bias is not None else [])
     if len({t.device for t in tensors}) != 1:
         raise ValueError("x and the layer's tensors must be on one device")
-    if m >= PREFILL_MIN_M and n:  # compute-bound: decode once, then the dense GEMM (dispatch.py's prefill path)
-        return prefill_gemm(x, codebook_dequantize(codes, scales, g_idx, table, bits, decode, k, x.dtype), bias)
+    return variant
+
+
+def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
+    """x [M, K] (fp16/bf16/fp32, contiguous) @ Ŵᵀ -> [M, N] in x's dtype, the weight decoded in registers;
+    ValueError on a malformed layer. decode: the quantizer's KernelDecode (quantkit.schemes.base); table:
+    kernels.codebook.decode_table(decode)."""
+    variant = check_layer(x, codes, scales, g_idx, table, bits, decode, bias)
+    m, k = x.shape
+    n = scales.shape[1]
+    kw = bitpack.packed_len(k, bits)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -277,7 +284,7 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
 
 def codebook_dequantize(codes, scales, g_idx, table, bits, decode, k, dtype):
     """Ŵᵀ [K, N] in `dtype`, a transient weight for the prefill path (2 bytes a weight), decoded as the GEMM
-    kernel decodes it (the caller has checked the layer)."""
+    kernel decodes it (the caller has run check_layer)."""
     n = scales.shape[1]
     w = torch.empty(k, n, dtype=dtype, device=codes.device)
     uniform, gs = group_layout(g_idx, scales.shape[0])
