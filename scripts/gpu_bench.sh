@@ -14,7 +14,8 @@
 # in every part: Triton compiles each autotune candidate afresh on a bare machine (~1-2 s each), every M bucket and
 # dtype the check calls is autotuned again, and torch.compile takes tens of seconds per model. So the parts below
 # ask for fewer shapes and Ms, check at the timed Ms, and put what has never run on a GPU first.
-#   tests      pytest -k "kernel or triton or cuda": the GPU cases of the kernel tests              60 s
+#   tests      pytest -k cuda: the GPU cases of the generation and kernel tests, CUDA-graph         60 s
+#              generation first (the first run failed there)
 #   int4       scripts/bench_kernels.py --check: int4 g128 on two Llama-3 8B shapes, tinygemm       90 s
 #              beside it; M = 1, 16, 256, 4096
 #   formats    the same for TurboQuant 4/3-bit, E8P 2-bit, the rotated int4 layer, int8, int3,    120 s
@@ -69,10 +70,13 @@ echo "$machine"
 
 FORMATS=(turboquant4 e8p2 turboquant3 int4-rotated int8 int3 int4-asym)
 MODELS=("int4 g128" "e8p w2" "turboquant w4")
+# The cases with a CUDA device parameter, in this order (not the sm_90 compile test: the CPU runs it in CI).
+GPU_TESTS=(-k cuda tests/test_generate.py tests/test_codebook_kernels.py tests/test_rotation_kernels.py
+           tests/test_kernels.py)
 if [[ $DRY == 1 ]]; then
     export TRITON_INTERPRET=1
     KERNELS=(--device cpu --check --check-ms 1 7 --shapes 64x128 --ms 1 3)
-    part tests 120 "$PY" -m pytest -q --collect-only -p no:cacheprovider -k "kernel or triton or cuda" tests
+    part tests 120 "$PY" -m pytest -q --collect-only -p no:cacheprovider "${GPU_TESTS[@]}"
     part int4 120 "$PY" scripts/bench_kernels.py "${KERNELS[@]}" --formats int4 --json "$OUT/kernels_int4.json"
     part formats 120 "$PY" scripts/bench_kernels.py "${KERNELS[@]}" --formats "${FORMATS[@]}" \
         --json "$OUT/kernels_formats.json"
@@ -82,7 +86,7 @@ if [[ $DRY == 1 ]]; then
         --nsamples 4 --seqlen 32 --eval-tokens 256 --json "$OUT/calibration.json"
 else
     KERNELS=(--check --check-ms 1 16 256 --rep 50 --shapes 4096x4096 14336x4096)
-    part tests 60 "$PY" -m pytest -q -p no:cacheprovider --tb=line -k "kernel or triton or cuda" tests
+    part tests 60 "$PY" -m pytest -q -p no:cacheprovider --tb=line "${GPU_TESTS[@]}"
     part int4 90 "$PY" scripts/bench_kernels.py "${KERNELS[@]}" --ms 1 16 256 4096 --formats int4 \
         --json "$OUT/kernels_int4.json"
     part formats 120 "$PY" scripts/bench_kernels.py "${KERNELS[@]}" --ms 1 16 256 --formats "${FORMATS[@]}" \
