@@ -16,11 +16,10 @@ import torch
 from torch import nn
 
 from quantkit.core import bitpack, strips
-from quantkit.core.groups import group_width, is_plain
 from quantkit.core.matmul import linear
 from quantkit.kernels.codebook import codebook_linear, decode_table, decode_weight, lookup_columns, lookup_of
 from quantkit.kernels.dispatch import choose_backend, reserve_workspace
-from quantkit.nn.quant_linear import add_rotation, buffers_key, rotate_input
+from quantkit.nn.quant_linear import add_rotation, buffers_key, plain_group_size, rotate_input
 from quantkit.schemes.base import param_dtype
 
 
@@ -82,8 +81,8 @@ class DecodedLinear(nn.Module):
                 params = {k: getattr(self, k)[:, a:b] for k in self.quantizer.param_bits}
                 return decode_weight(self.codes[:, a:b], params, self.g_idx, self.quantizer, self.in_features).t()
             return through_quantizer
-        size = group_width(self.in_features, self.group_size)
-        g_idx = None if is_plain(self.g_idx, self.in_features, size) else self.g_idx
+        size = plain_group_size(self)
+        g_idx = None if size is not None else self.g_idx
         return lambda a, b: lookup_columns(self.codes[:, a:b], self.scale[:, a:b], lookup, self.quantizer.code_bits,
                                            self.in_features, size, g_idx)
 

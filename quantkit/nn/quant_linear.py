@@ -32,6 +32,18 @@ def rotate_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return rotate_activations(x, module.rot_signs, module.rotation_block)
 
 
+def plain_group_size(module: nn.Module):
+    """A quantized linear's group size when its g_idx is the plain k // group_size (no act-order), else None;
+    checked once per g_idx (until the buffer is replaced or changed in place), not on every forward."""
+    key = buffers_key((module.g_idx,))
+    known = module.__dict__.get("_plain_groups")
+    if known is None or known[0] != key:
+        plain = is_plain(module.g_idx, module.in_features, module.group_size)
+        size = group_width(module.in_features, module.group_size) if plain else None
+        known = module.__dict__["_plain_groups"] = (key, size)
+    return known[1]
+
+
 def buffers_key(buffers) -> tuple:
     """What a decoded-weight cache is valid for: each buffer's storage and in-place version (tensors made under
     torch.inference_mode, e.g. a model loaded there, track no version: their storage alone)."""
@@ -85,17 +97,7 @@ class QuantLinear(nn.Module):
         the zeros are packed in."""
         words = slice(bitpack.packed_len(a, self.bits), bitpack.packed_len(b, self.bits))
         return gptq_layout.decode(self.qweight[:, a:b], self.qzeros[:, words], self.scales[:, a:b], self.g_idx,
-                                  self.bits, self.in_features, self._zero_offset(), self._plain_group_size())
-
-    def _plain_group_size(self):
-        """The group size when g_idx is the plain k // group_size (no act-order), else None; checked once per g_idx."""
-        key = buffers_key((self.g_idx,))
-        known = self.__dict__.get("_plain_groups")
-        if known is None or known[0] != key:
-            plain = is_plain(self.g_idx, self.in_features, self.group_size)
-            size = group_width(self.in_features, self.group_size) if plain else None
-            known = self.__dict__["_plain_groups"] = (key, size)
-        return known[1]
+                                  self.bits, self.in_features, self._zero_offset(), plain_group_size(self))
 
     def _zero_offset(self):
         return V1_ZERO_OFFSET[self.checkpoint_format]
