@@ -125,8 +125,8 @@ def _decode(q, cb_ptr, OFFSET, RATIO, BITS: tl.constexpr, DECODE: tl.constexpr, 
 @triton.jit
 def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, KW, GS, SPLIT_K,
                     OFFSET, RATIO, BITS: tl.constexpr, DECODE: tl.constexpr, UNIFORM: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BY_CODE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETER: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -139,25 +139,22 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, ws_ptr, lo
     k_begin = pid_k * tiles_per_split * BLOCK_K
     k_end = tl.minimum(K, k_begin + tiles_per_split * BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # 4-bit table levels with one group per tile: one tl.dot per code position of the words (rows 8j + c), as the
-    # GPTQ kernel's mma.sync tiles do, so the decoded tile is never reshaped through shared memory.
-    BY_CODE: tl.constexpr = DECODE == 0 and UNIFORM and BITS == 4 and BLOCK_M <= 32 and BLOCK_K >= 128
-    # E8P at 2 and 4 bits the same way, one tl.dot per coordinate j of the points (rows 8p + j): each coordinate is
-    # a few bit operations on its point's fields, and the points are never spread into a [P, 8, N] tensor.
-    BY_COORDINATE: tl.constexpr = DECODE == 2 and BITS != 3 and UNIFORM and BLOCK_M <= 32 and BLOCK_K >= 128
+    # BY_CODE (the launch's choice, takes_tiles_by_code): one tl.dot per code position of the words (4-bit levels,
+    # rows 8j + c), as the GPTQ kernel's mma.sync tiles do, or per coordinate j of the E8P points (rows 8p + j, each
+    # coordinate a few bit operations on its point's fields), so no decoded [BLOCK_K, BLOCK_N] tile is reshaped.
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         s = _group_scales(s_ptr, g_ptr, k0, offs_k, k_mask, offs_n, n_mask, N, GS, UNIFORM)
         x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if BY_CODE:
+        if BY_CODE and DECODE == 0:
             words = load_words(c_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, False)
             xs = x_by_code(x, BITS, BLOCK_M, BLOCK_K)
             for c in tl.static_range(32 // BITS):
                 level = tl.load(cb_ptr + ((words >> (BITS * c)) & ((1 << BITS) - 1)))
                 acc = _dot(xs[c], round_to(level * s, x.dtype, INTERPRETER), acc, IEEE, INTERPRETER)
-        elif BY_COORDINATE:
+        elif BY_CODE:
             points = _e8p_words(load_words(c_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, False), BITS, BLOCK_K,
                                 BLOCK_N)
             xs = x_by_code(x, 4, BLOCK_M, BLOCK_K)  # 8 rows a point, as 4-bit words have 8 codes
@@ -266,7 +263,7 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
     if m == 0 or n == 0:
         return y
     uniform, gs = group_layout(g_idx, scales.shape[0])
-    by_code = uniform and gs % 128 == 0 and takes_tiles_by_code(variant, bits)
+    by_code = m <= 16 and uniform and gs % 128 == 0 and takes_tiles_by_code(variant, bits)
     block_m, block_n, block_k, warps = tile_for(m, by_code)
     uniform = uniform and gs % block_k == 0
     splits, partials, counters = _split(m, n, k, num_sms(x.device), by_code)
@@ -277,7 +274,7 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
                               bias if bias is not None else scales, y, ws, locks, m, n, k, kw, gs if uniform else 1,
                               splits, float(decode.offset), float(decode.ratio), BITS=bits, DECODE=variant,
                               UNIFORM=uniform, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=not x.is_cuda,
+                              BY_CODE=by_code, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=not x.is_cuda,
                               num_warps=warps)
     return y
 
@@ -310,22 +307,22 @@ def _split(m, n, k, sms, by_code=False):
 @functools.lru_cache(maxsize=256)
 def workspace_bound(n, k, sms):
     """(partials, counters): the most any M asks of an [n, k] layer (triton_gptq_ops.workspace_bound's reasoning:
-    M = 16, and the multiples of 64 until the tiles fill the SMs WAVES times), with either tile."""
+    M = 16 on either small tile, and the multiples of 64 until the tiles fill the SMs WAVES times)."""
     ms = [16] + list(range(64, 64 * sms * WAVES + 1, 64))
-    return tuple(map(max, zip(*[_split(m, n, k, sms, by_code)[1:] for m in ms for by_code in (False, True)])))
+    needs = [_split(16, n, k, sms, by_code=True)] + [_split(m, n, k, sms) for m in ms]
+    return tuple(map(max, zip(*[need[1:] for need in needs])))
 
 
 def takes_tiles_by_code(variant: int, bits: int) -> bool:
     """Whether a layer's M <= 16 calls split their dots by code position (4-bit levels) or coordinate (E8P whose
-    points fill whole words), given one group per tile."""
+    points fill whole words), given groups of 128 or more."""
     return variant == TABLE and bits == 4 or variant == E8P and bits in (2, 4)
 
 
 def tile_for(m, by_code=False):
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps): 16-row mma.sync tiles while M is small (split-K fills the GPU), 64-row
-    tiles above; at M <= 16 the tiles by code position (4-bit table levels, 2- and 4-bit E8P; groups of 128 or more)
-    take BLOCK_K = 128, so that each code position still gives tl.dot 16 rows. Not autotuned: fixed until a GPU run
-    picks (docs/BENCHMARKS.md)."""
-    if m > 16:
-        return 64, 64, 64, 4
-    return (16, 128, 128, 8) if by_code else (16, 64, 64, 4)  # 4 warps spill 4-bit E8P's two points
+    tiles above; the tiles by code position (M <= 16, takes_tiles_by_code) take BLOCK_K = 128, so that each code
+    position still gives tl.dot 16 rows. Not autotuned: fixed until a GPU run picks (docs/BENCHMARKS.md)."""
+    if by_code:
+        return 16, 128, 128, 8  # 4 warps spill 4-bit E8P's two points
+    return (16, 64, 64, 4) if m <= 16 else (64, 64, 64, 4)

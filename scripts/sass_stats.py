@@ -109,24 +109,27 @@ def _dequant_launch(config, _, bits):
     return triton_dequant._dequant_kernel, sig, const, list(sig)
 
 
+def _codebook_layer(variant):
+    """The signature of a codebook layer's tensors and scalars, as both codebook kernels take them."""
+    return {"c_ptr": "*i32", "s_ptr": "*fp16", "g_ptr": "*i32",
+            "cb_ptr": "*i32" if variant == triton_codebook.E8P else "*fp32",  # E8P's int32 words, else float levels
+            "N": "i32", "K": "i32", "KW": "i32", "GS": "i32", "OFFSET": "fp32", "RATIO": "fp32"}
+
+
 def _codebook_launch(config, _, bits):
     kw = config.kwargs
     variant = triton_codebook.VARIANTS[kw["VARIANT"]]
-    sig = {n: "*fp16" for n in ("x_ptr", "s_ptr", "b_ptr", "y_ptr")}
-    sig.update({n: "*i32" for n in ("c_ptr", "g_ptr", "lock_ptr")}, ws_ptr="*fp32",
-               cb_ptr="*i32" if variant == triton_codebook.E8P else "*fp32")
-    sig.update({n: "i32" for n in ("M", "N", "K", "KW", "GS", "SPLIT_K")}, OFFSET="fp32", RATIO="fp32")
-    const = dict(BITS=bits, DECODE=variant, UNIFORM=True, HAS_BIAS=False, IEEE=False, BLOCK_M=kw["BLOCK_M"],
-                 BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"], INTERPRETER=False)
+    sig = {"x_ptr": "*fp16", "b_ptr": "*fp16", "y_ptr": "*fp16", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32",
+           "SPLIT_K": "i32", **_codebook_layer(variant)}
+    const = dict(BITS=bits, DECODE=variant, UNIFORM=True, HAS_BIAS=False, IEEE=False, BY_CODE=kw["BY_CODE"],
+                 BLOCK_M=kw["BLOCK_M"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"], INTERPRETER=False)
     return triton_codebook.codebook_kernel, sig, const, [n for n in sig if n.endswith("_ptr")] + ["N", "K", "KW", "GS"]
 
 
 def _codebook_dequant_launch(config, _, bits):
     kw = config.kwargs
     variant = triton_codebook.VARIANTS[kw["VARIANT"]]
-    sig = {"c_ptr": "*i32", "s_ptr": "*fp16", "g_ptr": "*i32", "cb_ptr": "*i32" if variant == triton_codebook.E8P
-           else "*fp32", "w_ptr": "*fp16", "N": "i32", "K": "i32", "KW": "i32", "GS": "i32", "OFFSET": "fp32",
-           "RATIO": "fp32"}
+    sig = {"w_ptr": "*fp16", **_codebook_layer(variant)}
     const = dict(BITS=bits, DECODE=variant, UNIFORM=True, BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
                  INTERPRETER=False)
     return triton_codebook.codebook_dequant_kernel, sig, const, [n for n in sig if n.endswith("_ptr")] + ["N", "K"]
@@ -143,10 +146,10 @@ def _codebook_configs():
     """Each decode variant on triton_codebook's tiles (M <= 16 and above; for table levels and E8P also the tile by
     code position, which 4-bit levels and 2- and 4-bit E8P take); --bits picks the code width."""
     def tiles(variant):
-        by_code = (False, True) if variant in ("table", "e8p") else (False,)
-        return sorted({triton_codebook.tile_for(m, b) for m in (1, 17) for b in by_code})
-    return [triton.Config(dict(VARIANT=v, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=3)
-            for v in triton_codebook.VARIANTS for bm, bn, bk, w in tiles(v)]
+        by_code = [False, True] if variant in ("table", "e8p") else [False]
+        return [(b, triton_codebook.tile_for(m, b)) for b in by_code for m in ((1, 17) if not b else (1,))]
+    return [triton.Config(dict(VARIANT=v, BY_CODE=b, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=3)
+            for v in triton_codebook.VARIANTS for b, (bm, bn, bk, w) in tiles(v)]
 
 
 def _codebook_dequant_configs():
@@ -181,7 +184,7 @@ def unique_configs(kind, bits=4):
     for c in LAUNCHES[kind][0]:
         if kind in MATMULS and not triton_gptq.fits_bits(c, bits):
             continue
-        if kind == "codebook" and c.kwargs["BLOCK_K"] > 64 and not triton_codebook.takes_tiles_by_code(
+        if kind == "codebook" and c.kwargs["BY_CODE"] and not triton_codebook.takes_tiles_by_code(
                 triton_codebook.VARIANTS[c.kwargs["VARIANT"]], bits):   # a tile these codes never take
             continue
         key = (tuple((k, v) for k, v in c.kwargs.items() if k != "WAVES"), c.num_warps, c.num_stages)
