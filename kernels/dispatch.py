@@ -54,16 +54,15 @@ def choose_backend(x, bits, backend):
     return "triton" if fits and triton_available() else "torch"
 
 
-def reserve_workspace(device: torch.device, out_features: int, in_features: int) -> None:
-    """A layer of this shape now lives on `device`: on a GPU, its split-K scratch is allocated at once, outside any
-    CUDA-graph memory pool (triton_gptq_ops.workspace says why)."""
+def reserve_workspace(device: torch.device, out_features: int, in_features: int, codebook: bool = False) -> None:
+    """A GPTQ (or, with `codebook`, a codebook) layer of this shape now lives on `device`: on a GPU, the most split-K
+    scratch its kernel can ask for is allocated at once, outside any CUDA-graph memory pool (triton_gptq_ops.workspace
+    says why)."""
     if device.type == "cuda" and triton_available():
         from quantkit.kernels import triton_codebook, triton_gptq_ops
 
-        sms = triton_gptq_ops.num_sms(device)
-        bounds = (triton_gptq_ops.workspace_bound(out_features, in_features, sms),
-                  triton_codebook.workspace_bound(out_features, in_features, sms))
-        triton_gptq_ops.workspace(device, *map(max, zip(*bounds)))
+        bound = (triton_codebook if codebook else triton_gptq_ops).workspace_bound
+        triton_gptq_ops.workspace(device, *bound(out_features, in_features, triton_gptq_ops.num_sms(device)))
 
 
 def choose_path(m, path=None):

@@ -544,7 +544,8 @@ def test_layers_reserve_the_split_k_workspace_when_they_move(monkeypatch):
 
     calls = []
     for module in (quant_linear, decoded_linear):
-        monkeypatch.setattr(module, "reserve_workspace", lambda device, n, k: calls.append((device.type, n, k)))
+        monkeypatch.setattr(module, "reserve_workspace",
+                            lambda device, n, k, codebook=False: calls.append((device.type, n, k)))
     QuantLinear(64, 48, 4, 32, bias=False).to("cpu")
     decoded_linear.DecodedLinear(96, 40, TurboQuant(4, 32), 32, 3, bias=False, dtype=torch.float32).to("cpu")
     assert calls == [("cpu", 48, 64), ("cpu", 40, 96)]

@@ -90,5 +90,5 @@ class DecodedLinear(nn.Module):
         self.__dict__.pop("_weight_cache", None)
         moved = super()._apply(fn, *args, **kwargs)
         if self.kernel is not None:
-            reserve_workspace(self.codes.device, self.out_features, self.in_features)
+            reserve_workspace(self.codes.device, self.out_features, self.in_features, codebook=True)
         return moved
