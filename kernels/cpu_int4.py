@@ -29,7 +29,10 @@ from quantkit.core.groups import row_groups
 
 GROUP_SIZES = (32, 64, 128, 256)
 N_MULTIPLE = 16
-INT4_MM_MAX_M = 64  # bf16 rows up to which the op beats decode + GEMM (4096 x 4096 g128, 2-core Xeon: they tie at 64)
+# bf16 rows up to which the op runs: at 128 rows it was 0.70-0.97x the strip decode's time on every SmolLM2 and
+# Llama-3-8B shape (scripts/bench_cpu_int4.py, 2-core AMD EPYC with AVX-512), 0.92-1.25x at 192; and it holds no
+# decoded strip, so a prefill of up to 128 tokens leaves no freed strips in the heap (10 MB of SmolLM2's peak)
+INT4_MM_MAX_M = 128
 PLANE_BITS = 4
 # float32 2^23 + c has the bits 0x4B000000 | c for 0 <= c < 2^23: writing a code into the low byte of that word gives
 # the float of 2^23 + code with no int -> float conversion (which costs several times the other steps on the CPU)

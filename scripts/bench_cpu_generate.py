@@ -22,12 +22,14 @@ quantkit.nn.cpu_int4_linear) and in float32 (exact strip-wise decode), and w4 wi
 cache_dequantized=True (the decoded weights kept: the memory of the fp32 model).
 With --llama-bench (llama.cpp's benchmark binary) and --gguf files of the same model, llama-bench's prefill and
 decode (pp and tg of the same lengths) of each file on the same number of threads are the anchor rows.
+With --mmap-threshold, every row runs under that glibc setting (the peaks then hold little freed memory).
 
     python scripts/bench_cpu_generate.py ~/.cache/quantkit-assets/smollm2-135m --workdir /tmp/bench_cpu_generate \\
         --llama-bench /path/to/llama.cpp/build/bin/llama-bench --gguf smollm2-Q4_0.gguf smollm2-Q4_K_M.gguf
 """
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -76,7 +78,8 @@ def child(path: str, dtype: str, cache: bool, args) -> dict:
     from quantkit.run.load import load_quantized
 
     torch.set_num_threads(args.threads)
-    params = sum(p.numel() for p in skeleton(path).parameters())  # tied weights counted once
+    meta = skeleton(path)
+    params, vocab = sum(p.numel() for p in meta.parameters()), meta.config.vocab_size  # tied weights counted once
     baseline, code = status("VmRSS"), code_pages()
     quantized = (Path(path) / "quantkit_report.json").exists()
     if quantized:
@@ -84,7 +87,8 @@ def child(path: str, dtype: str, cache: bool, args) -> dict:
     else:
         model = load_fp_model(path, dtype)[0].eval()
     loaded = status("VmRSS")
-    prompt = torch.randint(100, 1000, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(min(100, vocab // 2), min(1000, vocab), (1, args.prompt),
+                           generator=torch.Generator().manual_seed(0))
     prefill, decode = [], []
     with torch.inference_mode():
         for _ in range(args.repeat):
@@ -100,7 +104,8 @@ def child(path: str, dtype: str, cache: bool, args) -> dict:
             decode.append(args.new_tokens / (t2 - t1))
             del out, cache_kv, token  # the next run starts without this one's cache, as a new generate() would
     return dict(baseline=baseline, load=loaded - baseline, peak=status("VmHWM") - baseline,
-                code=code_pages() - code, prefill=max(prefill), decode=max(decode), bf16_bytes=2 * params)
+                code=code_pages() - code, prefill=max(prefill), decode=max(decode), bf16_bytes=2 * params,
+                mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_", "default (dynamic)"))
 
 
 def skeleton(path):
@@ -121,8 +126,13 @@ def run_child(path, dtype, cache, args) -> dict:
     argv = [sys.executable, __file__, args.source, "--child", path, dtype, str(int(cache)),
             "--threads", str(args.threads), "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
             "--repeat", str(args.repeat)]
-    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    env = dict(os.environ)
+    if args.mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise SystemExit(f"the row {path} ({dtype}) failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def make_checkpoints(args, work: Path) -> dict:
@@ -181,6 +191,11 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=128, help="prefill length (tokens)")
     p.add_argument("--new-tokens", type=int, default=128, help="decode steps")
     p.add_argument("--repeat", type=int, default=2, help="runs per row (the fastest is kept)")
+    p.add_argument("--mmap-threshold", type=int, metavar="BYTES",
+                   help="glibc's MALLOC_MMAP_THRESHOLD_ in every row's process: blocks of BYTES and more come from the "
+                        "OS and go back to it when freed, so the forward's freed temporaries stop counting in the "
+                        "peak (glibc's default threshold rises with the largest block freed, to 32 MB); prefill is "
+                        "slower for it")
     p.add_argument("--llama-bench", help="llama.cpp's llama-bench binary, for the anchor rows")
     p.add_argument("--gguf", nargs="*", default=[], help="GGUF files of the same model for llama-bench")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -193,10 +208,11 @@ def main(argv=None):
 
     args.source = str(source_in(args.source, args.source_dtype, Path(args.workdir)))
     folders = {"source": Path(args.source), **make_checkpoints(args, Path(args.workdir))}
-    print(f"\nCPU: {cpu_name()}, {args.threads} threads, torch {torch.__version__} "
-          f"({torch.backends.cpu.get_cpu_capability()}); batch 1, prompt {args.prompt}, {args.new_tokens} new tokens\n")
     results = [(name, run_child(str(folders[src]), dtype, cache, args)) for name, src, dtype, cache in ROWS]
     bf16 = dict(results)["bf16"]
+    print(f"\nCPU: {cpu_name()}, {args.threads} threads, torch {torch.__version__} "
+          f"({torch.backends.cpu.get_cpu_capability()}); batch 1, prompt {args.prompt}, {args.new_tokens} new tokens; "
+          f"glibc mmap threshold {bf16['mmap_threshold']}\n")
     print("| model | load RSS (MB) | peak RSS (MB) | of it, code (MB) | peak / bf16 weights | without the code | "
           "prefill tok/s | decode tok/s | decode / bf16 |\n|---|---|---|---|---|---|---|---|---|")
     weights = bf16["bf16_bytes"]

@@ -271,3 +271,24 @@ def test_kernel_formats_compute_with_the_weight_they_report(fmt):
     assert ((layer.op(x).double() - ref).norm() / ref.norm()).item() < 2.0**-10
     assert (layer.rotate is not None) == (fmt == "int4-rotated")
     assert (layer.tinygemm is not None) == (fmt in ("int4", "int4-asym"))
+
+
+def test_bench_cpu_generate_runs_a_row_under_the_allocator_setting(tmp_path):
+    """scripts/bench_cpu_generate.py: a row's child process loads the checkpoint, prefills and decodes, and reports
+    its memory over the baseline and the glibc setting it ran under (--mmap-threshold reaches the child)."""
+    bench = pytest.importorskip("bench_cpu_generate")
+    from quantkit.api import quantize
+    from quantkit.demo import bundled_model_path
+    from quantkit.run.config import QuantConfig
+
+    source = str(bundled_model_path())
+    folder = tmp_path / "w4"
+    quantize(source, folder, QuantConfig(method="rtn", bits=4, group_size=32), device="cpu")
+    args = SimpleNamespace(source=source, threads=1, prompt=8, new_tokens=3, repeat=1, mmap_threshold=65536)
+    row = bench.run_child(str(folder), "bfloat16", False, args)
+    assert row["mmap_threshold"] == "65536"
+    assert 0 < row["load"] <= row["peak"] and row["decode"] > 0 and row["prefill"] > 0
+    params = sum(p.numel() for p in bench.skeleton(source).parameters())
+    assert row["bf16_bytes"] == 2 * params
+    assert bench.run_child(str(folder), "bfloat16", False, SimpleNamespace(**{**vars(args), "mmap_threshold": None})
+                           )["mmap_threshold"] == "default (dynamic)"
