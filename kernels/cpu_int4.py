@@ -31,7 +31,8 @@ GROUP_SIZES = (32, 64, 128, 256)
 N_MULTIPLE = 16
 # bf16 rows up to which the op runs: at 128 rows it was 0.70-0.97x the strip decode's time on every SmolLM2 and
 # Llama-3-8B shape (scripts/bench_cpu_int4.py, 2-core AMD EPYC with AVX-512), 0.92-1.25x at 192; and it holds no
-# decoded strip, so a prefill of up to 128 tokens leaves no freed strips in the heap (10 MB of SmolLM2's peak)
+# decoded strip, so a prefill of up to 128 tokens leaves no freed strips in the heap (SmolLM2's prefill
+# grew the heap by 13 MB instead of 24 in a probe)
 INT4_MM_MAX_M = 128
 PLANE_BITS = 4
 # float32 2^23 + c has the bits 0x4B000000 | c for 0 <= c < 2^23: writing a code into the low byte of that word gives
