@@ -258,7 +258,6 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
     variant = check_layer(x, codes, scales, g_idx, table, bits, decode, bias)
     m, k = x.shape
     n = scales.shape[1]
-    kw = bitpack.packed_len(k, bits)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -271,11 +270,11 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), splits)
     with on_device(x):
         codebook_kernel[grid](x, codes, scales, g_idx.to(torch.int32), table.contiguous(),
-                              bias if bias is not None else scales, y, ws, locks, m, n, k, kw, gs if uniform else 1,
-                              splits, float(decode.offset), float(decode.ratio), BITS=bits, DECODE=variant,
-                              UNIFORM=uniform, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-                              BY_CODE=by_code, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETER=not x.is_cuda,
-                              num_warps=warps)
+                              bias if bias is not None else scales, y, ws, locks, m, n, k, codes.shape[0],
+                              gs if uniform else 1, splits, float(decode.offset), float(decode.ratio), BITS=bits,
+                              DECODE=variant, UNIFORM=uniform, HAS_BIAS=bias is not None,
+                              IEEE=x.dtype == torch.float32, BY_CODE=by_code, BLOCK_M=block_m, BLOCK_N=block_n,
+                              BLOCK_K=block_k, INTERPRETER=not x.is_cuda, num_warps=warps)
     return y
 
 

@@ -50,7 +50,7 @@ def rotate_triton(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Ten
     m = x2.shape[0]
     y = torch.empty_like(x2)
     if m and n:
-        _, block_m, warps = tile_for(block, m)
+        block_m, warps = tile_for(block, m)
         grid = (triton.cdiv(m, block_m), n // block)
         with on_device(x2):
             _rotate_kernel[grid](x2, s, y, m, n, 1.0 / math.sqrt(block), B=block, LOG_B=block.bit_length() - 1,
@@ -59,8 +59,8 @@ def rotate_triton(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Ten
 
 
 def tile_for(block: int, m: int):
-    """(B, BLOCK_M, warps) of a launch over m rows: as many rows per program as fit MAX_TILE (fewer programs), no
-    more than the rows there are."""
+    """(BLOCK_M, warps) of a launch of Hadamard blocks of `block` over m rows: as many rows per program as fit
+    MAX_TILE (fewer programs), no more than the rows there are."""
     block_m = max(1, min(MAX_TILE // block, triton.next_power_of_2(m), 64))
     tile = block_m * block
-    return block, block_m, 4 if tile <= 4096 else 8 if tile <= 16384 else 16
+    return block_m, 4 if tile <= 4096 else 8 if tile <= 16384 else 16

@@ -162,7 +162,7 @@ def _codebook_dequant_configs():
 def _rotate_configs():
     """The tiles rotate_triton launches for many rows, from the smallest Hadamard block to the largest."""
     return [triton.Config(dict(B=b, BLOCK_M=bm), num_warps=w, num_stages=3)
-            for b, bm, w in (triton_rotation.tile_for(b, 1 << 16) for b in (32, 128, 1024, 4096))]
+            for b in (32, 128, 1024, 4096) for bm, w in [triton_rotation.tile_for(b, 1 << 16)]]
 
 
 # kind -> (configs, how to build the launch, BLOCK_M fixed by the launch kind or None)
