@@ -213,13 +213,13 @@ def loop_stats(kind, config, arch=90, bits=4, dump=None):
         os.makedirs(dump, exist_ok=True)
         with open(os.path.join(dump, name + f"_sm{arch}.sass"), "w") as f:
             f.write(sass)
-    loop = main_loop(sass) or whole_kernel(sass)   # the dequantize kernels have no K loop
-    ops = opcode_counts(loop)
     if kind == "rotate":   # no loop over K: per element, and the butterflies unroll into the whole kernel
         loop = whole_kernel(sass)
         per_thread = const["BLOCK_M"] * const["B"] / (32 * config.num_warps)
-    else:                  # weights per thread per trip
+    else:                  # the K loop (the dequantize kernels have none), weights per thread per trip
+        loop = main_loop(sass) or whole_kernel(sass)
         per_thread = const["BLOCK_N"] * const["BLOCK_K"] / (32 * config.num_warps)
+    ops = opcode_counts(loop)   # counted over what the instructions are
     return dict(name=name, block_m=const.get("BLOCK_M"), instructions=len(loop), weights_per_thread=per_thread,
                 per_weight=len(loop) / per_thread, ldg=ops["LDG"], shared=sum(ops[o] for o in SHARED),
                 spills=sum(ops[o] for o in SPILLS), i2f=ops["I2F"], mma=ops["HMMA"] + ops["HGMMA"])
