@@ -19,7 +19,7 @@ from quantkit.algorithms.rtn import rtn
 from quantkit.models.arch import arch_for, get_submodule, get_weight
 from quantkit.models.hub import load_fp_model
 from quantkit.calibration.runner import BlockRunner
-from quantkit.calibration.sequential import capture_block_inputs
+from quantkit.calibration.capture import capture_block_calls
 
 
 def errors(W, x, bits, group_size, name):
@@ -51,8 +51,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     model, tokenizer = load_fp_model(args.model, "float32")
     arch = arch_for(model)
-    inputs, kwargs = capture_block_inputs(model, arch, calibration_ids(tokenizer, args.calib, args.nsamples,
-                                                                      args.seqlen, 0), "cpu")
+    captured = capture_block_calls(model, arch, calibration_ids(tokenizer, args.calib, args.nsamples, args.seqlen, 0),
+                                   "cpu")
+    inputs = captured.inputs
     blocks = get_submodule(model, arch.blocks)
     names = [n for stage in arch.sequential for n in stage]
     print(f"w{args.bits} g{args.group_size}: relative output error of each linear alone; "
@@ -61,9 +62,9 @@ def main(argv=None):
     done = 0
     for i in sorted(int(b) for b in args.blocks.split(",")):
         for j in range(done, i):  # the fp model's inputs of block i
-            inputs = BlockRunner(blocks[j], inputs, kwargs, "cpu").forward_all(keep_outputs=True)
+            inputs = BlockRunner(blocks[j], inputs, captured.of_block(j), "cpu").forward_all(keep_outputs=True)
         done = i
-        xs = BlockRunner(blocks[i], inputs, kwargs, "cpu").capture(names)
+        xs = BlockRunner(blocks[i], inputs, captured.of_block(i), "cpu").capture(names)
         for n in names:
             ratio, *errs = errors(get_weight(blocks[i].get_submodule(n)).float(), xs[n], args.bits, args.group_size,
                                   f"{arch.blocks}.{i}.{n}")

@@ -13,7 +13,8 @@ from quantkit.schemes.grid import Grid
 from quantkit.algorithms.rtn import rtn
 from quantkit.models.arch import ARCHS, Arch, arch_for, get_submodule, require_scale_groups
 from quantkit.calibration.runner import BlockRunner
-from quantkit.calibration.sequential import capture_block_inputs, get_weight
+from quantkit.calibration.capture import capture_block_calls
+from quantkit.calibration.sequential import get_weight
 
 VOCAB = 512
 
@@ -206,9 +207,9 @@ def test_no_clip_names():
 
 def _block_runner(model, layer=0, n=4, length=32):
     arch = arch_for(model)
-    inputs, kwargs = capture_block_inputs(model, arch, ids(n, length), "cpu")
+    captured = capture_block_calls(model, arch, ids(n, length), "cpu")
     block = get_submodule(model, arch.blocks)[layer]
-    return arch, block, BlockRunner(block, inputs, kwargs, "cpu")
+    return arch, block, BlockRunner(block, captured.inputs, captured.of_block(layer), "cpu")
 
 
 def _outlier_embeddings(model, factor=30.0):

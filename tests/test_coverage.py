@@ -54,7 +54,8 @@ def test_experts_it_cannot_split_are_refused_by_name_with_the_override_that_keep
     assert result.exit_code == 2 and not (tmp_path / "q").exists()
     line = result.output.strip().splitlines()[-1]
     assert line.startswith("error: model.layers.0.feed_forward.experts.gate_up_proj [4, 64, 192] (and 3 more "
-                           "weights) is a fused 3-D expert tensor") and "pattern: 'feed_forward\\.experts' skip: true" in line
+                           "weights) is a fused 3-D expert tensor") and (
+        r"pattern: '\.(feed_forward\.experts\.down_proj|feed_forward\.experts\.gate_up_proj)$' skip: true" in line)
     recipe = tmp_path / "skip.yaml"
     recipe.write_text(yaml.safe_dump({"modules": [{"pattern": r"feed_forward\.experts", "skip": True}]}))
     result = quantize(src, tmp_path / "q", "--recipe", str(recipe))

@@ -26,7 +26,7 @@ def _forward_first(runner) -> tuple[torch.Tensor, torch.Tensor]:
     """(input, output) of the block for the first calibration sample, as float32."""
     x = runner.inputs[0].to(runner.device)
     with torch.inference_mode():
-        y = first_tensor(runner.block(x, **runner.kwargs))
+        y = first_tensor(runner.call(0, x))
     return x.float(), y.float()
 
 

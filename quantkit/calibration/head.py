@@ -20,7 +20,7 @@ def calibrated_head(source, paths: HeadPaths, inputs, method, device, store_devi
     quantkit.calibration.sequential.calibrated_blocks)."""
     head = _load(source, paths).to(device)
     try:
-        runner = BlockRunner(head, inputs, {}, device, store_device)
+        runner = BlockRunner(head, inputs, ((), {}), device, store_device)
         observers = {"lm_head": method.observer(paths.lm_head, get_weight(head.lm_head))}
         observe_stage(runner, ["lm_head"], observers)
         group.reduce_statistics(list(observers.values()))

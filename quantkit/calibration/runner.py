@@ -12,8 +12,9 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from quantkit.calibration.replay import ReplayedOutputs, to_device
+from quantkit.calibration.replay import ReplayedOutputs
 from quantkit.core.errors import QuantkitError
 from quantkit.core.finite import all_finite
 from quantkit.models.arch import first_tensor, get_weight
@@ -52,12 +53,30 @@ def _outputs_not_computed(block: nn.Module, names):
 
 
 class BlockRunner:
-    """Forwards the calibration samples through one block on the compute device."""
+    """Forwards the calibration samples through one block on the compute device. calls: per sample, the block's
+    other arguments (positional after the hidden states, keyword) as the model passes them
+    (quantkit.calibration.capture.BlockCalls.of_block), or one (args, kwargs) for every sample."""
 
-    def __init__(self, block, inputs, kwargs, device, store_device="cpu", feeds_only=()):
+    def __init__(self, block, inputs, calls, device, store_device="cpu", feeds_only=()):
         self.block, self.inputs, self.device = block, inputs, device
-        self.kwargs = {k: to_device(v, device) for k, v in kwargs.items()}
+        self.calls = calls if isinstance(calls, list) else [calls] * len(inputs)
+        self._on_device = {}  # id of a stored tensor -> its copy on the compute device (shared ones moved once)
         self.replayed = ReplayedOutputs(block, device, store_device, len(inputs), feeds_only)
+
+    def call(self, i: int, x):
+        """The block on sample i's input x with sample i's other arguments."""
+        args, kwargs = self.calls[i]
+        leaves, spec = tree_flatten((args, kwargs))
+        moved = [self._device_copy(t) if isinstance(t, torch.Tensor) else t for t in leaves]
+        args, kwargs = tree_unflatten(moved, spec)
+        return self.block(x, *args, **kwargs)
+
+    def _device_copy(self, t):
+        if t.device == torch.device(self.device):
+            return t
+        if id(t) not in self._on_device:
+            self._on_device[id(t)] = (t, t.to(self.device))  # t held: its id stays its own
+        return self._on_device[id(t)][1]
 
     def _samples(self, indices=None):
         """The inputs (all, or those at `indices`) on the compute device, one at a time (the replayed outputs
@@ -71,8 +90,8 @@ class BlockRunner:
         consumes the replayed outputs."""
         outs = []
         with torch.inference_mode(), self.replayed.active(consume=True):
-            for x in self._samples():
-                y = first_tensor(self.block(x, **self.kwargs))
+            for i, x in enumerate(self._samples()):
+                y = first_tensor(self.call(i, x))
                 if keep_outputs:
                     outs.append(check_activations(y.detach(), f"the outputs of {name}").to(store_device))
         return outs
@@ -100,10 +119,10 @@ class BlockRunner:
 
         skipped = _outputs_not_computed(self.block, names) if parallel else contextlib.nullcontext()
         with torch.inference_mode(), input_hooks(self.block, names, hook), skipped, self.replayed.active():
-            for x in self._samples(samples):
+            for i, x in zip(range(len(self.inputs)) if samples is None else samples, self._samples(samples)):
                 fed.clear()
                 try:
-                    self.block(x, **self.kwargs)
+                    self.call(i, x)
                 except StopForward:
                     pass
                 seen.update(fed)

@@ -1,7 +1,8 @@
 """The sequential block loop shared by every calibrated method (GPTQ, AWQ, AWQ+GPTQ).
 
-1. capture the inputs of decoder block 0 (hidden states plus the keyword arguments the blocks take:
-   attention mask, position ids/embeddings; cache off) by running the model until block 0 is called;
+1. capture what every block receives (block 0's hidden states, and each block's own other arguments: masks and
+   position embeddings of its attention type, per-layer inputs; cache off) by running the model's own decoder loop
+   with stand-ins for the blocks (quantkit.calibration.capture);
 2. for each block: move it to the compute device, let the method prepare it (AWQ scales), then per
    true-sequential stage: hook the stage's linears, forward the calibration samples, quantize them
    and write the quantized weights back; finally forward again with the quantized weights: those
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from quantkit.calibration.capture import capture_block_calls, move_loaded  # noqa: F401 (move_loaded re-exported)
 from quantkit.calibration.distributed import SINGLE
 from quantkit.calibration.head import calibrated_head, data_free_head
 from quantkit.calibration.replay import free_bytes
@@ -26,25 +28,6 @@ from quantkit.core.units import size_text
 from quantkit.models.arch import (Arch, block_linears, for_block, get_submodule, get_weight,  # noqa: F401 (re-exported)
                                   set_weight)
 from quantkit.models.moe import expert_of, set_all_tokens
-
-
-def _move_except_blocks(model: nn.Module, blocks_path: str, device) -> None:
-    """Move every parameter and buffer outside the decoder blocks (embeddings, rotary, final norm); tensors
-    still on the meta device (a streamed model's, loaded on first use) stay there."""
-    for name, module in model.named_modules():
-        if name == blocks_path or name.startswith(blocks_path + "."):
-            continue
-        move_loaded(module, device, recurse=False)
-
-
-def move_loaded(module: nn.Module, device, recurse=True) -> None:
-    """module.to(device) for a partly meta module (streamed): moves the real tensors in place (tied ones once,
-    ties kept), leaves the meta placeholders."""
-    mods = module.modules() if recurse else [module]
-    for m in mods:
-        for key, t in list(m._parameters.items()) + list(m._buffers.items()):
-            if t is not None and not t.is_meta and t.device != torch.device(device):
-                t.data = t.data.to(device)
 
 
 def check_activation_memory(model_config, shape: tuple[int, int], dtype: torch.dtype, store_device) -> None:
@@ -63,37 +46,8 @@ def check_activation_memory(model_config, shape: tuple[int, int], dtype: torch.d
                             "are free: use fewer --nsamples or a shorter --seqlen")
 
 
-def capture_block_inputs(model, arch: Arch, input_ids: torch.Tensor, device, store_device="cpu"):
-    """Inputs of block 0 for each calibration sample: (list of hidden states [1, L, H], kwargs)."""
-    blocks = get_submodule(model, arch.blocks)
-    inputs, kwargs_box = [], {}
-
-    def grab(module, args, kwargs):
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        inputs.append(check_activations(hidden.detach(), "the inputs of block 0").to(store_device))
-        kwargs_box.update({k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")})
-        raise StopForward
-
-    _move_except_blocks(model, arch.blocks, device)
-    move_loaded(blocks[0], device)  # its weights are not needed (the hook stops before), so a streamed one may be meta
-    handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.inference_mode():
-            for row in input_ids:
-                try:
-                    model(row.unsqueeze(0).to(device), use_cache=False)
-                except StopForward:
-                    pass
-    finally:
-        handle.remove()
-        move_loaded(blocks[0], "cpu")
-        _move_except_blocks(model, arch.blocks, "cpu")
-    kwargs_box["use_cache"] = False
-    return inputs, kwargs_box
-
-
 def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequential=True, store_device="cpu",
-                      start=0, replay=None, on_result=None, group=None, head=None):
+                      start=0, replay=None, on_result=None, group=None, head=None, traced=None):
     """Quantize the blocks of `source` (quantkit.models.stream) in order, yielding (index, block, its results)
     while the block is still loaded (its norms may carry AWQ's folded scales, to be written).
 
@@ -110,6 +64,8 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
     statistics are summed over the processes and the linears of each stage quantized a share per process.
     head (quantkit.models.head.HeadPaths, --lm-head): lm_head is quantized after the last block, on the final norm of
     its outputs, and yielded as (number of blocks, None, its results); with start past the last block it is done.
+    traced: each block's BlockUses (quantkit.calibration.capture.trace_blocks): the linears it quantizes are those its
+    forward multiplies as linear layers (None: the family table's, or every linear of a family found by shape).
     """
     group = group or SINGLE
     model = source.model
@@ -118,20 +74,21 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
     check_activation_memory(model.config, tuple(input_ids.shape[:2]), source.dtype, store_device)
     undo = source.load_outside(arch.blocks, device)  # embeddings etc. load on first use
     try:
-        inputs, kwargs = capture_block_inputs(model, arch, input_ids, device, store_device)
+        captured = capture_block_calls(model, arch, input_ids, device, store_device)
     finally:
         undo()
+    inputs = captured.inputs
     for i in tqdm(range(len(blocks)), desc="blocks", unit="block", disable=not group.is_writer):
         prefix = f"{arch.blocks}.{i}"
         block = replay(i) if i < start else source.load(prefix)
         block.to(device)
         with onednn_linears(block):  # on a CPU with AVX-512: the block's float32 products at twice BLAS's speed
-            here = for_block(arch, block)  # DeepSeek's dense and MoE blocks differ
-            runner = BlockRunner(block, inputs, kwargs, device, store_device, here.feeds_only)
+            here = for_block(arch, block, traced[i] if traced else None)  # DeepSeek's dense and MoE blocks differ
+            runner = BlockRunner(block, inputs, captured.of_block(i), device, store_device, here.feeds_only)
             set_all_tokens(block, method.config.moe_calibration == "all")  # the experts' statistics (moe.py)
             stages = here.sequential if true_sequential else (tuple(n for s in here.sequential for n in s),)
             results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, here.reusable,
-                                                           on_result, group)
+                                                           on_result, group, parallel=not here.found_by_shape)
             set_all_tokens(block, False)  # the next block's inputs: the routed forward, the same outputs sooner
             inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)
         block.to("cpu")
@@ -144,18 +101,21 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
         yield len(blocks), None, calibrated_head(source, head, inputs, method, device, store_device, on_result, group)
 
 
-def _quantize_block(runner, block, prefix, method, stages, reusable, on_result, group) -> dict:
+def _quantize_block(runner, block, prefix, method, stages, reusable, on_result, group, parallel=True) -> dict:
     """Each stage: observe its linears' inputs, quantize them, put the quantized weights in place (under torchrun:
     statistics summed over the processes, each linear quantized by one of them and sent to all). Around it, what
     the later passes may replay (quantkit.calibration.replay): a reusable submodule's output linear has its input
     recorded when its stage is observed after the submodule's other linears, and a submodule whose last linear
-    this stage quantized is final (its tail replayed, its outputs recorded while later stages remain)."""
+    this stage quantized is final (its tail replayed, its outputs recorded while later stages remain). parallel: the
+    stages are the table's, whose linears never feed one another (a family found by shape has stages from a trace,
+    and its linears are computed while observed, whatever the trace missed)."""
     method.prepare_block(runner, block, prefix)
     results = {}
     for s, stage in enumerate(stages):
         for name, tail in _tails_observed_in(reusable, stages, s):
             runner.replayed.record_tail(name, tail)
-        results.update(_quantize_stage(runner, block, prefix, method, stage, len(stages) > 1, on_result, group))
+        results.update(_quantize_stage(runner, block, prefix, method, stage, parallel and len(stages) > 1, on_result,
+                                       group))
         for name, _ in reusable:
             linears = _stages_of(name, stages)
             if linears and max(linears.values()) == s:
@@ -224,15 +184,16 @@ def routed_tokens(block, names, observers, group=SINGLE):
             m.routed_counts = None
 
 
-def data_free_blocks(source, arch: Arch, method, start=0, on_result=None, head=None):
+def data_free_blocks(source, arch: Arch, method, start=0, on_result=None, head=None, traced=None):
     """RTN-style methods: each block's linears rounded one at a time, yielded, released; no activations.
     Only one quantized linear's weight is loaded at a time (the block's other tensors stay loaded for the writer);
-    on_result and head as in calibrated_blocks."""
+    on_result, head and traced as in calibrated_blocks."""
     blocks = get_submodule(source.model, arch.blocks)
     for i in tqdm(range(start, len(blocks)), desc=method.config.method, unit="block", initial=start,
                   total=len(blocks)):
         prefix = f"{arch.blocks}.{i}"
-        names = [f"{prefix}.{n}" for n in block_linears(arch, blocks[i]) if method.spec(f"{prefix}.{n}") is not None]
+        names = [f"{prefix}.{n}" for n in block_linears(arch, blocks[i], traced[i] if traced else None)
+                 if method.spec(f"{prefix}.{n}") is not None]
         weights = [f"{n}.weight" for n in names]
         block = source.load(prefix, skip=weights)
         results = {}

@@ -94,7 +94,7 @@ def write_json(path: Path, data) -> None:
 # the report fields other commands read (inspect, eval compare, convert), and their JSON types ("layers": quantize's
 # per-layer figures, or convert's count of the layers it repacked)
 REPORT_FIELDS = {"model": str, "layers": (dict, int), "flagged": list, "coverage": dict, "experts": dict,
-                 "files": list}
+                 "files": list, "carried": list}
 LAYER_NUMBERS = ("error", "cosine", "sqnr_db")
 
 
@@ -190,10 +190,17 @@ def read_checkpoint_as_stored(folder):
     if not codec.safetensors:
         raise QuantkitError(f"{folder} is a {codec.quant_method} checkpoint: load_quantized and `quantkit eval` read "
                             "it (dequantized); convert and inspect read safetensors checkpoints")
-    tensors = read_tensors(folder)
+    carried = set(carried_tensors(folder))
+    tensors = {n: t for n, t in read_tensors(folder).items() if n not in carried}
     as_read = dict(tensors)
     layers = codec.read_layers(qc, tensors, str(folder))
     return config, tensors, layers, codec, {n for n, t in tensors.items() if as_read.get(n) is t}
+
+
+def carried_tensors(folder) -> list[str]:
+    """The tensors a quantize run carried from its source unchanged, which the model does not load (MTP layers):
+    the report lists them; a reader of the model leaves them alone."""
+    return read_report(folder).get("carried", [])
 
 
 def shard_files(folder: Path) -> list[Path]:

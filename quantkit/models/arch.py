@@ -116,32 +116,43 @@ def require_scale_groups(arch: Arch, model_type: str = "this model family") -> N
             "feeds which linears to ARCHS in quantkit/models/families.py, or use --method gptq/rtn")
 
 
-def for_block(arch: Arch, block: nn.Module) -> Arch:
-    """The entry as it applies to `block`. For a family whose blocks differ, the stages, scale groups and reusable
-    submodules narrowed to the modules this block has (DeepSeek's dense first layers and its MoE layers); for a
-    family found by shape, the block's own linears (routers left out) as one stage."""
+def for_block(arch: Arch, block: nn.Module, uses=None) -> Arch:
+    """The entry as it applies to `block`, whose traced uses (quantkit.models.uses.BlockUses) say which of its weights
+    its forward multiplies as linear layers. A family found by shape takes the trace's stages; a table family its
+    table's stages, narrowed to the linears the block has and multiplies (DeepSeek's dense and MoE layers differ),
+    then any linear the trace found that the table does not list, in the trace's order. Without a trace: the table's
+    stages narrowed to the modules the block has, or for a family found by shape its linears (routers by name left
+    out) as one stage."""
     if arch.found_by_shape:
-        return replace(arch, sequential=(tuple(n for n, m in block.named_modules()
-                                               if is_linear(m) and not is_router(n, m.weight, arch.experts)),))
-    if not arch.varies:
+        stages = uses.stages if uses is not None else (
+            tuple(n for n, m in block.named_modules() if is_linear(m) and not is_router(n, m.weight, arch.experts)),)
+        return replace(arch, sequential=stages)
+    if uses is None and not arch.varies:
         return arch
-    has = {name for name, _ in block.named_modules()}
+    has = {name for name, _ in block.named_modules()} if uses is None else uses.linears
     stages = tuple(s for s in (tuple(n for n in stage if n in has) for stage in arch.sequential) if s)
+    if uses is not None:
+        listed = {n for stage in stages for n in stage}
+        stages += tuple(s for s in (tuple(n for n in stage if n not in listed) for stage in uses.stages) if s)
+    has = {name for name, _ in block.named_modules()}
     groups = tuple((prev, present) for prev, names in arch.scale_groups
                    if prev in has and (present := tuple(n for n in names if n in has)))
+    if uses is not None:  # a group with a linear left in float (a router, one read by the model's code) is not scaled
+        quantized = {n for stage in stages for n in stage}
+        groups = tuple((prev, names) for prev, names in groups if set(names) <= quantized)
     reusable = tuple((sub, tail) for sub, tail in arch.reusable if tail in has)
     feeds_only = tuple((m, sub) for m, sub in arch.feeds_only if any(sub == r for r, _ in reusable))
     return replace(arch, sequential=stages, scale_groups=groups, reusable=reusable, feeds_only=feeds_only)
 
 
-def block_stages(arch: Arch, block: nn.Module) -> tuple[tuple[str, ...], ...]:
+def block_stages(arch: Arch, block: nn.Module, uses=None) -> tuple[tuple[str, ...], ...]:
     """The true-sequential stages of one block (see for_block)."""
-    return for_block(arch, block).sequential
+    return for_block(arch, block, uses).sequential
 
 
-def block_linears(arch: Arch, block: nn.Module | None = None) -> list[str]:
-    """The linears to quantize in a block (in `block`, for a family found by shape)."""
-    stages = block_stages(arch, block) if block is not None else arch.sequential
+def block_linears(arch: Arch, block: nn.Module | None = None, uses=None) -> list[str]:
+    """The linears to quantize in a block (in `block`, for a family found by shape; as traced, given its uses)."""
+    stages = block_stages(arch, block, uses) if block is not None else arch.sequential
     return [name for stage in stages for name in stage]
 
 

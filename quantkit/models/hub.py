@@ -89,6 +89,7 @@ def load_fp_model(source: str, dtype="auto", trust_remote_code=False, tokenizer_
     except (OSError, ValueError) as e:
         raise load_error(source, e) from e
     _check_complete(source, info)
+    model.unloaded_tensors = sorted(info.get("unexpected_keys") or ())  # in the files, not in the model: MTP layers
     check_finite(model, f"model '{source}'")
     split_experts(model)  # fused MoE experts as one linear per expert (quantkit.models.moe)
     model.eval()

@@ -11,7 +11,7 @@ linears then see only the tokens routed to it (its own Hessian), are written per
 
 Layouts the eager forward describes are split: concatenated [gate; up] or interleaved [g0, u0, g1, u1, ...]
 rows, transposed or not, with or without biases, any gate function (the module's own `_apply_gate`: gpt-oss clamps
-its SwiGLU). Llama 4's experts are the other kind (INPUT_SCALED): its MoE layer multiplies each token by the
+its SwiGLU), or ungated (Nemotron-H: up_proj, the activation, down_proj). Llama 4's experts are the other kind (INPUT_SCALED): its MoE layer multiplies each token by the
 router's sigmoid score *before* the experts and hands them every token, [experts x tokens, hidden], unrouted ones
 as zero rows; InputScaledExperts computes each expert on its nonzero rows only. Others (a post-expert norm) stay
 fused and quantize refuses them by name.
@@ -24,12 +24,14 @@ LAYOUT_FLAGS = ("is_concatenated", "is_transposed", "has_bias", "has_gate", "has
 
 
 class Expert(nn.Module):
-    """One expert of a split MoE layer: gate_proj, up_proj [I, H] and down_proj [H, I]."""
+    """One expert of a split MoE layer: gate_proj (gated experts only), up_proj [I, H] and down_proj [H, I]."""
 
-    def __init__(self, hidden: int, inter: int, bias: bool, device=None, dtype=None):
+    def __init__(self, hidden: int, inter: int, bias: bool, device=None, dtype=None, gated=True):
         super().__init__()
         kw = dict(bias=bias, device=device, dtype=dtype)
-        self.gate_proj, self.up_proj = nn.Linear(hidden, inter, **kw), nn.Linear(hidden, inter, **kw)
+        if gated:
+            self.gate_proj = nn.Linear(hidden, inter, **kw)
+        self.up_proj = nn.Linear(hidden, inter, **kw)
         self.down_proj = nn.Linear(inter, hidden, **kw)
 
 
@@ -44,13 +46,18 @@ class ExpertLinears(nn.ModuleList):
     def __init__(self, experts: list, is_concatenated: bool, apply_gate):
         super().__init__(experts)
         self.is_concatenated = is_concatenated
-        self.apply_gate = apply_gate  # the fused module's gate function (its act_fn, gpt-oss's clamps)
+        # the fused module's gate function (gpt-oss's clamps), or an ungated one's activation: not a submodule of the
+        # list (an activation module would count as one more expert)
+        object.__setattr__(self, "apply_gate", apply_gate)
         self.all_tokens = False
         self.routed_counts = None
 
     def expert_output(self, e: int, x):
-        """Expert e's output for tokens x [t, H] (before the routing weight)."""
+        """Expert e's output for tokens x [t, H] (before the routing weight). An ungated expert (Nemotron-H's):
+        down(act(up(x))), apply_gate being the activation."""
         expert = self[e]
+        if not hasattr(expert, "gate_proj"):
+            return expert.down_proj(self.apply_gate(expert.up_proj(x)))
         g, u = expert.gate_proj(x), expert.up_proj(x)
         gate_up = torch.cat([g, u], dim=-1) if self.is_concatenated else torch.stack([g, u], dim=-1).flatten(-2)
         return expert.down_proj(self.apply_gate(gate_up))
@@ -134,24 +141,30 @@ def splittable(module: nn.Module) -> bool:
     if _input_scaled(module):
         return True
     flags = [getattr(module, f, None) for f in LAYOUT_FLAGS]
-    return (None not in flags and module.has_gate and not module.has_post_expert_norm
-            and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and module.gate_up_proj.dim() == 3
+    first = getattr(module, "gate_up_proj" if module.has_gate else "up_proj", None) if None not in flags else None
+    return (None not in flags and not module.has_post_expert_norm
+            and isinstance(first, nn.Parameter) and first.dim() == 3
             and isinstance(getattr(module, "down_proj", None), nn.Parameter) and module.down_proj.dim() == 3)
 
 
-def _experts(gate_up, down, bias, concatenated) -> list:
-    """One Expert per slice of gate_up [E, 2I, H] and down [E, H, I] (bias: (gate_up_bias, down_bias) or None)."""
-    n, two_inter, hidden = gate_up.shape
-    inter = two_inter // 2
-    rows = (slice(0, inter), slice(inter, two_inter)) if concatenated else (slice(0, None, 2), slice(1, None, 2))
+def _experts(gate_up, down, bias, concatenated, gated=True) -> list:
+    """One Expert per slice of gate_up [E, 2I, H] (ungated: up [E, I, H]) and down [E, H, I] (bias: (gate_up_bias,
+    down_bias) or None)."""
+    n, rows_in, hidden = gate_up.shape
+    inter = rows_in // 2 if gated else rows_in
+    rows = (slice(0, inter), slice(inter, rows_in)) if concatenated else (slice(0, None, 2), slice(1, None, 2))
+    if not gated:
+        rows = (None, slice(0, rows_in))
     experts = []
     for e in range(n):
-        expert = Expert(hidden, inter, bias is not None, device=gate_up.device, dtype=gate_up.dtype)
-        values = {"gate_proj.weight": gate_up[e, rows[0]], "up_proj.weight": gate_up[e, rows[1]],
-                  "down_proj.weight": down[e]}
+        expert = Expert(hidden, inter, bias is not None, device=gate_up.device, dtype=gate_up.dtype, gated=gated)
+        values = {"up_proj.weight": gate_up[e, rows[1]], "down_proj.weight": down[e]}
+        if gated:
+            values["gate_proj.weight"] = gate_up[e, rows[0]]
         if bias is not None:
-            values.update({"gate_proj.bias": bias[0][e, rows[0]], "up_proj.bias": bias[0][e, rows[1]],
-                           "down_proj.bias": bias[1][e]})
+            values.update({"up_proj.bias": bias[0][e, rows[1]], "down_proj.bias": bias[1][e]})
+            if gated:
+                values["gate_proj.bias"] = bias[0][e, rows[0]]
         if gate_up.device.type != "meta":
             expert.load_state_dict({k: v.contiguous() for k, v in values.items()})
         experts.append(expert)
@@ -160,15 +173,17 @@ def _experts(gate_up, down, bias, concatenated) -> list:
 
 def split(fused: nn.Module) -> ExpertLinears:
     """ExpertLinears holding `fused`'s weights (on the meta device too, for a skeleton)."""
-    gate_up, down = fused.gate_up_proj.detach(), fused.down_proj.detach()
+    gate_up = (fused.gate_up_proj if _input_scaled(fused) or fused.has_gate else fused.up_proj).detach()
+    down = fused.down_proj.detach()
     if _input_scaled(fused):  # [E, H, 2I] and [E, I, H], [gate; up] concatenated
         experts = _experts(gate_up.transpose(1, 2), down.transpose(1, 2), None, True)
         return InputScaledExperts(experts, True, _swiglu_chunks(fused.act_fn))
     if fused.is_transposed:  # [E, in, out] -> nn.Linear's [E, out, in]
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    bias = (fused.gate_up_proj_bias, fused.down_proj_bias) if fused.has_bias else None
-    return ExpertLinears(_experts(gate_up, down, bias, fused.is_concatenated), fused.is_concatenated,
-                         fused._apply_gate)
+    first = "gate_up_proj" if fused.has_gate else "up_proj"
+    bias = (getattr(fused, f"{first}_bias"), fused.down_proj_bias) if fused.has_bias else None
+    return ExpertLinears(_experts(gate_up, down, bias, fused.is_concatenated, fused.has_gate), fused.is_concatenated,
+                         fused._apply_gate if fused.has_gate else fused.act_fn)
 
 
 def split_experts(model: nn.Module) -> nn.Module:
@@ -181,7 +196,8 @@ def split_experts(model: nn.Module) -> nn.Module:
         if _input_scaled(fused):  # the router's input and logits, for --moe-calibration all
             router = owner.get_submodule(INPUT_SCALED[type(fused).__name__])
             router.register_forward_hook(getattr(owner, leaf).see_router)
-        for p in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):  # the copies hold them now
+        for p in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
+                  "down_proj_bias"):  # the copies hold them now
             if hasattr(fused, p):
                 setattr(fused, p, None)
     return model

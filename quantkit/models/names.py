@@ -37,9 +37,15 @@ class FileNames:
         return self.of_tensor(f"{name}.weight").removesuffix(".weight")
 
     def to_model(self, name: str) -> str:
-        """The model's name of a tensor or module named `name` in the files (itself when no module is so named)."""
+        """The model's name of a tensor or module named `name` in the files (itself when no module is so named): a
+        tensor of the model by its own renaming first (Kimi-Linear's self_attn.A_log is the model's
+        self_attn.forget_gate.A_log, DeepSeek-V4's hc_attn_fn its attn_hc.fn), else by its module's (a packed
+        layer's qweight sits where the linear was)."""
         if self._modules is None:
+            self._tensors = {self.of_tensor(t): t for t in self.model.state_dict(keep_vars=True)}
             self._modules = {self.of_module(m): m for m, _ in self.model.named_modules() if m}
+        if name in self._tensors:
+            return self._tensors[name]
         if name in self._modules:
             return self._modules[name]
         module, dot, leaf = name.rpartition(".")

@@ -49,6 +49,8 @@ class StreamedModel:
         in_files = FileNames(self.model)
         self.stored = {n: n if n in files else in_files.of_tensor(n) for n in self.names}
         self.files = {n: files[s] for n, s in self.stored.items() if s in files}
+        self.unloaded = unloaded_tensors(files, set(self.stored.values()), fp8_block is not None)
+        self.files.update({n: files[n] for n in self.unloaded})
         self.seen = {f: _file_state(folder / f) for f in set(self.files.values())}  # checked at every read
 
     def read(self, names, dtype=None) -> dict:
@@ -84,6 +86,17 @@ class StreamedModel:
             raise QuantkitError(f"model '{self.source_name}': {fname} changed while this run was reading it (its size "
                                 "or modification time): the result would mix two models; let whatever writes the "
                                 "model finish, then run again")
+
+    def read_unloaded(self, names) -> dict:
+        """{name: tensor} of tensors the model does not load (quantkit.models.stream.unloaded_tensors), as stored."""
+        from safetensors import safe_open
+
+        out = {}
+        for n in names:
+            self._check_unchanged(self.files[n])
+            with safe_open(self.folder / self.files[n], framework="pt") as f:
+                out[n] = f.get_tensor(n)
+        return out
 
     def _stored(self, f, name: str) -> torch.Tensor:
         """Tensor `name` of the open shard f, an FP8 weight dequantized by its block scales."""
@@ -161,13 +174,27 @@ class StreamedModel:
         return undo
 
 
-class InMemoryModel(StreamedModel):
-    """The whole model loaded (sources that cannot be streamed): load/release are no-ops."""
+def unloaded_tensors(files: dict, loaded: set, fp8: bool) -> list[str]:
+    """The tensors of a folder's shards (files: {name: shard}) that the model does not load (`loaded`: the names in the
+    files of the model's own tensors): multi-token-prediction layers (GLM-4.5's model.layers.N past the last block,
+    Qwen3-Next's mtp.*, DeepSeek-V3's layer 61) and anything else transformers leaves out. A quantize run carries
+    them into its output unchanged. An FP8 source's block scales of loaded weights are not among them: the reader
+    consumed them."""
+    def consumed(n):
+        return fp8 and n.endswith("_scale_inv") and n.removesuffix("_scale_inv") in loaded
+    return sorted(n for n in files if n not in loaded and not consumed(n))
 
-    def __init__(self, model, source_name: str):
+
+class InMemoryModel(StreamedModel):
+    """The whole model loaded (sources that cannot be streamed): load/release are no-ops. unloaded: tensors of the
+    source's files the model did not load, to be carried (read from `folder`, when the source is one)."""
+
+    def __init__(self, model, source_name: str, folder: Path | None = None, unloaded=()):
         self.model, self.source_name, self.dtype = model, source_name, model.dtype
         self.names = list(drop_shared(model.state_dict()))
         self._state = model.state_dict()
+        self.folder, self.unloaded, self.seen = folder, list(unloaded), {}
+        self.files = _shard_map(folder) if folder is not None and self.unloaded else {}
 
     def read(self, names, dtype=None) -> dict:
         return {n: self._state[n].to(dtype) if dtype is not None and self._state[n].is_floating_point()
@@ -187,6 +214,9 @@ class InMemoryModel(StreamedModel):
 
     def load_outside(self, blocks_path, device="cpu"):
         return lambda: None
+
+    def _check_unchanged(self, fname: str) -> None:
+        pass
 
 
 def return_freed_memory() -> None:
@@ -288,7 +318,15 @@ def open_model(source: str, dtype="auto", trust_remote_code=False, tokenizer_req
     # a bad id fails here, note unsaid
     fp_model, tokenizer = loader.load_fp_model(source, dtype, trust_remote_code, tokenizer_required)
     print(f"note: {source} was loaded whole: {why}", file=sys.stderr)
-    return InMemoryModel(fp_model, source), tokenizer, loader.stored_dtype(fp_model, trust_remote_code)
+    folder = Path(source).expanduser() if loader.looks_local(source) else None
+    files = (_shard_map(folder) or {}) if folder is not None else {}
+    unloaded = [n for n in fp_model.unloaded_tensors if n in files]
+    if len(unloaded) < len(fp_model.unloaded_tensors):
+        print(f"note: {len(fp_model.unloaded_tensors) - len(unloaded)} tensors of {source} that transformers does not "
+              f"load (such as {fp_model.unloaded_tensors[0]}) are not carried into the output: they are read from a "
+              "local folder only; download the model to a folder to keep them", file=sys.stderr)
+    source_model = InMemoryModel(fp_model, source, folder, unloaded)
+    return source_model, tokenizer, loader.stored_dtype(fp_model, trust_remote_code)
 
 
 def _streamed(source: str, files: dict, dtype, trust_remote_code, tokenizer_required):

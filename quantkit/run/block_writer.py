@@ -130,17 +130,26 @@ class BlockWriter:
 
     def save_outside(self, tmp):
         """Embeddings, final norm, lm_head (unless quantized): one tensor at a time from the source, in the stored
-        dtype."""
+        dtype; then the tensors the model does not load (carried), as stored."""
         quantized = self._quantized_tensors()  # a quantized lm_head is a packed layer of its own part
         outside = [n for n in self.source.names if not n.startswith(self.arch.blocks + ".") and n not in quantized]
         for j, name in enumerate(outside):
             shards.save_part(tmp, f"top-{j:05d}", self.source.read([name], self.save_dtype))
             return_freed_memory()
+        for j, name in enumerate(self.carried):
+            shards.save_part(tmp, f"carried-{j:05d}", self.source.read_unloaded([name]))
+
+    @property
+    def carried(self) -> list[str]:
+        """The source's tensors the model does not load (MTP layers), carried unchanged under their names in the
+        files, into a safetensors checkpoint (a GGUF file holds only what its architecture names)."""
+        return list(self.source.unloaded) if self.codec.safetensors else []
 
     def order(self) -> list[str]:
-        """The checkpoint's tensor order: unquantized tensors in state-dict order, then packed layers."""
+        """The checkpoint's tensor order: unquantized tensors in state-dict order, then packed layers, then the
+        carried ones."""
         quantized = self._quantized_tensors()
-        return [n for n in self.source.names if n not in quantized] + self.packed
+        return [n for n in self.source.names if n not in quantized] + self.packed + self.carried
 
     def _quantized_tensors(self) -> set:
         """The source's float tensors the packed layers replace (their weights and biases)."""

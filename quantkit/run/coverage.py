@@ -3,14 +3,19 @@
 Every weight of the model (a floating-point parameter of two or more dims) is of one kind:
   quantized      the weight of a linear the run quantizes
   recipe         a linear (or another weight) a recipe override keeps in float (`skip: true`)
-  router         a mixture-of-experts router: [experts, hidden], kept in float (routing decisions must not move)
   lm_head        the output projection, kept in float (tied to the embeddings or not) unless --lm-head quantizes
                  it (then "quantized"; a tied one is untied, the embeddings stay)
   embeddings     input embedding tables (not linear weights: left out of the share)
   outside        another weight outside the decoder blocks (position tables, a vision tower)
-A weight inside the decoder blocks that is none of these (transformers 5's fused 3-D expert tensors, a linear the
-architecture table does not list, a custom layer) is refused before any work, with its name and the recipe
-override that keeps it in float: a checkpoint must never be mostly floating point without a word.
+and inside the decoder blocks, by how the block's forward uses it (quantkit.models.uses, from a trace):
+  router         a linear whose output selects experts, kept in float (routing decisions must not move)
+  read           a linear whose weight the model's own code reads (a packed layer has none), kept in float
+  unused         a weight the forward never reads
+  conv, other    convolution kernels, SSM parameters and other weights not multiplied as linear layers (not linear
+                 weights: named, left out of the share)
+A weight inside the decoder blocks that is none of these (fused 3-D experts that could not be split into linears) is
+refused before any work, with its name, what it is, and the recipe override that keeps it in float: a checkpoint
+must never be mostly floating point without a word.
 """
 import re
 from dataclasses import dataclass, field
@@ -19,10 +24,12 @@ from torch import nn
 
 from quantkit.core.errors import QuantkitError
 from quantkit.models.arch import expert_count, is_router
+from quantkit.models.uses import kind_words
 
 ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # a linear of a routed expert (quantkit.models.moe)
 
-FLOAT_KINDS = ("recipe", "router", "lm_head", "outside")  # the float kinds the share counts (not embeddings)
+FLOAT_KINDS = ("recipe", "router", "read", "unused", "lm_head", "outside")  # the float kinds the share counts
+SUMMARY_ORDER = ("recipe", "conv", "other", "router", "read", "unused", "lm_head", "embeddings", "outside")
 
 
 @dataclass
@@ -43,12 +50,12 @@ class Coverage:
         return self.elements("quantized") / total if total else 0.0
 
     def summary(self) -> str:
-        """One line: "quantized 97.3 % of linear weights (210 linears); in floating point: 24 routers, lm_head"."""
-        counts = {k: len(self.kinds.get(k, {})) for k in ("recipe", "router", "lm_head", "embeddings", "outside")}
-        words = {"recipe": f"{counts['recipe']} weight(s) kept by the recipe", "router": f"{counts['router']} router{'s' if counts['router'] != 1 else ''}",
-                 "lm_head": "lm_head", "embeddings": "embeddings",
-                 "outside": f"{counts['outside']} other weight(s) outside the decoder blocks"}
-        floats = [words[k] for k, n in counts.items() if n]
+        """One line: "quantized 97.3 % of linear weights (210 linears); in floating point: 24 routers, 4 conv
+        kernels, lm_head"."""
+        counts = {k: len(self.kinds.get(k, {})) for k in SUMMARY_ORDER}
+        words = {"recipe": f"{counts['recipe']} weight(s) kept by the recipe", "lm_head": "lm_head",
+                 "embeddings": "embeddings", "outside": f"{counts['outside']} other weight(s) outside the decoder blocks"}
+        floats = [words[k] if k in words else kind_words(k, n) for k, n in counts.items() if n]
         return (f"quantized {100 * self.share:.1f} % of linear weights ({len(self.kinds.get('quantized', {}))} "
                 f"linears); in floating point: {', '.join(floats) or 'nothing'}")
 
@@ -58,10 +65,13 @@ class Coverage:
                 **{kind: sorted(map(name, names)) for kind, names in self.kinds.items() if kind != "quantized"}}
 
 
-def weight_coverage(model: nn.Module, blocks_path: str, specs: dict, config) -> Coverage:
+def weight_coverage(model: nn.Module, blocks_path: str, specs: dict, config, traced=None) -> Coverage:
     """The kind of every weight of `model` (a skeleton is enough: only shapes are read). specs: {quantizable
-    linear: LayerSpec, None when the recipe skips it}; config: the run's QuantConfig (its overrides)."""
+    linear: LayerSpec, None when the recipe skips it}; config: the run's QuantConfig (its overrides); traced: each
+    block's BlockUses (quantkit.calibration.capture.trace_blocks), the kinds of the weights it does not quantize
+    (without it, routers are known by name and shape and every other block weight is refused)."""
     coverage, unknown = Coverage(), []
+    traced_kinds = _traced_kinds(traced or (), blocks_path)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     experts = expert_count(model.config)
@@ -69,8 +79,8 @@ def weight_coverage(model: nn.Module, blocks_path: str, specs: dict, config) -> 
         if p.dim() < 2 or not p.is_floating_point():
             continue  # norms, biases, integer buffers: not weights
         module = name.rpartition(".")[0]
-        kind = _kind(name, p, module, specs, config, blocks_path, experts, embeddings, head)
-        if kind is None:
+        kind = _kind(name, p, module, specs, config, blocks_path, experts, embeddings, head, traced_kinds)
+        if kind is None or kind == "experts":
             unknown.append((name, tuple(p.shape)))
         else:
             coverage.add(kind, name, p.numel())
@@ -83,7 +93,12 @@ def weight_coverage(model: nn.Module, blocks_path: str, specs: dict, config) -> 
     return coverage
 
 
-def _kind(name, p, module, specs, config, blocks_path, experts, embeddings, head):
+def _traced_kinds(traced, blocks_path) -> dict:
+    """{full weight name: its kind by use} over the traced blocks."""
+    return {f"{blocks_path}.{i}.{n}": kind for i, uses in enumerate(traced) for n, kind in uses.kinds.items()}
+
+
+def _kind(name, p, module, specs, config, blocks_path, experts, embeddings, head, traced_kinds):
     if module in specs and name.endswith(".weight"):
         return "quantized" if specs[module] is not None else "recipe"
     if id(p) in embeddings:
@@ -92,6 +107,8 @@ def _kind(name, p, module, specs, config, blocks_path, experts, embeddings, head
         return "lm_head"
     if not name.startswith(blocks_path + "."):
         return "outside"
+    if traced_kinds.get(name, "experts") != "experts":  # fused experts left unsplit: kept only by the recipe
+        return traced_kinds[name]
     if is_router(module, p, experts):
         return "router"
     if config.spec_for(module) is None or config.spec_for(name) is None:
@@ -110,13 +127,16 @@ def _distinct_parameters(model):
 
 def _unknown_message(unknown, blocks_path) -> str:
     name, shape = unknown[0]
-    what = ("a fused 3-D expert tensor (transformers 5 holds a mixture-of-experts layer's experts this way)"
-            if len(shape) == 3 else "a weight the architecture table does not list as a linear to quantize")
-    leaf = re.sub(rf"^{re.escape(blocks_path)}\.\d+\.", "", name).rpartition(".")[0] or name
+    what = ("a fused 3-D expert tensor that the forward multiplies as the experts' weights, in a layout "
+            "quantkit.models.moe cannot split into one linear per expert" if len(shape) == 3
+            else "a weight the architecture table does not list as a linear to quantize")
+    # the weights themselves, in every block: no broader (a pattern 'mamba' would keep every Mamba linear in float)
+    leaves = sorted({re.escape(re.sub(rf"^{re.escape(blocks_path)}\.\d+\.", "", n)) for n, _ in unknown})
+    pattern = "\\." + (leaves[0] if len(leaves) == 1 else "(" + "|".join(leaves) + ")") + "$"
     more = f" (and {len(unknown) - 1} more weights)" if len(unknown) > 1 else ""
     return (f"{name} {list(shape)}{more} is {what}: this version cannot quantize it and would leave it in floating "
-            f"point. Keep it in float knowingly with a recipe override (modules: - pattern: "
-            f"'{re.escape(leaf)}' skip: true), or quantize another model")
+            f"point. Keep it in float knowingly with a recipe override (modules: - pattern: '{pattern}' skip: true), "
+            "or quantize another model")
 
 
 def expert_calibration(layers: dict, name=str) -> dict | None:

@@ -37,6 +37,15 @@ def _device(device_map):
                         "device like 'cuda:0'")
 
 
+def _one_of(name, value, alias, alias_value):
+    """The value given under `name` or under its alias `alias`: both given and different is a mistake."""
+    if alias_value is None:
+        return value
+    if value is not None and str(value) != str(alias_value):
+        raise QuantkitError(f"load_quantized got {name}={value!r} and {alias}={alias_value!r}: give one of them")
+    return alias_value
+
+
 def _default_dtype(config_dtype, device):
     """fp32 on CPU (fast and exact there); on GPU the checkpoint's half type, fp16 otherwise."""
     if device == "cpu":
@@ -77,12 +86,15 @@ def _swap_quantized(model, layers, codec, qc, dtype):
         setattr(model.get_submodule(parent), leaf, codec.build_module(layer, qc, dtype))
 
 
-def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequantized=False):
+def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequantized=False, device=None,
+                   torch_dtype=None):
     """Load a quantkit/GPTQ-layout checkpoint folder as a transformers model in eval mode.
 
     device_map: None or "cpu" (CPU), "auto" (the GPU when there is one; the decoder blocks spread over all
         visible GPUs when the model does not fit on one, quantkit.models.placement), "balanced" (spread over all
-        GPUs in any case) or a device string such as "cuda:1".
+        GPUs in any case) or a device string such as "cuda:1" (a torch.device too).
+    device: the same as device_map (what users pass to .to()); give one of the two.
+    torch_dtype: the same as dtype (transformers' older spelling); give one of the two.
     dtype: activation/float-parameter dtype; default fp32 on CPU, fp16/bf16 on GPU.
     stream: keep the decoder blocks (and an untied lm_head) in the files and read each one when its forward
         runs (quantkit.models.offload): memory ≈ the embedding + one block, for checkpoints larger than
@@ -93,6 +105,8 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
         call decodes a bounded strip of the weight at a time (exact, float32's default).
     """
     folder = Path(path)
+    device_map = _one_of("device_map", device_map, "device", device)
+    dtype = _one_of("dtype", dtype, "torch_dtype", torch_dtype)
     device = _device(device_map)  # before the files are read: a mistyped device is named at once
     config = checkpoint.read_config(folder)
     codec = codecs.codec_named(config["quantization_config"], str(folder))
@@ -116,7 +130,8 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
         return dtype if stored_dtype.is_floating_point and name not in keep else stored_dtype
 
     if stream:
-        files = checkpoint.tensor_files(folder)
+        carried = set(checkpoint.carried_tensors(folder))  # not the model's (MTP layers)
+        files = {n: f for n, f in checkpoint.tensor_files(folder).items() if n not in carried}
 
         def read(names):
             return {in_files.to_model(n): t

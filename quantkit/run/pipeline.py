@@ -8,6 +8,7 @@ place only when everything is written (quantkit.run.output).
 """
 import contextlib
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch
 
 from quantkit.algorithms.method import Method
 from quantkit.calibration import distributed
+from quantkit.calibration.capture import trace_blocks
 from quantkit.calibration.data import calibration_ids as load_calibration
 from quantkit.calibration.data import check_dataset
 from quantkit.calibration.sequential import calibrated_blocks, check_activation_memory, data_free_blocks
@@ -97,6 +99,7 @@ class Plan:
     coverage: object        # what is quantized and what stays in float (quantkit.run.coverage)
     in_files: object        # the names the checkpoint gives the model's tensors (quantkit.models.names)
     calibration_ids: object  # [nsamples, seqlen] or None (data-free)
+    traced: list            # each block's weights by use (quantkit.models.uses.BlockUses)
     head: object = None     # quantkit.models.head.HeadPaths when lm_head is quantized (--lm-head)
 
     @property
@@ -117,12 +120,13 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
     fp_model = source.model
     arch = arch_for(fp_model)
     head = head_paths(fp_model) if config.lm_head else None
-    names = quantizable_linears(fp_model, arch, head)
+    traced = trace_blocks(source, arch, device)  # what each weight is, by how the forward uses it
+    names = quantizable_linears(fp_model, arch, head, traced)
     siblings = fused_siblings(arch, names)
     in_files = FileNames(fp_model)  # the names the checkpoint and the report give the model's tensors
     specs, shapes = layer_specs(fp_model, names, config, siblings, in_files)
     head = kept_head(head, specs)
-    coverage = weight_coverage(fp_model, arch.blocks, specs, config)  # refuses weights it would leave in float
+    coverage = weight_coverage(fp_model, arch.blocks, specs, config, traced)  # refuses weights it would lose
     kept = [n.rpartition(".")[0] for n in coverage.kinds.get("recipe", {}) if n.rpartition(".")[0] not in specs]
     aliases = file_aliases(in_files, [*names, *kept])
     for override in config.unmatched_overrides([*names, *kept], siblings, aliases):
@@ -141,7 +145,7 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
         calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
     save_dtype = declared if dtype == "auto" else source.dtype
     return Plan(source, tokenizer, save_dtype, compute_dtype, arch, names, method, codec,
-                compat_lines, coverage, in_files, calibration_ids if config.needs_calibration else None, head)
+                compat_lines, coverage, in_files, calibration_ids if config.needs_calibration else None, traced, head)
 
 
 def _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable, trust_remote_code):
@@ -165,8 +169,9 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
         report = _report(model, config, device, plan, writer, start, time.perf_counter() - t_start)
         written = SimpleNamespace(config=_model_config(plan, writer.summaries, config), tokenizer=plan.tokenizer,
                                   name=Path(_source_name(model)).name)
-        plan.codec.write_files(tmp, writer.order(), files.parse_size(config.max_shard_size), plan.in_files.of_tensor,
-                               written)
+        carried = set(writer.carried)  # named as in the source's files already
+        plan.codec.write_files(tmp, writer.order(), files.parse_size(config.max_shard_size),
+                               lambda n: n if n in carried else plan.in_files.of_tensor(n), written)
         resume_state.finish(tmp)
         _write_configs(tmp, plan, written.config, config, report)
     return report
@@ -197,10 +202,10 @@ def _quantize_parts(group, plan, config, writer, tmp, start, device) -> None:
         # in all, where one observing pass and a final forward of the whole block cost two.
         blocks = calibrated_blocks(plan.source, plan.arch, plan.calibration_ids, plan.method, device,
                                    config.true_sequential, start=start, replay=writer.replay,
-                                   on_result=writer.pack, group=group, head=plan.head)
+                                   on_result=writer.pack, group=group, head=plan.head, traced=plan.traced)
     else:  # data-free: the same per-layer path, without an observer
         blocks = data_free_blocks(plan.source, plan.arch, plan.method, start=start, on_result=writer.pack,
-                                  head=plan.head)
+                                  head=plan.head, traced=plan.traced)
     # closing: a failure ends the generator (and its progress bar) before the error line is printed
     with contextlib.closing(blocks):
         for i, block, results in blocks:
@@ -219,12 +224,23 @@ def _report(model, config, device, plan, writer, start, seconds) -> dict:
     report["flagged"] = flag_outliers(report["layers"])
     report["compat"] = plan.compat_lines
     report["coverage"] = {"summary": plan.coverage.summary(), **plan.coverage.to_report(plan.in_files.of_tensor)}
+    if writer.carried:
+        report["carried"] = writer.carried
+        report["coverage"]["summary"] += f"; {carried_summary(writer.carried)}"
     experts = expert_calibration(layers, of_module)
     if experts:
         report["experts"] = experts
     if plan.method.awq_report:
         report["awq"] = {of_module(n): v for n, v in plan.method.awq_report.items()}
     return report
+
+
+def carried_summary(names) -> str:
+    """'carried over unchanged: 24 tensors the model does not load (mtp.*)': the prefixes up to a layer number."""
+    prefixes = {re.sub(r"^((?:[^.]+\.)*?\d+\.|[^.]+\.).*$", r"\1", n) for n in names}
+    prefixes = sorted(p + "*" for p in prefixes if not any(p != q and p.startswith(q) for q in prefixes))
+    shown = ", ".join(prefixes[:3]) + (", ..." if len(prefixes) > 3 else "")
+    return f"carried over unchanged: {len(names)} tensor{'s' if len(names) != 1 else ''} the model does not load ({shown})"
 
 
 def _layer_report(results) -> dict:
@@ -266,12 +282,14 @@ def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids, t
     source, tokenizer, _ = open_model(model, _compute_dtype(device, dtype), trust_remote_code)
     arch = arch_for(source.model)
     head = head_paths(source.model) if config.lm_head else None
-    names = quantizable_linears(source.model, arch, head)
+    traced = trace_blocks(source, arch, device)
+    names = quantizable_linears(source.model, arch, head, traced)
     specs, _ = layer_specs(source.model, names, config, fused_siblings(arch, names))
     head = kept_head(head, specs)
     method = Method(config, arch, specs)
     ids = _calibration(config, tokenizer, calibration_ids, source.model.config)
-    blocks = calibrated_blocks(source, arch, ids, method, device, config.true_sequential, group=group, head=head)
+    blocks = calibrated_blocks(source, arch, ids, method, device, config.true_sequential, group=group, head=head,
+                               traced=traced)
     with contextlib.closing(blocks):
         for _ in blocks:
             return_freed_memory()

@@ -11,13 +11,14 @@ from quantkit.models.names import FileNames
 from quantkit.run.config import LayerSpec
 
 
-def quantizable_linears(model, arch, head=None) -> list[str]:
-    """Full names of the linears inside the decoder blocks, then lm_head when `head` (quantkit.models.head.HeadPaths)
-    is given (--lm-head); the embeddings are left alone."""
+def quantizable_linears(model, arch, head=None, traced=None) -> list[str]:
+    """Full names of the linears inside the decoder blocks (those each block's forward multiplies as linear layers,
+    given its traced uses: quantkit.calibration.capture.trace_blocks), then lm_head when `head`
+    (quantkit.models.head.HeadPaths) is given (--lm-head); the embeddings are left alone."""
     blocks = get_submodule(model, arch.blocks)
     names = []
     for i, block in enumerate(blocks):
-        for rel in block_linears(arch, block):
+        for rel in block_linears(arch, block, traced[i] if traced else None):
             try:
                 module = block.get_submodule(rel) if i else get_submodule(block, rel)
             except AttributeError:  # block 0 has it (the first block's own lookup names a wrong table)

@@ -1,0 +1,177 @@
+"""What each decoder block receives in the model's own forward, and how each block uses its weights.
+
+capture_block_calls: every block's arguments for every calibration sample, as the decoder's own loop passes them:
+the hidden states of block 0, and for each block the rest (Gemma 4's per-layer input, the position embeddings and
+mask of the block's attention type, a hybrid stack's linear-attention mask, the KV-sharing store its later layers
+read). The decoder runs once per sample with every block replaced by a stand-in that records its call and hands its
+hidden states on unchanged: no block computes, so it costs the embeddings and the masks.
+
+trace_blocks: one real forward of a few tokens through the whole model, each block's calls watched by
+quantkit.models.uses.UseTrace: what each of its weights is, decided by use, before any work. A streamed source's
+block holds its small tensors for the forward and reads each weight for the one call that uses it: one weight is
+held at a time, as in a data-free run.
+"""
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from quantkit.calibration.runner import StopForward, check_activations
+from quantkit.models.arch import get_submodule
+from quantkit.models.moe import set_all_tokens
+from quantkit.models.uses import BlockUses, UseTrace
+
+# keyword arguments of a block that hold a generation cache: calibration samples are independent forwards
+CACHE_ARGS = ("past_key_values", "past_key_value", "cache", "cache_params")
+TRACE_TOKENS = 16
+
+
+def move_loaded(module: nn.Module, device, recurse=True) -> None:
+    """module.to(device) for a partly meta module (streamed): moves the real tensors in place (tied ones once,
+    ties kept), leaves the meta placeholders."""
+    mods = module.modules() if recurse else [module]
+    for m in mods:
+        for key, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is not None and not t.is_meta and t.device != torch.device(device):
+                t.data = t.data.to(device)
+
+
+@contextmanager
+def moved_outside(model: nn.Module, blocks_path: str, device):
+    """Every parameter and buffer outside the decoder blocks (embeddings, rotary, final norm) on `device` for the
+    duration, on the CPU after; tensors still on the meta device (a streamed model's, loaded on first use) stay."""
+    outside = [m for name, m in model.named_modules()
+               if not (name == blocks_path or name.startswith(blocks_path + "."))]
+    for module in outside:
+        move_loaded(module, device, recurse=False)
+    try:
+        yield
+    finally:
+        for module in outside:
+            move_loaded(module, "cpu", recurse=False)
+
+
+@dataclass
+class BlockCalls:
+    """inputs: block 0's hidden states, one [1, L, H] per sample; calls[sample][block]: (the block's positional
+    arguments after the hidden states, its keyword arguments). Tensors equal in every sample are held once."""
+    inputs: list
+    calls: list
+
+    def of_block(self, i: int) -> list:
+        """[(args, kwargs)] of block i, one per sample."""
+        return [sample[i] for sample in self.calls]
+
+
+def capture_block_calls(model, arch, input_ids: torch.Tensor, device, store_device="cpu") -> BlockCalls:
+    """BlockCalls of `model` (its blocks' weights may be on the meta device: none is read) for each row of
+    input_ids."""
+    blocks = get_submodule(model, arch.blocks)
+    inputs, calls = [], []
+
+    def stand_in(i):
+        def forward(*args, **kwargs):
+            hidden, rest = (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
+            if i == 0:
+                inputs.append(check_activations(hidden.detach(), "the inputs of block 0").to(store_device))
+            kwargs = {k: (None if k in CACHE_ARGS else v) for k, v in kwargs.items()}
+            previous = calls[-2][i] if len(calls) > 1 else None
+            calls[-1].append(_shared_with(previous, _to(tuple(rest), kwargs, store_device)))
+            if i == len(blocks) - 1:
+                raise StopForward  # the rest of the model is not needed
+            return hidden
+        return forward
+
+    for i, block in enumerate(blocks):
+        block.forward = stand_in(i)
+    try:
+        with moved_outside(model, arch.blocks, device), torch.inference_mode():
+            for row in input_ids:
+                calls.append([])
+                try:
+                    model(row.unsqueeze(0).to(device), use_cache=False)
+                except StopForward:
+                    pass
+    finally:
+        for block in blocks:
+            del block.forward  # the class's forward again
+    return BlockCalls(inputs, calls)
+
+
+def _to(args: tuple, kwargs: dict, device):
+    """(args, kwargs) with every tensor on `device`, a tensor passed to several places moved once."""
+    moved = {}
+    leaves, spec = tree_flatten((args, kwargs))
+    out = [moved.setdefault(id(x), x.detach().to(device)) if isinstance(x, torch.Tensor) else x for x in leaves]
+    return tree_unflatten(out, spec)
+
+
+def _shared_with(previous, call):
+    """`call` with each tensor equal to the previous sample's at the same place replaced by that one: the position
+    embeddings and masks of windows of one length are the same in every sample, and are held once."""
+    if previous is None:
+        return call
+    leaves, spec = tree_flatten(call)
+    before, spec_before = tree_flatten(previous)
+    if spec != spec_before:
+        return call
+    return tree_unflatten([b if _same(a, b) else a for a, b in zip(leaves, before)], spec)
+
+
+def _same(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+
+
+def trace_blocks(source, arch, device, vocab_size: int | None = None) -> list[BlockUses]:
+    """BlockUses of every decoder block of `source` (quantkit.models.stream), from one forward of TRACE_TOKENS
+    tokens; every expert of a split MoE layer computes every token, so each is seen."""
+    model = source.model
+    blocks = get_submodule(model, arch.blocks)
+    vocab = vocab_size or getattr(model.config, "vocab_size", None) or getattr(
+        getattr(model.config, "text_config", None), "vocab_size", None) or 2
+    ids = (torch.arange(TRACE_TOKENS) % max(vocab - 1, 1) + 1).unsqueeze(0)  # any tokens: only the uses matter
+    uses = []
+
+    def traced(i, block):
+        prefix = f"{arch.blocks}.{i}"
+        forward = type(block).forward
+
+        def run(*args, **kwargs):
+            weights = [f"{prefix}.{n}" for n, p in block.named_parameters() if p.dim() > 1]
+            loaded = source.load(prefix, skip=weights)  # norms, biases, buffers; each weight read when used
+            move_loaded(loaded, device)
+            set_all_tokens(loaded, True)
+
+            def materialize(name):
+                full = f"{prefix}.{name}"
+                return source.read([full], source.dtype)[full].to(device)
+            try:
+                with UseTrace(loaded, materialize) as trace:
+                    out = forward(loaded, *args, **kwargs)
+                uses.append(trace.result())
+            finally:
+                set_all_tokens(loaded, False)
+                move_loaded(loaded, "cpu")
+                source.release(prefix)
+            if i == len(blocks) - 1:
+                raise StopForward
+            return out
+        return run
+
+    for i, block in enumerate(blocks):
+        block.forward = traced(i, block)
+    undo = source.load_outside(arch.blocks, device)
+    try:
+        with moved_outside(model, arch.blocks, device), torch.inference_mode():
+            try:
+                model(ids.to(device), use_cache=False)
+            except StopForward:
+                pass
+    finally:
+        undo()
+        for block in blocks:
+            del block.forward
+    return uses
