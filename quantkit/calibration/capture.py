@@ -12,13 +12,13 @@ block holds its small tensors for the forward and reads each weight for the one 
 held at a time, as in a data-free run.
 """
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from quantkit.calibration.runner import StopForward, check_activations
+from quantkit.calibration.runner import Carried, StopForward, check_activations
 from quantkit.models.arch import get_submodule
 from quantkit.models.moe import set_all_tokens
 from quantkit.models.uses import BlockUses, UseTrace
@@ -65,9 +65,10 @@ class BlockCalls:
         return [sample[i] for sample in self.calls]
 
 
-def capture_block_calls(model, arch, input_ids: torch.Tensor, device, store_device="cpu") -> BlockCalls:
+def capture_block_calls(model, arch, input_ids: torch.Tensor, device, store_device="cpu", traced=None) -> BlockCalls:
     """BlockCalls of `model` (its blocks' weights may be on the meta device: none is read) for each row of
-    input_ids."""
+    input_ids. traced: the blocks' BlockUses, whose output structure each stand-in returns (Carried in place of the
+    further elements); without it a stand-in returns the hidden states alone."""
     blocks = get_submodule(model, arch.blocks)
     inputs, calls = [], []
 
@@ -81,7 +82,7 @@ def capture_block_calls(model, arch, input_ids: torch.Tensor, device, store_devi
             calls[-1].append(_shared_with(previous, _to(tuple(rest), kwargs, store_device)))
             if i == len(blocks) - 1:
                 raise StopForward  # the rest of the model is not needed
-            return hidden
+            return _returned(hidden, traced[i].output if traced else None)
         return forward
 
     for i, block in enumerate(blocks):
@@ -98,6 +99,14 @@ def capture_block_calls(model, arch, input_ids: torch.Tensor, device, store_devi
         for block in blocks:
             del block.forward  # the class's forward again
     return BlockCalls(inputs, calls)
+
+
+def _returned(hidden, structure):
+    """What a stand-in returns: the hidden states in the block's own output structure, Carried(k) for its k-th
+    further element."""
+    if structure is None:
+        return hidden
+    return tree_unflatten([hidden] + [Carried(k) for k in range(1, structure.num_leaves)], structure)
 
 
 def _to(args: tuple, kwargs: dict, device):
@@ -151,7 +160,7 @@ def trace_blocks(source, arch, device, vocab_size: int | None = None) -> list[Bl
             try:
                 with UseTrace(loaded, materialize) as trace:
                     out = forward(loaded, *args, **kwargs)
-                uses.append(trace.result())
+                uses.append(replace(trace.result(), output=tree_flatten(out)[1]))
             finally:
                 set_all_tokens(loaded, False)
                 move_loaded(loaded, "cpu")

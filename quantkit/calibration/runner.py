@@ -8,6 +8,7 @@ quantkit.calibration.head (lm_head).
 """
 import contextlib
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -23,6 +24,15 @@ from quantkit.models.moe import is_routed
 
 class StopForward(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class Carried:
+    """Stands for element `index` of what the previous block returned, in a block's captured arguments
+    (quantkit.calibration.capture): some decoders hand a block's further outputs to the next block (GLM-5's
+    sparse-attention top-k indices); the calibration loop puts the previous block's real one in its place
+    (BlockRunner.previous)."""
+    index: int
 
 
 @contextmanager
@@ -60,6 +70,7 @@ class BlockRunner:
     def __init__(self, block, inputs, calls, device, store_device="cpu", feeds_only=()):
         self.block, self.inputs, self.device = block, inputs, device
         self.calls = calls if isinstance(calls, list) else [calls] * len(inputs)
+        self.previous = None  # per sample, the previous block's further outputs (what a Carried argument stands for)
         self._on_device = {}  # id of a stored tensor -> its copy on the compute device (shared ones moved once)
         self.replayed = ReplayedOutputs(block, device, store_device, len(inputs), feeds_only)
 
@@ -67,6 +78,7 @@ class BlockRunner:
         """The block on sample i's input x with sample i's other arguments."""
         args, kwargs = self.calls[i]
         leaves, spec = tree_flatten((args, kwargs))
+        leaves = [self.previous[i][t.index] if isinstance(t, Carried) else t for t in leaves]
         moved = [self._device_copy(t) if isinstance(t, torch.Tensor) else t for t in leaves]
         args, kwargs = tree_unflatten(moved, spec)
         return self.block(x, *args, **kwargs)
@@ -87,13 +99,19 @@ class BlockRunner:
 
     def forward_all(self, keep_outputs=False, store_device="cpu", name="block"):
         """Outputs (when kept) checked finite: `name` says which block overflowed. The block's final forward: it
-        consumes the replayed outputs."""
-        outs = []
+        consumes the replayed outputs. The block's further outputs per sample (for the next block's Carried
+        arguments) are left in self.returned."""
+        outs, self.returned = [], []
         with torch.inference_mode(), self.replayed.active(consume=True):
             for i, x in enumerate(self._samples()):
-                y = first_tensor(self.call(i, x))
+                out = self.call(i, x)
+                y, *further = tree_flatten(out)[0]
+                if not isinstance(y, torch.Tensor):  # an output object of its own
+                    y, further = first_tensor(out), []
                 if keep_outputs:
                     outs.append(check_activations(y.detach(), f"the outputs of {name}").to(store_device))
+                    self.returned.append([None] + [t.to(store_device) if isinstance(t, torch.Tensor) else t
+                                                   for t in further] if further else None)
         return outs
 
     def observe(self, names, sink: Callable[[str, torch.Tensor, str], None], parallel=False, samples=None) -> None:

@@ -42,7 +42,7 @@ SIGMOID_OPS = {torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid}
 # multiplies gate.weight.float(), the reference causal conv1d convolves with conv1d.weight.squeeze(1))
 CAST_OPS = {getattr(torch.Tensor, name) for name in (
     "float", "to", "type", "half", "bfloat16", "contiguous", "view", "reshape", "squeeze", "unsqueeze", "t",
-    "transpose", "permute", "flatten", "__getitem__")}
+    "transpose", "permute", "flatten", "__getitem__")} | {torch._C.TensorBase.T.__get__, torch._C.TensorBase.mT.__get__}
 # a router's logits reach the top-k within a few operations (softmax, a bias, a view, a group top-k); a hidden state
 # that passed through several more (a norm, a residual) selects nothing by itself
 ROUTE_HOPS = 6
@@ -58,9 +58,11 @@ KIND_WORDS = {"router": ("router", "routers"), "conv": ("conv kernel", "conv ker
 class BlockUses:
     """One block's weights by use. stages: its quantizable linears (names in the block) in dependency order, each
     stage's linears independent of one another; kinds: {weight name in the block: kind} of every other floating
-    weight of two or more dims (FLOAT_KINDS, or "experts")."""
+    weight of two or more dims (FLOAT_KINDS, or "experts"); output: the structure of what the block returns (a tensor,
+    or a tuple whose further elements the decoder hands to the next block: GLM-5's top-k indices)."""
     stages: tuple[tuple[str, ...], ...] = ()
     kinds: dict = field(default_factory=dict)
+    output: object = None  # the pytree structure of what the block returns (its hidden states first)
 
     @property
     def linears(self) -> set[str]:
@@ -156,13 +158,16 @@ class UseTrace(TorchFunctionMode):
         """Note each parameter's use; the name of the linear module whose own forward this call is, else None."""
         linear = None
         for p, (name, module) in params:
-            if self._multiplies(func, p, leaves, module):
-                use, linear = "linear", module
-            else:
-                use = "conv" if func in CONV_OPS else "product" if func in PRODUCT_OPS else "other"
-            self.uses.setdefault(name, set()).add(use)
+            uses = self.uses.setdefault(name, set())
             if module not in self.running:  # read by another module's code
-                self.uses[name].add("read")
+                uses.add("read")
+            if func in CAST_OPS:
+                continue  # the parameter in another dtype or layout: its use is what the cast is used for
+            if self._multiplies(func, p, leaves, module):
+                uses.add("linear")
+                linear = module
+            else:
+                uses.add("conv" if func in CONV_OPS else "product" if func in PRODUCT_OPS else "other")
         if linear is not None and linear not in self.linear_deps:
             self.linear_order.append(linear)
             inputs = [x for x in leaves if self._owner(x) is None]  # addmm's bias comes before its input
@@ -170,13 +175,13 @@ class UseTrace(TorchFunctionMode):
         return linear
 
     def _multiplies(self, func, p, leaves, module: str) -> bool:
-        """Whether this call multiplies the inputs by `p` as a linear layer does: F.linear's weight, or the addmm of
-        GPT-2's Conv1D, by the module's own forward."""
+        """Whether this call multiplies the inputs by `p` as a linear layer does, in the linear's own forward:
+        F.linear's weight, or a product with it (GPT-2's Conv1D addmm, Falcon's x @ weight.T)."""
         if self.running[-1] != module:
             return False
         if func is F.linear:
             return len(leaves) > 1 and leaves[1] is p
-        return func is torch.addmm and is_conv1d(self.block.get_submodule(module)) and len(leaves) > 2 and leaves[2] is p
+        return func in PRODUCT_OPS and is_linear(self.block.get_submodule(module)) and any(x is p for x in leaves[1:])
 
     def _one_output(self, module_name: str) -> bool:
         module = self.block.get_submodule(module_name)

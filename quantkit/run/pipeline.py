@@ -127,6 +127,10 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
     specs, shapes = layer_specs(fp_model, names, config, siblings, in_files)
     head = kept_head(head, specs)
     coverage = weight_coverage(fp_model, arch.blocks, specs, config, traced)  # refuses weights it would lose
+    if not names:
+        raise QuantkitError(f"{model}: the forward of its decoder blocks ({arch.blocks}) multiplies no weight as a "
+                            f"linear layer (what they hold: {coverage.summary().partition('; ')[2]}): nothing this "
+                            "version can quantize")
     kept = [n.rpartition(".")[0] for n in coverage.kinds.get("recipe", {}) if n.rpartition(".")[0] not in specs]
     aliases = file_aliases(in_files, [*names, *kept])
     for override in config.unmatched_overrides([*names, *kept], siblings, aliases):
