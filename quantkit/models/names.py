@@ -37,19 +37,26 @@ class FileNames:
         return self.of_tensor(f"{name}.weight").removesuffix(".weight")
 
     def to_model(self, name: str) -> str:
-        """The model's name of a tensor or module named `name` in the files (itself when no module is so named): a
-        tensor of the model by its own renaming first (Kimi-Linear's self_attn.A_log is the model's
-        self_attn.forget_gate.A_log, DeepSeek-V4's hc_attn_fn its attn_hc.fn), else by its module's (a packed
-        layer's qweight sits where the linear was)."""
+        """The model's name of a tensor named `name` in the files (itself when nothing of the model is so named): by
+        the model's own renaming of its tensors first (Kimi-Linear's self_attn.A_log is the model's
+        self_attn.forget_gate.A_log, DeepSeek-V4's hc_attn_fn its attn_hc.fn), else by its module's (a packed layer's
+        qweight sits where the linear's weight was)."""
+        self._index()
+        if name in self._tensors:
+            return self._tensors[name]
+        module, dot, leaf = name.rpartition(".")
+        return self._modules[module] + dot + leaf if module in self._modules else name
+
+    def module_to_model(self, name: str) -> str:
+        """The model's name of a module named `name` in the files (a module's name may equal another tensor's: Inkling
+        saves sconv.weight_proj.weight as k_sconv.weight_proj, the name of the module sconv.weight_proj too)."""
+        self._index()
+        return self._modules.get(name, name)
+
+    def _index(self) -> None:
         if self._modules is None:
             self._tensors = {self.of_tensor(t): t for t in self.model.state_dict(keep_vars=True)}
             self._modules = {self.of_module(m): m for m, _ in self.model.named_modules() if m}
-        if name in self._tensors:
-            return self._tensors[name]
-        if name in self._modules:
-            return self._modules[name]
-        module, dot, leaf = name.rpartition(".")
-        return self._modules[module] + dot + leaf if module in self._modules else name
 
 
 def _expert_rule(in_model: str, in_files: str):

@@ -121,7 +121,7 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
     model, qc = _skeleton(folder, dtype, qc)
     in_files = FileNames(model)  # the files name tensors as transformers saves them (quantkit.models.names)
     tensors = {in_files.to_model(n): t for n, t in tensors.items()}
-    layers = [dataclasses.replace(layer, name=in_files.to_model(layer.name)) for layer in layers]
+    layers = [dataclasses.replace(layer, name=in_files.module_to_model(layer.name)) for layer in layers]
     blocks_path = arch_for(model).blocks  # before the swap: an unknown family's blocks are found by their linears
     _swap_quantized(model, layers, codec, qc, dtype)
     units, keep = [], _kept_dtypes(model, layers, dtype)
