@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from quantkit.calibration.runner import Carried, StopForward, check_activations
+from quantkit.core.errors import QuantkitError
 from quantkit.models.arch import get_submodule
 from quantkit.models.moe import set_all_tokens
 from quantkit.models.uses import BlockUses, UseTrace
@@ -183,4 +184,9 @@ def trace_blocks(source, arch, device, vocab_size: int | None = None) -> list[Bl
         undo()
         for block in blocks:
             del block.forward
+    if len(uses) < len(blocks):  # a vision tower's blocks taken for the decoder's, or layers a text forward skips
+        raise QuantkitError(f"a forward of text through the model ran {len(uses)} of the {len(blocks)} blocks at "
+                            f"{arch.blocks}, the blocks quantkit found for its decoder: its decoder blocks are "
+                            "elsewhere or run only on other inputs; this family needs a table entry "
+                            "(quantkit/models/families.py)")
     return uses
