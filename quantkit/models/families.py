@@ -227,12 +227,3 @@ ARCHS: dict[str, Arch] = {
     ),
 }
 
-
-# Split experts' names (quantkit.models.moe: experts.E.gate_proj|up_proj|down_proj) as a family's files name them,
-# where they differ: Mixtral's experts are w1 (gate), w3 (up), w2 (down), the names of its release and of vLLM's
-# mixtral.py (FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="w1", ckpt_down_proj_name="w2",
-# ckpt_up_proj_name="w3")). {E} is the expert's number. transformers renames the rest (quantkit.models.names).
-EXPERT_NAMES = {
-    "mixtral": (("experts.{E}.gate_proj", "experts.{E}.w1"), ("experts.{E}.up_proj", "experts.{E}.w3"),
-                ("experts.{E}.down_proj", "experts.{E}.w2")),
-}

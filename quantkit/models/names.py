@@ -13,14 +13,13 @@ import re
 
 from torch import nn
 
-from quantkit.models.families import EXPERT_NAMES
 
 
 class FileNames:
     """of_tensor / of_module: a model's name in the files; to_model: the inverse over the model's own names."""
 
     def __init__(self, model: nn.Module):
-        self.experts = [_expert_rule(a, b) for a, b in EXPERT_NAMES.get(model.config.model_type, ())]
+        self.experts = [_expert_rule(a, b) for a, b in _released_expert_names(model)]
         self.rename = _saved_renaming(model)
         self._modules = None
         self.model = model
@@ -60,9 +59,34 @@ class FileNames:
 
 
 def _expert_rule(in_model: str, in_files: str):
-    """(pattern, replacement) for one EXPERT_NAMES pair; {E} is the expert's number, matched whole components."""
+    """(pattern, replacement) for one _released_expert_names pair; {E} is the expert's number, matched whole
+    components."""
     pattern = re.escape(in_model).replace(r"\{E\}", r"(\d+)")
     return re.compile(rf"(?<=\.){pattern}(?=\.|$)"), in_files.replace("{E}", r"\1")
+
+
+SPLIT_LEAVES = {"gate_up_proj": ("gate_proj", "up_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
+
+
+def _released_expert_names(model: nn.Module) -> list:
+    """(split expert's name, its name in the release) pairs read off transformers' own converters, which merge the
+    release's per-expert tensors into fused ones: DeepSeek-V4's `experts.*.w1.weight` and `experts.*.w3.weight` make
+    `experts.gate_up_proj`, so its split gate_proj is saved as w1, up_proj as w3, down_proj as w2 (Mixtral's too)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:  # transformers 4 converts nothing
+        return []
+    pairs = []
+    for c in get_model_conversion_mapping(model, add_legacy=False):
+        if not isinstance(c, WeightConverter) or len(c.target_patterns) != 1:
+            continue
+        fused = c.target_patterns[0].rpartition("experts.")[2]
+        leaves = [re.fullmatch(r".*experts\.\*\.(\w+)\.weight", src.replace("\\", "")) for src in c.source_patterns]
+        if fused in SPLIT_LEAVES and len(leaves) == len(SPLIT_LEAVES[fused]) and all(leaves):
+            pairs += [(f"experts.{{E}}.{ours}", f"experts.{{E}}.{m.group(1)}")
+                      for ours, m in zip(SPLIT_LEAVES[fused], leaves) if m.group(1) != ours]
+    return pairs
 
 
 def _saved_renaming(model: nn.Module):

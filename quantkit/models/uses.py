@@ -86,6 +86,8 @@ class UseTrace(TorchFunctionMode):
         self.uses = {}  # parameter name -> {"linear", "conv", "product", "read", "other"}
         self.linear_order, self.linear_deps = [], {}  # linears in call order; the linears their inputs depend on
         self.routers = set()
+        self.by_product, self.not_linear = set(), set()  # linears multiplied by a product in this call; not x W^T
+        self._checking = False
         self.tensors = {}  # id(tensor) -> (weakref, the linears it depends on, {linear: operations since})
         self._handles = []
 
@@ -95,14 +97,38 @@ class UseTrace(TorchFunctionMode):
             if not name:
                 continue
             self._handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self._enter_module(n)))
-            self._handles.append(module.register_forward_hook(lambda m, a, o: self._leave_module()))
+            self._handles.append(module.register_forward_hook(
+                lambda m, a, o, n=name: self._leave_module(n, m, a, o)))
         return super().__enter__()
 
     def _enter_module(self, name: str) -> None:  # a hook's result would replace the module's input or output
         self.running.append(name)
 
-    def _leave_module(self) -> None:
+    def _leave_module(self, name: str, module: nn.Module, args, output) -> None:
         self.running.pop()
+        if name in self.by_product:  # a linear subclass's own product: is it x W^T + b?
+            self.by_product.discard(name)
+            self._checking = True  # the check's own calls are not the block's
+            try:
+                if not self._computes_linear(module, args, output):
+                    self.not_linear.add(name)  # DeepSeek-V4's grouped (block-diagonal) o_a_proj
+            finally:
+                self._checking = False
+
+    def _computes_linear(self, module, args, output) -> bool:
+        weight, bias = module.weight, module.bias
+        if weight.is_meta and self.materialize is not None:
+            name = self.owner[id(weight)][0]
+            weight = self.materialize(name)
+            bias = self.materialize(name.removesuffix("weight") + "bias") if bias is not None else None
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
+            return False
+        w = weight.t() if is_conv1d(module) else weight
+        if x.shape[-1] != w.shape[1] or output.shape != (*x.shape[:-1], w.shape[0]):
+            return False
+        expected = F.linear(x.to(w.dtype), w, bias)
+        return torch.allclose(expected.float(), output.float(), rtol=1e-2, atol=1e-3 * float(expected.abs().max()) + 1e-6)
 
     def __exit__(self, *exc):
         for h in self._handles:
@@ -112,6 +138,8 @@ class UseTrace(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._checking:
+            return func(*args, **kwargs)
         leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         params = [(x, owner) for x in leaves if (owner := self._owner(x)) is not None]
         deps, near = self._ancestry(leaves)
@@ -181,7 +209,10 @@ class UseTrace(TorchFunctionMode):
             return False
         if func is F.linear:
             return len(leaves) > 1 and leaves[1] is p
-        return func in PRODUCT_OPS and is_linear(self.block.get_submodule(module)) and any(x is p for x in leaves[1:])
+        if func in PRODUCT_OPS and is_linear(self.block.get_submodule(module)) and any(x is p for x in leaves[1:]):
+            self.by_product.add(module)  # checked against F.linear when the module returns
+            return True
+        return False
 
     def _one_output(self, module_name: str) -> bool:
         module = self.block.get_submodule(module_name)
@@ -209,7 +240,7 @@ class UseTrace(TorchFunctionMode):
             return "router"
         if "read" in uses and is_linear(module):
             return "read"
-        if is_linear(module) and leaf == "weight" and uses == {"linear"}:
+        if is_linear(module) and leaf == "weight" and uses == {"linear"} and module_name not in self.not_linear:
             return "linear"
         if "conv" in uses:
             return "conv"

@@ -1,0 +1,104 @@
+"""A fixed sample of the families transformers ships, one of every kind the full sweep (scripts/family_sweep.py,
+docs/MODELS.md) covers: each built tiny from its own config class by the sweep's generic shrinking, quantized with
+rtn and gptq, loaded back, run; and what the run says it quantized and kept in float checked against an
+independent count from the files it wrote."""
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import quantkit
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+family_sweep = pytest.importorskip("family_sweep")
+
+SAMPLE = [
+    "llama",             # the dense baseline
+    "qwen3_next",        # Gated DeltaNet + attention, MoE with a shared expert behind a sigmoid gate
+    "qwen3_5",           # a hybrid vision-language model
+    "qwen3_5_moe",       # the same with experts
+    "lfm2",              # short convolutions interleaved with attention
+    "nemotron_h",        # Mamba-2, ungated experts, attention
+    "falcon_h1",         # attention and Mamba in parallel in every block
+    "gemma4_text",       # per-layer inputs, sliding and full attention
+    "deepseek_v32",      # MLA with an indexer whose weight the attention reads
+    "deepseek_v4",       # hyper-connections, hash routing, renamed tensors
+    "kimi_linear",       # linear attention with renamed SSM parameters
+    "hunyuan_v1_moe",    # a router named wg
+    "ernie4_5_moe",      # expert statics
+    "glm_moe_dsa",       # blocks that hand their top-k indices to the next
+    "falcon",            # linears that multiply with weight.T
+    "gpt2",              # Conv1D
+]
+# tensors transformers merges as it loads and quantkit writes merged (load_quantized reads them; transformers'
+# from_pretrained looks for the release's names): Kimi-Linear's q/k/v_conv1d are one conv1d in the model
+WRITTEN_MERGED = {"kimi_linear": re.compile(r"\.[qkv]_conv1d\.weight$")}
+BLOCK = re.compile(r"^(.*?\.)?(layers|h|blocks)\.\d+\.")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root, made = tmp_path_factory.mktemp("sample"), {}
+
+    def make(family):
+        if family not in made:
+            made[family] = family_sweep.build_tiny(family, root / family)
+        return made[family]
+
+    return make
+
+
+def file_tensors(folder) -> dict:
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            out.update({k: f.get_slice(k) for k in f.keys()})
+    return out
+
+
+def accounting(src, out) -> tuple[set, set, set]:
+    """From the files alone: (packed layers, float weights of two or more dims inside decoder blocks, source tensors
+    the output lacks that are neither a packed layer's weight or bias)."""
+    written, source = file_tensors(out), file_tensors(src)
+    packed = {n.rpartition(".")[0] for n in written if n.endswith((".qweight", ".weight_packed", ".codes"))}
+    floats = {n for n, t in written.items() if BLOCK.match(n) and n.rpartition(".")[0] not in packed
+              and t.get_dtype() in ("F32", "F16", "BF16") and len(t.get_shape()) >= 2}
+    lost = {n for n in source if n not in written and n.rpartition(".")[0] not in packed}
+    return packed, floats, lost
+
+
+def block_share(report, out, linear_floats) -> float:
+    """Packed elements over the decoder blocks' linear weights (the packed ones and those kept in float)."""
+    written = file_tensors(out)
+    packed = sum(layer["shape"][0] * layer["shape"][1] for layer in report["layers"].values())
+    kept = sum(torch.Size(written[n].get_shape()).numel() for n in linear_floats)
+    return packed / (packed + kept)
+
+
+@pytest.mark.parametrize("family", SAMPLE)
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_every_sampled_family_quantizes_loads_runs_and_says_what_it_kept(built, tmp_path, family, method):
+    src = built(family)
+    calibration = torch.randint(3, 500, (4, 32), generator=torch.Generator().manual_seed(0))
+    report = quantkit.quantize(str(src), tmp_path / "q", quantkit.QuantConfig(method=method, group_size=32),
+                               calibration_ids=calibration if method == "gptq" else None)
+    packed, floats, lost = accounting(src, tmp_path / "q")
+    coverage = report["coverage"]
+    assert packed == set(report["layers"]), "the report names every packed layer, and only those"
+    said = {n for kind, names in coverage.items() if isinstance(names, list) for n in names}
+    assert floats <= said, f"kept in float without a word: {sorted(floats - said)[:3]}"
+    merged = WRITTEN_MERGED.get(family)
+    lost = {n for n in lost if not (merged and merged.search(n))}
+    assert not lost, f"dropped: {sorted(lost)[:3]}"
+    linear_floats = {n for kind in ("router", "read", "unused", "recipe") for n in coverage.get(kind, [])} & floats
+    share = block_share(report, tmp_path / "q", linear_floats)
+    assert share >= 0.95, f"{share:.3f} of the block linear weights packed: {coverage['summary']}"
+    model = quantkit.load_quantized(tmp_path / "q", device="cpu")
+    with torch.inference_mode():
+        logits = model(calibration[:1]).logits
+    assert torch.isfinite(logits).all()
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["bits"] == 4
