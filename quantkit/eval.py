@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from quantkit.calibration.data import check_dataset, eval_ids
-from quantkit.calibration.sequential import move_loaded
+from quantkit.calibration.capture import move_loaded
 from quantkit.checkpoint.files import has_quantization_config
 from quantkit.core.errors import QuantkitError
 from quantkit.core.matmul import onednn_linears

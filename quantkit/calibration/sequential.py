@@ -14,14 +14,13 @@ when its turn comes and released after it is written, so only one block is ever 
 from contextlib import contextmanager
 
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
-from quantkit.calibration.capture import capture_block_calls, move_loaded  # noqa: F401 (move_loaded re-exported)
+from quantkit.calibration.capture import capture_block_calls
 from quantkit.calibration.distributed import SINGLE
 from quantkit.calibration.head import calibrated_head, data_free_head
 from quantkit.calibration.replay import free_bytes
-from quantkit.calibration.runner import BlockRunner, StopForward, check_activations, observe_stage, stage_results
+from quantkit.calibration.runner import BlockRunner, observe_stage, stage_results
 from quantkit.core.errors import QuantkitError
 from quantkit.core.matmul import onednn_linears
 from quantkit.core.units import size_text

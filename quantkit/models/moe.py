@@ -11,10 +11,10 @@ linears then see only the tokens routed to it (its own Hessian), are written per
 
 Layouts the eager forward describes are split: concatenated [gate; up] or interleaved [g0, u0, g1, u1, ...]
 rows, transposed or not, with or without biases, any gate function (the module's own `_apply_gate`: gpt-oss clamps
-its SwiGLU), or ungated (Nemotron-H: up_proj, the activation, down_proj). Llama 4's experts are the other kind (INPUT_SCALED): its MoE layer multiplies each token by the
-router's sigmoid score *before* the experts and hands them every token, [experts x tokens, hidden], unrouted ones
-as zero rows; InputScaledExperts computes each expert on its nonzero rows only. Others (a post-expert norm) stay
-fused and quantize refuses them by name.
+its SwiGLU), or ungated (Nemotron-H: up_proj, the activation, down_proj). Llama 4's experts are the other kind
+(INPUT_SCALED): its MoE layer multiplies each token by the router's sigmoid score *before* the experts and hands them
+every token, [experts x tokens, hidden], unrouted ones as zero rows; InputScaledExperts computes each expert on its
+nonzero rows only. Others (a post-expert norm) stay fused and quantize refuses them by name.
 """
 import torch
 from torch import nn

@@ -116,19 +116,16 @@ class UseTrace(TorchFunctionMode):
                 self._checking = False
 
     def _computes_linear(self, module, args, output) -> bool:
-        weight, bias = module.weight, module.bias
-        if weight.is_meta and self.materialize is not None:
-            name = self.owner[id(weight)][0]
-            weight = self.materialize(name)
-            bias = self.materialize(name.removesuffix("weight") + "bias") if bias is not None else None
+        weight, bias = (self.materialize(self.owner[id(t)][0]) if t is not None and t.is_meta else t
+                        for t in (module.weight, module.bias))
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
             return False
         w = weight.t() if is_conv1d(module) else weight
         if x.shape[-1] != w.shape[1] or output.shape != (*x.shape[:-1], w.shape[0]):
             return False
-        expected = F.linear(x.to(w.dtype), w, bias)
-        return torch.allclose(expected.float(), output.float(), rtol=1e-2, atol=1e-3 * float(expected.abs().max()) + 1e-6)
+        expected = F.linear(x.to(w.dtype), w, bias).float()
+        return torch.allclose(expected, output.float(), rtol=1e-2, atol=1e-3 * float(expected.abs().max()) + 1e-6)
 
     def __exit__(self, *exc):
         for h in self._handles:

@@ -54,7 +54,8 @@ class Coverage:
         kernels, lm_head"."""
         counts = {k: len(self.kinds.get(k, {})) for k in SUMMARY_ORDER}
         words = {"recipe": f"{counts['recipe']} weight(s) kept by the recipe", "lm_head": "lm_head",
-                 "embeddings": "embeddings", "outside": f"{counts['outside']} other weight(s) outside the decoder blocks"}
+                 "embeddings": "embeddings",
+                 "outside": f"{counts['outside']} other weight(s) outside the decoder blocks"}
         floats = [words[k] if k in words else kind_words(k, n) for k, n in counts.items() if n]
         return (f"quantized {100 * self.share:.1f} % of linear weights ({len(self.kinds.get('quantized', {}))} "
                 f"linears); in floating point: {', '.join(floats) or 'nothing'}")

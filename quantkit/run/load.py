@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.calibration.sequential import move_loaded
+from quantkit.calibration.capture import move_loaded
 from quantkit.checkpoint import codecs
 from quantkit.checkpoint import files as checkpoint
 from quantkit.checkpoint.reads import TensorReader

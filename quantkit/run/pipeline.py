@@ -244,7 +244,8 @@ def carried_summary(names) -> str:
     prefixes = {re.sub(r"^((?:[^.]+\.)*?\d+\.|[^.]+\.).*$", r"\1", n) for n in names}
     prefixes = sorted(p + "*" for p in prefixes if not any(p != q and p.startswith(q) for q in prefixes))
     shown = ", ".join(prefixes[:3]) + (", ..." if len(prefixes) > 3 else "")
-    return f"carried over unchanged: {len(names)} tensor{'s' if len(names) != 1 else ''} the model does not load ({shown})"
+    plural = "s" if len(names) != 1 else ""
+    return f"carried over unchanged: {len(names)} tensor{plural} the model does not load ({shown})"
 
 
 def _layer_report(results) -> dict:
