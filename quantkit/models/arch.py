@@ -51,16 +51,18 @@ def decoder_path(model: nn.Module) -> str:
 
 
 def find_blocks_path(model: nn.Module) -> str:
-    """The longest ModuleList whose entries hold linears, inside the language model's decoder: the decoder blocks of
-    an unknown family (a split MoE layer's experts are not blocks, however many; a vision tower's blocks neither)."""
-    best, best_len = None, 0
+    """The outermost ModuleList whose entries hold linears, inside the language model's decoder (the longest of
+    those at that depth): the decoder blocks of an unknown family. A list inside a block (LongCat-Flash's two
+    attentions per layer, a split MoE layer's experts) is not the blocks, however long; a vision tower's neither."""
+    best, best_key = None, None
     root = decoder_path(model)
     for name, mod in model.named_modules():
         if root and not name.startswith(root + "."):
             continue
-        if isinstance(mod, nn.ModuleList) and not isinstance(mod, ExpertLinears) and len(mod) > best_len:
-            if any(is_linear(m) for m in mod[0].modules()):
-                best, best_len = name, len(mod)
+        if isinstance(mod, nn.ModuleList) and not isinstance(mod, ExpertLinears) and len(mod):
+            key = (-name.count("."), len(mod))
+            if (best_key is None or key > best_key) and any(is_linear(m) for m in mod[0].modules()):
+                best, best_key = name, key
     if best is None:
         raise QuantkitError("could not find the decoder blocks of this model: add its family to "
                             "quantkit/models/families.py")

@@ -231,8 +231,8 @@ class UseTrace(TorchFunctionMode):
     def _kind(self, name, p, module_name, leaf) -> str:
         uses = self.uses.get(name, set())
         module = self.block.get_submodule(module_name) if module_name else self.block
-        if not uses:
-            return "unused"
+        if not uses:  # fused 3-D experts this forward sent no token to are still experts, and refused as such
+            return "experts" if p.dim() == 3 else "unused"
         if module_name in self.routers:
             return "router"
         if "read" in uses and is_linear(module):

@@ -128,7 +128,7 @@ def _distinct_parameters(model):
 
 def _unknown_message(unknown, blocks_path) -> str:
     name, shape = unknown[0]
-    what = ("a fused 3-D expert tensor that the forward multiplies as the experts' weights, in a layout "
+    what = ("a fused 3-D expert tensor (a mixture-of-experts layer's experts, all in one tensor) in a layout "
             "quantkit.models.moe cannot split into one linear per expert" if len(shape) == 3
             else "a weight the architecture table does not list as a linear to quantize")
     # the weights themselves, in every block: no broader (a pattern 'mamba' would keep every Mamba linear in float)
