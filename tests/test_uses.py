@@ -182,3 +182,25 @@ def test_load_quantized_takes_device_or_device_map_as_from_pretrained_does(sourc
     assert next(quantkit.load_quantized(tmp_path / "q", device=torch.device("cpu")).parameters()).device.type == "cpu"
     with pytest.raises(quantkit.QuantkitError, match="give one of them"):
         quantkit.load_quantized(tmp_path / "q", device="cpu", device_map="cuda:0")
+
+
+def test_the_trace_reads_one_block_of_each_kind(sources, monkeypatch):
+    """Qwen3-Next's three linear-attention blocks are alike: the first is traced, the other two stand in; the
+    attention block is of another kind and is traced too. Every block still gets its uses."""
+    from quantkit.calibration.capture import trace_blocks
+    from quantkit.models.arch import arch_for
+    from quantkit.models.stream import StreamedModel, open_model
+
+    read = []
+    original = StreamedModel.read
+
+    def counting(self, names, dtype=None):
+        read.extend(names)
+        return original(self, names, dtype)
+
+    monkeypatch.setattr(StreamedModel, "read", counting)
+    source, _, _ = open_model(str(sources("qwen3_next")), "float32", tokenizer_required=False)
+    uses = trace_blocks(source, arch_for(source.model), "cpu")
+    weights = {n.split(".")[2] for n in read if n.startswith("model.layers.") and n.endswith("proj.weight")}
+    assert weights == {"0", "3"}
+    assert uses[1] == uses[0] and uses[2] == uses[0] and uses[3] != uses[0]

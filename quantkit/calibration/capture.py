@@ -136,36 +136,46 @@ def _same(a, b) -> bool:
 
 
 def trace_blocks(source, arch, device, vocab_size: int | None = None) -> list[BlockUses]:
-    """BlockUses of every decoder block of `source` (quantkit.models.stream), from one forward of TRACE_TOKENS
-    tokens; every expert of a split MoE layer computes every token, so each is seen."""
+    """BlockUses of every decoder block of `source` (quantkit.models.stream), from a forward of TRACE_TOKENS tokens;
+    every expert of a split MoE layer computes every token, so each is seen. Blocks alike (the same modules and weight
+    shapes) are used alike: only the first of each kind runs and is traced, the others stand in with their hidden
+    states unchanged, so a model of sixty identical blocks reads one block's weights, not the model's. Where a block
+    needs what an earlier one computed (Gemma's KV sharing, GLM-5's top-k indices) that fails, and every block runs."""
+    ids = (torch.arange(TRACE_TOKENS) % max(_vocab(source.model.config, vocab_size) - 1, 1) + 1).unsqueeze(0)
+    try:
+        return _trace(source, arch, device, ids, one_of_a_kind=True)
+    except QuantkitError:
+        raise
+    except Exception:  # noqa: BLE001 (whatever a stand-in's unchanged hidden states break, the full forward decides)
+        return _trace(source, arch, device, ids, one_of_a_kind=False)
+
+
+def _vocab(config, given) -> int:
+    return given or getattr(config, "vocab_size", None) or getattr(
+        getattr(config, "text_config", None), "vocab_size", None) or 2
+
+
+def _kind_of(block) -> tuple:
+    """What makes two blocks alike for the trace: their modules' classes and their parameters' shapes."""
+    return tuple((name, type(m).__name__, tuple((k, tuple(p.shape)) for k, p in m.named_parameters(recurse=False)))
+                 for name, m in block.named_modules())
+
+
+def _trace(source, arch, device, ids, one_of_a_kind: bool) -> list[BlockUses]:
     model = source.model
     blocks = get_submodule(model, arch.blocks)
-    vocab = vocab_size or getattr(model.config, "vocab_size", None) or getattr(
-        getattr(model.config, "text_config", None), "vocab_size", None) or 2
-    ids = (torch.arange(TRACE_TOKENS) % max(vocab - 1, 1) + 1).unsqueeze(0)  # any tokens: only the uses matter
-    uses = []
+    uses, seen = {}, {}  # block index -> its BlockUses; block kind -> the index of the first block of that kind
 
     def traced(i, block):
-        prefix = f"{arch.blocks}.{i}"
-        forward = type(block).forward
+        prefix, forward, kind = f"{arch.blocks}.{i}", type(block).forward, _kind_of(block)
 
         def run(*args, **kwargs):
-            weights = [f"{prefix}.{n}" for n, p in block.named_parameters() if p.dim() > 1]
-            loaded = source.load(prefix, skip=weights)  # norms, biases, buffers; each weight read when used
-            move_loaded(loaded, device)
-            set_all_tokens(loaded, True)
-
-            def materialize(name):
-                full = f"{prefix}.{name}"
-                return source.read([full], source.dtype)[full].to(device)
-            try:
-                with UseTrace(loaded, materialize) as trace:
-                    out = forward(loaded, *args, **kwargs)
-                uses.append(replace(trace.result(), output=tree_flatten(out)[1]))
-            finally:
-                set_all_tokens(loaded, False)
-                move_loaded(loaded, "cpu")
-                source.release(prefix)
+            if one_of_a_kind and kind in seen:
+                uses[i] = uses[seen[kind]]
+                out = _returned(args[0] if args else kwargs["hidden_states"], uses[i].output)
+            else:
+                seen.setdefault(kind, i)
+                uses[i], out = _trace_block(source, prefix, block, forward, device, args, kwargs)
             if i == len(blocks) - 1:
                 raise StopForward
             return out
@@ -189,4 +199,24 @@ def trace_blocks(source, arch, device, vocab_size: int | None = None) -> list[Bl
                             f"{arch.blocks}, the blocks quantkit found for its decoder: its decoder blocks are "
                             "elsewhere or run only on other inputs; this family needs a table entry "
                             "(quantkit/models/families.py)")
-    return uses
+    return [uses[i] for i in range(len(blocks))]
+
+
+def _trace_block(source, prefix, block, forward, device, args, kwargs):
+    """(BlockUses, output) of one block's real forward, each weight read for the one call that uses it."""
+    weights = [f"{prefix}.{n}" for n, p in block.named_parameters() if p.dim() > 1]
+    loaded = source.load(prefix, skip=weights)  # norms, biases, buffers
+    move_loaded(loaded, device)
+    set_all_tokens(loaded, True)
+
+    def materialize(name):
+        full = f"{prefix}.{name}"
+        return source.read([full], source.dtype)[full].to(device)
+    try:
+        with UseTrace(loaded, materialize) as trace:
+            out = forward(loaded, *args, **kwargs)
+        return replace(trace.result(), output=tree_flatten(out)[1]), out
+    finally:
+        set_all_tokens(loaded, False)
+        move_loaded(loaded, "cpu")
+        source.release(prefix)
