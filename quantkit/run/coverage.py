@@ -108,8 +108,11 @@ def _kind(name, p, module, specs, config, blocks_path, experts, embeddings, head
         return "lm_head"
     if not name.startswith(blocks_path + "."):
         return "outside"
-    if traced_kinds.get(name, "experts") != "experts":  # fused experts left unsplit: kept only by the recipe
-        return traced_kinds[name]
+    traced = traced_kinds.get(name)
+    if traced == "experts" and not experts:  # a dense model's 3-D product weight (RecurrentGemma's block-diagonal gates)
+        return "other"
+    if traced not in (None, "experts"):  # fused experts left unsplit: kept only by the recipe
+        return traced
     if is_router(module, p, experts):
         return "router"
     if config.spec_for(module) is None or config.spec_for(name) is None:
