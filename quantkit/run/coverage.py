@@ -109,7 +109,7 @@ def _kind(name, p, module, specs, config, blocks_path, experts, embeddings, head
     if not name.startswith(blocks_path + "."):
         return "outside"
     traced = traced_kinds.get(name)
-    if traced == "experts" and not experts:  # a dense model's 3-D product weight (RecurrentGemma's block-diagonal gates)
+    if traced == "experts" and not experts:  # a dense model's 3-D product weight (RecurrentGemma's gates)
         return "other"
     if traced not in (None, "experts"):  # fused experts left unsplit: kept only by the recipe
         return traced
