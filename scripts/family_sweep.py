@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CALIB = REPO.parent / "shared" / "assets" / "text" / "wikitext2_tok_valid.txt"
 MAX_LAYERS = 6
+ROW = "row: "  # the prefix of a finished family's row (JSON) on stdout
 PAD, BOS, EOS = 0, 1, 2  # the bundled stories260k tokenizer's
 VOCAB = 512
 FORWARD_IDS = [[BOS] + [(7 * i + 3) % 400 + 3 for i in range(31)]]  # no special or image token among them
@@ -896,6 +897,7 @@ def sweep(families: list, args) -> list:
         done.append(model_type)
         print(f"[{len(done)}/{len(families)}] {model_type}: {row['status']} ({row['seconds']:.0f} s) "
               f"{row.get('why', '')}"[:200], flush=True)
+        print(ROW + json.dumps(row), flush=True)  # each finished row whole: a sweep cut short still has them
         return row
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
