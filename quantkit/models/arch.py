@@ -126,8 +126,10 @@ def for_block(arch: Arch, block: nn.Module, uses=None) -> Arch:
     stages narrowed to the modules the block has, or for a family found by shape its linears (routers by name left
     out) as one stage."""
     if arch.found_by_shape:
-        stages = uses.stages if uses is not None else (
-            tuple(n for n, m in block.named_modules() if is_linear(m) and not is_router(n, m.weight, arch.experts)),)
+        stages = uses.stages if uses is not None else (tuple(n for n, m in block.named_modules() if is_linear(m)),)
+        # a router its trace did not see select (PhiMoE's sparsemixer masks with max, not top-k) is still one by name
+        stages = tuple(s for s in (tuple(n for n in stage if not is_router(n, get_weight(block.get_submodule(n)),
+                                                                           arch.experts)) for stage in stages) if s)
         return replace(arch, sequential=stages)
     if uses is None and not arch.varies:
         return arch
