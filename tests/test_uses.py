@@ -9,11 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer
 
 import quantkit
-from quantkit.demo import bundled_model_path
-from quantkit.models.hub import model_class
+from tiny_models import save_random
 from test_quantizers import calibration, capture_results, in_loop_logits
 
 TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -54,16 +52,7 @@ def sources(tmp_path_factory):
 
     def make(family):
         if family not in made:
-            torch.manual_seed(0)
-            cfg = config(family)
-            model = model_class(cfg).from_config(cfg)
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.dim() > 1 and not p.abs().sum():
-                        p.normal_(0, 0.02)  # from_config leaves some expert tensors at zero
-            model.save_pretrained(root / family)
-            AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(root / family)
-            made[family] = root / family
+            made[family] = save_random(config(family), root / family)
         return made[family]
 
     return make

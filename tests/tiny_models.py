@@ -94,3 +94,19 @@ def model_tensors(state_dict: dict, results: dict, codec, config) -> dict:
         for suffix, t in codec.layer_tensors(res, config, bias.dtype if bias is not None else None).items():
             out[f"{module}.{suffix}"] = t
     return out
+
+
+def save_random(cfg, folder: Path) -> Path:
+    """A random model of config `cfg` saved in `folder` with the bundled tokenizer; weights from_config leaves at
+    zero (some expert tensors) drawn from N(0, 0.02)."""
+    from quantkit.models.hub import model_class
+
+    torch.manual_seed(0)
+    model = model_class(cfg).from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1 and not p.abs().sum():
+                p.normal_(0, 0.02)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(folder)
+    return folder
