@@ -33,10 +33,13 @@ SAMPLE = [
     "glm_moe_dsa",       # blocks that hand their top-k indices to the next
     "falcon",            # linears that multiply with weight.T
     "gpt2",              # Conv1D
+    "jetmoe",            # experts in a module of its own, F.linear(x, W[e]) each (split by quantkit.models.sliced)
+    "inkling_text",      # shared experts as one batched product, bmm(x, W.transpose(1, 2))
 ]
 # tensors transformers merges as it loads and quantkit writes merged (load_quantized reads them; transformers'
 # from_pretrained looks for the release's names): Kimi-Linear's q/k/v_conv1d are one conv1d in the model
 WRITTEN_MERGED = {"kimi_linear": re.compile(r"\.[qkv]_conv1d\.weight$")}
+EXPERT = re.compile(r"\.\d+(\.\w+)?$")  # a split expert's layer: what follows the fused tensor or module
 BLOCK = re.compile(r"^(.*?\.)?(layers|h|blocks)\.\d+\.")
 
 
@@ -62,12 +65,14 @@ def file_tensors(folder) -> dict:
 
 def accounting(src, out) -> tuple[set, set, set]:
     """From the files alone: (packed layers, float weights of two or more dims inside decoder blocks, source tensors
-    the output lacks that are neither a packed layer's weight or bias)."""
+    the output lacks that are neither a packed layer's weight or bias nor fused experts written as one layer per
+    expert: `<experts>.<e>.<proj>` (quantkit.models.moe) or `<weight>.<e>` (quantkit.models.sliced))."""
     written, source = file_tensors(out), file_tensors(src)
     packed = {n.rpartition(".")[0] for n in written if n.endswith((".qweight", ".weight_packed", ".codes"))}
     floats = {n for n, t in written.items() if BLOCK.match(n) and n.rpartition(".")[0] not in packed
               and t.get_dtype() in ("F32", "F16", "BF16") and len(t.get_shape()) >= 2}
-    lost = {n for n in source if n not in written and n.rpartition(".")[0] not in packed}
+    split = {EXPERT.sub("", n) for n in packed if EXPERT.search(n)}
+    lost = {n for n in source if n not in written and not {n, n.rpartition(".")[0]} & (packed | split)}
     return packed, floats, lost
 
 

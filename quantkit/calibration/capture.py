@@ -140,8 +140,20 @@ def trace_blocks(source, arch, device, vocab_size: int | None = None) -> list[Bl
     every expert of a split MoE layer computes every token, so each is seen. Blocks alike (the same modules and weight
     shapes) are used alike: only the first of each kind runs and is traced, the others stand in with their hidden
     states unchanged, so a model of sixty identical blocks reads one block's weights, not the model's. Where a block
-    needs what an earlier one computed (Gemma's KV sharing, GLM-5's top-k indices) that fails, and every block runs."""
+    needs what an earlier one computed (Gemma's KV sharing, GLM-5's top-k indices) that fails, and every block runs.
+    Fused experts the trace finds multiplied one expert at a time (kind "sliced") are split into linears
+    (quantkit.models.sliced, in `source` itself) and the blocks traced again."""
     ids = (torch.arange(TRACE_TOKENS) % max(_vocab(source.model.config, vocab_size) - 1, 1) + 1).unsqueeze(0)
+    traced = _trace_any(source, arch, device, ids)
+    sliced = [f"{arch.blocks}.{i}.{name}" for i, uses in enumerate(traced)
+              for name, kind in uses.kinds.items() if kind == "sliced"]
+    if not sliced:
+        return traced
+    source.split_sliced(sliced)
+    return _trace_any(source, arch, device, ids)
+
+
+def _trace_any(source, arch, device, ids) -> list[BlockUses]:
     try:
         return _trace(source, arch, device, ids, one_of_a_kind=True)
     except QuantkitError:

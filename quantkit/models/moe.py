@@ -14,10 +14,13 @@ rows, transposed or not, with or without biases, any gate function (the module's
 its SwiGLU), or ungated (Nemotron-H: up_proj, the activation, down_proj). Llama 4's experts are the other kind
 (INPUT_SCALED): its MoE layer multiplies each token by the router's sigmoid score *before* the experts and hands them
 every token, [experts x tokens, hidden], unrouted ones as zero rows; InputScaledExperts computes each expert on its
-nonzero rows only. Others (a post-expert norm) stay fused and quantize refuses them by name.
+nonzero rows only. Others (a post-expert norm) stay fused and run their eager forward, which
+quantkit.models.sliced splits when it takes one expert at a time; what it cannot split, quantize refuses by name.
 """
 import torch
 from torch import nn
+
+from quantkit.models.sliced import ExpertSlices
 
 # what transformers.integrations.moe.use_experts_implementation sets on a fused experts module
 LAYOUT_FLAGS = ("is_concatenated", "is_transposed", "has_bias", "has_gate", "has_post_expert_norm")
@@ -200,7 +203,17 @@ def split_experts(model: nn.Module) -> nn.Module:
                   "down_proj_bias"):  # the copies hold them now
             if hasattr(fused, p):
                 setattr(fused, p, None)
+    _eager_experts(model)
     return model
+
+
+def _eager_experts(model: nn.Module) -> None:
+    """Fused experts left whole (no layout above fits them: Muse Spark's norm after each expert) run their eager
+    forward, one F.linear(x, W[e]) per expert, the forward the use trace reads and quantkit.models.sliced splits;
+    transformers' default grouped_mm would hide the experts in one product."""
+    left = any(all(hasattr(m, f) for f in LAYOUT_FLAGS) for m in model.modules())
+    if left and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
 
 
 def expert_of(block: nn.Module, linear: str):
@@ -214,8 +227,10 @@ def expert_of(block: nn.Module, linear: str):
 
 
 def is_routed(block: nn.Module, linear: str) -> bool:
-    """Whether `linear` belongs to a routed expert: it may see no calibration token."""
-    return expert_of(block, linear) is not None
+    """Whether `linear` belongs to a routed expert (also one of quantkit.models.sliced): it may see no calibration
+    token."""
+    owner = linear.rpartition(".")[0]
+    return expert_of(block, linear) is not None or isinstance(block.get_submodule(owner), ExpertSlices)
 
 
 def set_all_tokens(block: nn.Module, on: bool) -> None:

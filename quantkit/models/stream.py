@@ -23,6 +23,7 @@ from quantkit.core.folders import INDEX_NAME, SINGLE_NAME, drop_shared, index_ma
 from quantkit.models import hub as loader
 from quantkit.models.moe import split_experts
 from quantkit.models.names import FileNames
+from quantkit.models.sliced import split_sliced
 
 
 class StreamedModel:
@@ -98,9 +99,27 @@ class StreamedModel:
                 out[n] = f.get_tensor(n)
         return out
 
+    def split_sliced(self, params) -> None:
+        """Split these 3-D parameters into one linear per expert (quantkit.models.sliced): expert e's weight is read
+        as slice e of the stored tensor."""
+        for param, experts in split_sliced(self.model, params).items():
+            at = self.names.index(param)
+            self.names[at:at + 1] = experts
+            stored, shard = self.stored.pop(param), self.files.pop(param)
+            for e, name in enumerate(experts):
+                self.stored[name], self.files[name] = (stored, e), shard
+
     def _stored(self, f, name: str) -> torch.Tensor:
-        """Tensor `name` of the open shard f, an FP8 weight dequantized by its block scales."""
+        """Tensor `name` of the open shard f, an FP8 weight dequantized by its block scales; an expert's slice of a
+        3-D tensor (split_sliced) read alone."""
         name = self.stored[name]
+        if isinstance(name, tuple) and self.fp8_block is None:
+            return f.get_slice(name[0])[name[1]]
+        if isinstance(name, tuple):
+            return self._stored_fp8(f, name[0])[name[1]]
+        return self._stored_fp8(f, name)
+
+    def _stored_fp8(self, f, name: str) -> torch.Tensor:
         t = f.get_tensor(name)
         if self.fp8_block is not None and t.dtype == torch.float8_e4m3fn:
             scale = f"{name}_scale_inv"
@@ -120,7 +139,7 @@ class StreamedModel:
         for fname, group in by_file.items():
             try:
                 with safe_open(self.folder / fname, framework="pt") as f:
-                    shapes = {n: list(f.get_slice(self.stored[n]).get_shape()) for n in group}
+                    shapes = {n: _stored_shape(f, self.stored[n]) for n in group}
             except (SafetensorError, OSError) as e:
                 raise QuantkitError(f"a safetensors file of model '{self.source_name}' is truncated or corrupted "
                                     f"({fname}: {e}): download or copy the model again") from e
@@ -174,6 +193,13 @@ class StreamedModel:
         return undo
 
 
+def _stored_shape(f, stored) -> list:
+    """The shape of a stored tensor (its name) or of one expert's slice of it ((name, expert)), from the header."""
+    if isinstance(stored, tuple):
+        return f.get_slice(stored[0]).get_shape()[1:]
+    return list(f.get_slice(stored).get_shape())
+
+
 def unloaded_tensors(files: dict, loaded: set, fp8: bool) -> list[str]:
     """The tensors of a folder's shards (files: {name: shard}) that the model does not load (`loaded`: the names in the
     files of the model's own tensors): multi-token-prediction layers (GLM-4.5's model.layers.N past the last block,
@@ -202,6 +228,11 @@ class InMemoryModel(StreamedModel):
 
     def load(self, prefix, skip=()):
         return self.model.get_submodule(prefix)
+    def split_sliced(self, params) -> None:
+        split_sliced(self.model, params)
+        self.names = list(drop_shared(self.model.state_dict()))
+        self._state = self.model.state_dict()
+
 
     def load_names(self, names):
         pass

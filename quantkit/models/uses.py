@@ -14,7 +14,9 @@ was running at the time; for every tensor the forward makes, which linears it de
              weights_proj.weight.dtype, HunYuan's router wg.weight.dtype): a packed layer has no such tensor, so the
              layer stays in float
   unused     never read by the forward (Gemma's KV-shared layers keep k/v projections they do not call)
-  experts    a 3-D parameter multiplied as weights (fused experts quantkit.models.moe could not split)
+  sliced     a 3-D parameter used only one expert at a time, as F.linear(x, W[e]), or in a batched product with
+             W.transpose(1, 2): fused experts quantkit.models.sliced splits into linears (then traced again)
+  experts    a 3-D parameter multiplied as weights otherwise (fused experts no part of quantkit can split)
   other      anything else not multiplied as a linear layer: SSM parameters (A_log, D), per-layer scalars, statics
 The trace needs one forward of the block with the arguments the model gives it (quantkit.calibration.capture).
 """
@@ -28,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from quantkit.models.arch import is_conv1d, is_linear
+from quantkit.models.sliced import BATCHED, TAKE, TRANSPOSE, expert_index, swaps_last_two
 
 CONV_OPS = {F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d}
 PRODUCT_OPS = {torch.matmul, torch.mm, torch.bmm, torch.baddbmm, torch.addmm, torch.einsum, torch.Tensor.matmul,
@@ -43,6 +46,10 @@ SIGMOID_OPS = {torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid}
 CAST_OPS = {getattr(torch.Tensor, name) for name in (
     "float", "to", "type", "half", "bfloat16", "contiguous", "view", "reshape", "squeeze", "unsqueeze", "t",
     "transpose", "permute", "flatten", "__getitem__")} | {torch._C.TensorBase.T.__get__, torch._C.TensorBase.mT.__get__}
+# calls that read what a tensor is, not what it holds: no use of a weight (Inkling's experts read W.shape)
+META_OPS = {getattr(torch._C.TensorBase, name).__get__ for name in ("shape", "dtype", "device", "ndim", "is_meta",
+                                                                     "is_cuda", "layout")} | {
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point, torch.Tensor.element_size}
 # a router's logits reach the top-k within a few operations (softmax, a bias, a view, a group top-k); a hidden state
 # that passed through several more (a norm, a residual) selects nothing by itself
 ROUTE_HOPS = 6
@@ -82,6 +89,7 @@ class UseTrace(TorchFunctionMode):
             for leaf, p in module.named_parameters(recurse=False):
                 self.owner.setdefault(id(p), (f"{mod_name}.{leaf}" if mod_name else leaf, mod_name))
         self.casts = {}  # id(a parameter cast to another dtype) -> (weakref, the parameter's owner entry)
+        self.slices = {}  # id(W[e] or W.transpose(1, 2) of a 3-D parameter W) -> (weakref, the product it fits)
         self.running = []  # names of the block's modules whose forward is running, innermost last
         self.uses = {}  # parameter name -> {"linear", "conv", "product", "read", "other"}
         self.linear_order, self.linear_deps = [], {}  # linears in call order; the linears their inputs depend on
@@ -150,6 +158,7 @@ class UseTrace(TorchFunctionMode):
         out = func(*args, **kwargs)
         if func in CAST_OPS and params and leaves[0] is params[0][0] and isinstance(out, torch.Tensor):
             self.casts[id(out)] = (weakref.ref(out), params[0][1])
+            self._note_slice(func, leaves[0], args, kwargs, out)
         linear = self._record(func, params, leaves)
         if linear is not None:
             deps, near = deps | {linear}, {linear: 0}
@@ -159,6 +168,21 @@ class UseTrace(TorchFunctionMode):
             if isinstance(t, torch.Tensor) and id(t) not in self.owner:
                 self.tensors[id(t)] = (weakref.ref(t), deps, near)
         return out
+
+    def _note_slice(self, func, w, args, kwargs, out) -> None:
+        """W[e] or W.transpose(1, 2) taken of a 3-D parameter W itself: what quantkit.models.sliced can split."""
+        if id(w) not in self.owner or w.dim() != 3:
+            return
+        if func is TAKE and expert_index(args[1]) is not None:
+            self.slices[id(out)] = (weakref.ref(out), F.linear)
+        elif func in TRANSPOSE and swaps_last_two(args, kwargs):
+            self.slices[id(out)] = (weakref.ref(out), "batched")
+
+    def _sliced_use(self, func, p, leaves) -> bool:
+        entry = self.slices.get(id(p))
+        if entry is None or entry[0]() is not p or len(leaves) < 2 or leaves[1] is not p:
+            return False
+        return func is entry[1] or (entry[1] == "batched" and func in BATCHED and leaves[0].dim() == 3)
 
     def _owner(self, x):
         """(name, module name) of the block's parameter `x` is, or is a cast of; None for any other tensor."""
@@ -186,9 +210,11 @@ class UseTrace(TorchFunctionMode):
             uses = self.uses.setdefault(name, set())
             if module not in self.running:  # read by another module's code
                 uses.add("read")
-            if func in CAST_OPS:
+            if func in CAST_OPS or func in META_OPS:
                 continue  # the parameter in another dtype or layout: its use is what the cast is used for
-            if self._multiplies(func, p, leaves, module):
+            if self._sliced_use(func, p, leaves):
+                uses.add("sliced")
+            elif self._multiplies(func, p, leaves, module):
                 uses.add("linear")
                 linear = module
             else:
@@ -233,6 +259,8 @@ class UseTrace(TorchFunctionMode):
         module = self.block.get_submodule(module_name) if module_name else self.block
         if not uses:  # fused 3-D experts this forward sent no token to are still experts, and refused as such
             return "experts" if p.dim() == 3 else "unused"
+        if p.dim() == 3 and uses == {"sliced"}:
+            return "sliced"
         if module_name in self.routers:
             return "router"
         if "read" in uses and is_linear(module):
@@ -241,7 +269,7 @@ class UseTrace(TorchFunctionMode):
             return "linear"
         if "conv" in uses:
             return "conv"
-        if p.dim() == 3 and uses & {"product", "linear"}:
+        if p.dim() == 3 and uses & {"product", "linear", "sliced"}:
             return "experts"
         return "other"
 

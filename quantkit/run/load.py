@@ -22,6 +22,7 @@ from quantkit.models import offload, placement
 from quantkit.models.arch import arch_for, get_weight
 from quantkit.models.hub import model_class, parse_dtype, resolve_device
 from quantkit.models.moe import split_experts
+from quantkit.models.sliced import split_in_files, split_sliced
 from quantkit.models.names import FileNames
 from quantkit.nn.cpu_int4_linear import repack_layer
 
@@ -122,6 +123,7 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
     in_files = FileNames(model)  # the files name tensors as transformers saves them (quantkit.models.names)
     tensors = {in_files.to_model(n): t for n, t in tensors.items()}
     layers = [dataclasses.replace(layer, name=in_files.module_to_model(layer.name)) for layer in layers]
+    split_sliced(model, split_in_files(model, tensors))  # as quantize split them (quantkit.models.sliced)
     blocks_path = arch_for(model).blocks  # before the swap: an unknown family's blocks are found by their linears
     _swap_quantized(model, layers, codec, qc, dtype)
     units, keep = [], _kept_dtypes(model, layers, dtype)
