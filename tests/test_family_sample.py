@@ -10,8 +10,10 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoConfig
 
 import quantkit
+from quantkit.models.hub import model_class
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 family_sweep = pytest.importorskip("family_sweep")
@@ -35,6 +37,10 @@ SAMPLE = [
     "gpt2",              # Conv1D
     "jetmoe",            # experts in a module of its own, F.linear(x, W[e]) each (split by quantkit.models.sliced)
     "inkling_text",      # shared experts as one batched product, bmm(x, W.transpose(1, 2))
+    "emu3",              # a text config (Emu3TextConfig) no auto class maps: its causal-LM class found by config_class
+    "idefics3",          # a forward that asks its .device (the first parameter: the vision tower's) before block 0
+    "kosmos-2.5",        # a decoder that reads segment_emb.weight.device before calling segment_emb
+    "modernbert-decoder",  # get_decoder() is its output linear (named decoder), not the decoder
 ]
 # tensors transformers merges as it loads and quantkit writes merged (load_quantized reads them; transformers'
 # from_pretrained looks for the release's names): Kimi-Linear's q/k/v_conv1d are one conv1d in the model
@@ -107,3 +113,37 @@ def test_every_sampled_family_quantizes_loads_runs_and_says_what_it_kept(built, 
         logits = model(calibration[:1]).logits
     assert torch.isfinite(logits).all()
     assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["bits"] == 4
+
+
+# families whose blocks keep linears in float by what the model's forward does with them: {family: (coverage kind,
+# the float weights of that kind, from the tiny model's config)}
+KEPT_BY_USE = {
+    # the cross-attention layers run only beside an image: a text forward skips them, so they are never calibrated
+    "mllama": ("unused", lambda config: re.compile(
+        rf"\.layers\.({'|'.join(str(i) for i in config['cross_attention_layers'])})\.")),
+    # RWKV's forward divides attention.output and feed_forward.value weights in place at its first eval call
+    "rwkv": ("read", lambda config: re.compile(r"\.(attention\.output|feed_forward\.value)\.weight$")),
+}
+
+
+@pytest.mark.parametrize("family", sorted(KEPT_BY_USE))
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_linears_the_model_forward_needs_in_float_stay_there_and_the_model_runs_as_its_source(built, tmp_path, family,
+                                                                                              method):
+    src = built(family)
+    calibration = torch.randint(3, 500, (4, 32), generator=torch.Generator().manual_seed(0))
+    report = quantkit.quantize(str(src), tmp_path / "q", quantkit.QuantConfig(method=method, group_size=32),
+                               calibration_ids=calibration if method == "gptq" else None)
+    packed, floats, lost = accounting(src, tmp_path / "q")
+    kind, which = KEPT_BY_USE[family]
+    pattern = which(json.loads((src / "config.json").read_text()))
+    assert packed and not lost
+    expected = {n for n in floats if pattern.search(n)}
+    assert expected and set(report["coverage"].get(kind, [])) >= expected
+    assert not {n for n in packed if pattern.search(f"{n}.weight")}
+    reference = model_class(AutoConfig.from_pretrained(src)).from_pretrained(src, dtype=torch.float32).eval()
+    model = quantkit.load_quantized(tmp_path / "q", device="cpu")
+    with torch.inference_mode():
+        ref, logits = reference(calibration[:1]).logits, model(calibration[:1]).logits
+    assert torch.isfinite(logits).all()
+    assert (logits - ref).norm() / ref.norm() < 0.3

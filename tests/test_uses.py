@@ -193,3 +193,24 @@ def test_the_trace_reads_one_block_of_each_kind(sources, monkeypatch):
     weights = {n.split(".")[2] for n in read if n.startswith("model.layers.") and n.endswith("proj.weight")}
     assert weights == {"0", "3"}
     assert uses[1] == uses[0] and uses[2] == uses[0] and uses[3] != uses[0]
+
+
+def test_block_weights_the_model_rewrites_outside_the_blocks_stay_in_float_and_as_stored():
+    """RWKV's forward divides its blocks' attention.output and feed_forward.value weights by 2^(i // rescale_every)
+    in place at its first eval call, outside every block's forward: the trace sees it (kind "read", no linear to
+    quantize) and does not let it happen to the source, an in-memory one too, whose weights the checkpoint holds."""
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    from quantkit.calibration.capture import trace_blocks
+    from quantkit.models.arch import arch_for
+    from quantkit.models.stream import InMemoryModel
+
+    torch.manual_seed(0)
+    model = RwkvForCausalLM(RwkvConfig(vocab_size=512, hidden_size=32, attention_hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, rescale_every=1)).eval()
+    before = model.rwkv.blocks[1].attention.output.weight.clone()
+    uses = trace_blocks(InMemoryModel(model, "rwkv"), arch_for(model), "cpu")
+    rescaled = ("attention.output", "feed_forward.value")
+    assert all(u.kinds[f"{n}.weight"] == "read" and n not in u.linears for u in uses for n in rescaled)
+    assert {"attention.key", "feed_forward.key"} <= uses[1].linears
+    assert torch.equal(model.rwkv.blocks[1].attention.output.weight, before)

@@ -16,13 +16,14 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from quantkit.calibration.runner import Carried, StopForward, check_activations
 from quantkit.core.errors import QuantkitError
 from quantkit.models.arch import get_submodule
 from quantkit.models.moe import set_all_tokens
-from quantkit.models.uses import BlockUses, UseTrace
+from quantkit.models.uses import META_OPS, BlockUses, UseTrace
 
 # keyword arguments of a block that hold a generation cache: calibration samples are independent forwards
 CACHE_ARGS = ("past_key_values", "past_key_value", "cache", "cache_params")
@@ -56,13 +57,21 @@ def moved_outside(model: nn.Module, blocks_path: str, device):
 
 @dataclass
 class BlockCalls:
-    """inputs: block 0's hidden states, one [1, L, H] per sample; calls[sample][block]: (the block's positional
-    arguments after the hidden states, its keyword arguments). Tensors equal in every sample are held once."""
+    """inputs: the first block's hidden states, one [1, L, H] per sample; calls[sample][block]: (the block's
+    positional arguments after the hidden states, its keyword arguments), for each block the model's forward called
+    (a text forward skips Mllama's cross-attention layers). Tensors equal in every sample are held once."""
     inputs: list
     calls: list
 
-    def of_block(self, i: int) -> list:
-        """[(args, kwargs)] of block i, one per sample."""
+    def of_block(self, i: int) -> list | None:
+        """[(args, kwargs)] of block i, one per sample; None when the model's forward never called it."""
+        ran = sum(i in sample for sample in self.calls)
+        if ran == 0:
+            return None
+        if ran < len(self.calls):
+            raise QuantkitError(f"the model's forward ran its block {i} on {ran} of the {len(self.calls)} calibration "
+                                "samples only: quantkit calibrates a block on every sample or none; this family "
+                                "needs a table entry (quantkit/models/families.py)")
         return [sample[i] for sample in self.calls]
 
 
@@ -76,11 +85,11 @@ def capture_block_calls(model, arch, input_ids: torch.Tensor, device, store_devi
     def stand_in(i):
         def forward(*args, **kwargs):
             hidden, rest = (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
-            if i == 0:
-                inputs.append(check_activations(hidden.detach(), "the inputs of block 0").to(store_device))
+            if not calls[-1]:
+                inputs.append(check_activations(hidden.detach(), f"the inputs of block {i}").to(store_device))
             kwargs = {k: (None if k in CACHE_ARGS else v) for k, v in kwargs.items()}
-            previous = calls[-2][i] if len(calls) > 1 else None
-            calls[-1].append(_shared_with(previous, _to(tuple(rest), kwargs, store_device)))
+            previous = calls[-2].get(i) if len(calls) > 1 else None
+            calls[-1][i] = _shared_with(previous, _to(tuple(rest), kwargs, store_device))
             if i == len(blocks) - 1:
                 raise StopForward  # the rest of the model is not needed
             return _returned(hidden, traced[i].output if traced else None)
@@ -89,9 +98,9 @@ def capture_block_calls(model, arch, input_ids: torch.Tensor, device, store_devi
     for i, block in enumerate(blocks):
         block.forward = stand_in(i)
     try:
-        with moved_outside(model, arch.blocks, device), torch.inference_mode():
+        with moved_outside(model, arch.blocks, device), torch.inference_mode(), stop_at_head(model):
             for row in input_ids:
-                calls.append([])
+                calls.append({})
                 try:
                     model(row.unsqueeze(0).to(device), use_cache=False)
                 except StopForward:
@@ -100,6 +109,24 @@ def capture_block_calls(model, arch, input_ids: torch.Tensor, device, store_devi
         for block in blocks:
             del block.forward  # the class's forward again
     return BlockCalls(inputs, calls)
+
+
+@contextmanager
+def stop_at_head(model):
+    """StopForward where the forward reaches the output projection: past a last block the text forward skips, the
+    rest of the model is not needed either."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Module):
+        yield
+        return
+
+    def stop(module, args):
+        raise StopForward
+    handle = head.register_forward_pre_hook(stop)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _returned(hidden, structure):
@@ -142,24 +169,26 @@ def trace_blocks(source, arch, device, vocab_size: int | None = None) -> list[Bl
     states unchanged, so a model of sixty identical blocks reads one block's weights, not the model's. Where a block
     needs what an earlier one computed (Gemma's KV sharing, GLM-5's top-k indices) that fails, and every block runs.
     Fused experts the trace finds multiplied one expert at a time (kind "sliced") are split into linears
-    (quantkit.models.sliced, in `source` itself) and the blocks traced again."""
+    (quantkit.models.sliced, in `source` itself) and the blocks traced again. A block weight the model's code uses
+    outside the blocks' forward (OutsideUses) is kind "read" (in float)."""
     ids = (torch.arange(TRACE_TOKENS) % max(_vocab(source.model.config, vocab_size) - 1, 1) + 1).unsqueeze(0)
-    traced = _trace_any(source, arch, device, ids)
+    touched = {}  # what the model's code does once (RWKV's rescale sets a flag) is kept over the traces
+    traced = _trace_any(source, arch, device, ids, touched)
     sliced = [f"{arch.blocks}.{i}.{name}" for i, uses in enumerate(traced)
               for name, kind in uses.kinds.items() if kind == "sliced"]
     if not sliced:
         return traced
     source.split_sliced(sliced)
-    return _trace_any(source, arch, device, ids)
+    return _trace_any(source, arch, device, ids, touched)
 
 
-def _trace_any(source, arch, device, ids) -> list[BlockUses]:
+def _trace_any(source, arch, device, ids, touched) -> list[BlockUses]:
     try:
-        return _trace(source, arch, device, ids, one_of_a_kind=True)
+        return _trace(source, arch, device, ids, touched, one_of_a_kind=True)
     except QuantkitError:
         raise
     except Exception:  # noqa: BLE001 (whatever a stand-in's unchanged hidden states break, the full forward decides)
-        return _trace(source, arch, device, ids, one_of_a_kind=False)
+        return _trace(source, arch, device, ids, touched, one_of_a_kind=False)
 
 
 def _vocab(config, given) -> int:
@@ -173,21 +202,26 @@ def _kind_of(block) -> tuple:
                  for name, m in block.named_modules())
 
 
-def _trace(source, arch, device, ids, one_of_a_kind: bool) -> list[BlockUses]:
+def _trace(source, arch, device, ids, touched: dict, one_of_a_kind: bool) -> list[BlockUses]:
     model = source.model
     blocks = get_submodule(model, arch.blocks)
     uses, seen = {}, {}  # block index -> its BlockUses; block kind -> the index of the first block of that kind
+    outside = OutsideUses(model, blocks, touched)
 
     def traced(i, block):
         prefix, forward, kind = f"{arch.blocks}.{i}", type(block).forward, _kind_of(block)
 
         def run(*args, **kwargs):
-            if one_of_a_kind and kind in seen:
-                uses[i] = uses[seen[kind]]
-                out = _returned(args[0] if args else kwargs["hidden_states"], uses[i].output)
-            else:
-                seen.setdefault(kind, i)
-                uses[i], out = _trace_block(source, prefix, block, forward, device, args, kwargs)
+            outside.inside += 1
+            try:
+                if one_of_a_kind and kind in seen:
+                    uses[i] = uses[seen[kind]]
+                    out = _returned(args[0] if args else kwargs["hidden_states"], uses[i].output)
+                else:
+                    seen.setdefault(kind, i)
+                    uses[i], out = _trace_block(source, prefix, block, forward, device, args, kwargs)
+            finally:
+                outside.inside -= 1
             if i == len(blocks) - 1:
                 raise StopForward
             return out
@@ -197,7 +231,7 @@ def _trace(source, arch, device, ids, one_of_a_kind: bool) -> list[BlockUses]:
         block.forward = traced(i, block)
     undo = source.load_outside(arch.blocks, device)
     try:
-        with moved_outside(model, arch.blocks, device), torch.inference_mode():
+        with moved_outside(model, arch.blocks, device), torch.inference_mode(), outside, stop_at_head(model):
             try:
                 model(ids.to(device), use_cache=False)
             except StopForward:
@@ -206,12 +240,70 @@ def _trace(source, arch, device, ids, one_of_a_kind: bool) -> list[BlockUses]:
         undo()
         for block in blocks:
             del block.forward
-    if len(uses) < len(blocks):  # a vision tower's blocks taken for the decoder's, or layers a text forward skips
-        raise QuantkitError(f"a forward of text through the model ran {len(uses)} of the {len(blocks)} blocks at "
+    if not uses:  # a vision tower's blocks taken for the decoder's
+        raise QuantkitError(f"a forward of text through the model ran none of the {len(blocks)} blocks at "
                             f"{arch.blocks}, the blocks quantkit found for its decoder: its decoder blocks are "
                             "elsewhere or run only on other inputs; this family needs a table entry "
                             "(quantkit/models/families.py)")
-    return [uses[i] for i in range(len(blocks))]
+    return [_read_outside(uses[i], touched.get(i, ())) if i in uses else _never_run(block)
+            for i, block in enumerate(blocks)]
+
+
+def _never_run(block) -> BlockUses:
+    """The uses of a block the model's forward skips on text (Mllama's cross-attention layers run only beside an
+    image): every weight unused, so the block stays in float, and the calibration loop hands its inputs on."""
+    return BlockUses(kinds={n: "experts" if p.dim() == 3 else "unused" for n, p in block.named_parameters()
+                            if p.dim() >= 2 and p.is_floating_point()})
+
+
+class OutsideUses(TorchFunctionMode):
+    """Around a model's forward: the block parameters its own code uses outside every block's forward (`inside`
+    counts the blocks running), as {block index: names in the block} in `touched`. RWKV's forward divides the
+    attention.output and feed_forward.value weights of its blocks in place at its first eval call (fp16 headroom):
+    a packed layer has no weight for that, so such linears stay in float (_read_outside), and the model's code does
+    it again to the float weights when it runs. An in-place write is not carried out: the source's weights stay those
+    of its files, which is what the checkpoint holds and what the blocks calibrate on (quantkit chains the blocks'
+    outputs, so the model's rescaling between blocks is not applied either: the same function). Reads of what a
+    tensor is (shape, dtype, device: a model's .device is its first parameter's) are no use."""
+
+    def __init__(self, model, blocks, touched: dict):
+        super().__init__()
+        self.model, self.blocks, self.touched, self.inside, self.owner = model, blocks, touched, 0, {}
+
+    def _owner(self, t):
+        """(block index, name in the block) of a block parameter, None for another; the map is made again when a
+        parameter is new to it (a streamed block's tensors are replaced as they load and release)."""
+        if id(t) not in self.owner:
+            self.owner = {id(p): None for p in self.model.parameters()}
+            self.owner.update({id(p): (i, n) for i, b in enumerate(self.blocks) for n, p in b.named_parameters()})
+        return self.owner.get(id(t))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.inside or func in META_OPS:
+            return func(*args, **kwargs)
+        params = [o for x in tree_leaves((args, kwargs)) if isinstance(x, nn.Parameter) and (o := self._owner(x))]
+        for i, name in params:
+            self.touched.setdefault(i, set()).add(name)
+        if params and _in_place(func):
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name in ("__iadd__", "__isub__", "__imul__",
+                                                                          "__itruediv__", "__set__")
+
+
+def _read_outside(uses: BlockUses, names) -> BlockUses:
+    """`uses` with the linears whose weight the model's code uses outside the blocks (OutsideUses) out of its
+    stages, as kind "read"."""
+    modules = {n.rpartition(".")[0] for n in names if n.endswith(".weight")} & uses.linears
+    if not modules:
+        return uses
+    stages = tuple(s for s in (tuple(n for n in stage if n not in modules) for stage in uses.stages) if s)
+    return replace(uses, stages=stages, kinds={**uses.kinds, **{f"{m}.weight": "read" for m in modules}})
 
 
 def _trace_block(source, prefix, block, forward, device, args, kwargs):

@@ -80,19 +80,23 @@ def calibrated_blocks(source, arch: Arch, input_ids, method, device, true_sequen
     for i in tqdm(range(len(blocks)), desc="blocks", unit="block", disable=not group.is_writer):
         prefix = f"{arch.blocks}.{i}"
         block = replay(i) if i < start else source.load(prefix)
-        block.to(device)
-        with onednn_linears(block):  # on a CPU with AVX-512: the block's float32 products at twice BLAS's speed
-            here = for_block(arch, block, traced[i] if traced else None)  # DeepSeek's dense and MoE blocks differ
-            runner = BlockRunner(block, inputs, captured.of_block(i), device, store_device, here.feeds_only)
-            runner.previous, returned = returned, None  # the previous block's further outputs, where it has some
-            set_all_tokens(block, method.config.moe_calibration == "all")  # the experts' statistics (moe.py)
-            stages = here.sequential if true_sequential else (tuple(n for s in here.sequential for n in s),)
-            results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, here.reusable,
-                                                           on_result, group, parallel=not here.found_by_shape)
-            set_all_tokens(block, False)  # the next block's inputs: the routed forward, the same outputs sooner
-            inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)
-            returned = runner.returned
-        block.to("cpu")
+        calls = captured.of_block(i)
+        if calls is None:  # the model's forward skips it on text (Mllama's cross-attention layers): it stays in
+            results = {}   # float, and its inputs go on to the next block unchanged, as in the model's forward
+        else:
+            block.to(device)
+            with onednn_linears(block):  # on a CPU with AVX-512: the block's float32 products at twice BLAS's speed
+                here = for_block(arch, block, traced[i] if traced else None)  # DeepSeek's dense and MoE blocks differ
+                runner = BlockRunner(block, inputs, calls, device, store_device, here.feeds_only)
+                runner.previous, returned = returned, None  # the previous block's further outputs, where it has some
+                set_all_tokens(block, method.config.moe_calibration == "all")  # the experts' statistics (moe.py)
+                stages = here.sequential if true_sequential else (tuple(n for s in here.sequential for n in s),)
+                results = {} if i < start else _quantize_block(runner, block, prefix, method, stages, here.reusable,
+                                                               on_result, group, parallel=not here.found_by_shape)
+                set_all_tokens(block, False)  # the next block's inputs: the routed forward, the same outputs sooner
+                inputs = runner.forward_all(keep_outputs=True, store_device=store_device, name=prefix)
+                returned = runner.returned
+            block.to("cpu")
         if i >= start:
             yield i, block, results
         source.release(prefix)

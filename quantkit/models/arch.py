@@ -45,8 +45,12 @@ def get_submodule(root: nn.Module, path: str) -> nn.Module:
 
 def decoder_path(model: nn.Module) -> str:
     """Dotted path of the language model's decoder (transformers' get_decoder()): "model" for a causal LM,
-    "model.language_model" for a vision-language model, whose vision tower stays in floating point; "" if unknown."""
+    "model.language_model" for a vision-language model, whose vision tower stays in floating point; "" if unknown.
+    What get_decoder() gives holds the blocks (a ModuleList), else it is not the decoder and the base model stands
+    in: ModernBERT-decoder's get_decoder() finds its output linear, named `decoder`."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is not None and not any(isinstance(m, nn.ModuleList) for m in decoder.modules()):
+        decoder = getattr(model, "base_model", None)
     return next((name for name, mod in model.named_modules() if mod is decoder and name), "")
 
 

@@ -42,13 +42,48 @@ def resolve_device(device: str) -> str:
 def model_class(config):
     """The transformers auto class that builds a model of `config`: the image-text-to-text one for a vision-language
     model (its causal-LM class, where it has one, may be the text model alone: Llama 4's drops the vision tower),
-    else the causal LM; quantize works on the language model's blocks."""
+    else the causal LM; quantize works on the language model's blocks. A text config no auto class maps, though a
+    causal-LM class of transformers is built on it (Emu3's and Mllama's: the auto mapping keys Emu3ForCausalLM by the
+    composite Emu3Config, while the class takes Emu3TextConfig and saves it), gets that class (ExactClass)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
     if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
         return AutoModelForImageTextToText
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and (exact := causal_lm_taking(config)) is not None:
+        return ExactClass(exact)
     return AutoModelForCausalLM  # a config it does not know either is refused there, with transformers' words
+
+
+def causal_lm_taking(config):
+    """The causal-LM class of transformers (one the auto mapping names) in the config's own model package whose
+    config_class is exactly type(config), or None (a config from outside transformers: its auto_map decides)."""
+    import importlib
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    package, _, module = type(config).__module__.rpartition(".")
+    if not package.startswith("transformers.models.") or not module.startswith("configuration_"):
+        return None
+    try:
+        modeling = importlib.import_module(f"{package}.modeling_{module.removeprefix('configuration_')}")
+    except ImportError:
+        return None
+    found = (getattr(modeling, name, None) for name in dict.fromkeys(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()))
+    return next((cls for cls in found if getattr(cls, "config_class", None) is type(config)), None)
+
+
+class ExactClass:
+    """One transformers model class behind an auto class's two verbs (from_config, from_pretrained)."""
+
+    def __init__(self, cls):
+        self.cls = cls
+
+    def from_config(self, config, trust_remote_code=False, **kwargs):
+        return self.cls._from_config(config, **kwargs)  # what the auto classes' from_config calls
+
+    def from_pretrained(self, *args, **kwargs):
+        return self.cls.from_pretrained(*args, **kwargs)
 
 
 def looks_local(source: str) -> bool:

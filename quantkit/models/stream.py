@@ -171,11 +171,28 @@ class StreamedModel:
             assign_tensor(self.model, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
     def load_outside(self, blocks_path: str, device="cpu"):
-        """Pre-hooks that load each module outside the blocks on first use; returns a function undoing all."""
+        """Pre-hooks that load each module outside the blocks on first use; returns a function undoing all. Two
+        reads come before a module's own call, so their tensors load earlier: the decoder's code may read a weight
+        of a module it holds before calling it (Kosmos-2.5's `segment_emb(torch.zeros(..., device=
+        segment_emb.weight.device))`), so the tensors of the module holding the blocks load when its forward starts
+        (those of a model or a list of layers beside the blocks, a vision tower, on their own first use); and a
+        transformers model's forward may ask its `.device`, its first parameter's (Idefics3's
+        `embed_tokens(input_ids).to(self.device)`, whose first parameter is the vision tower's, which a text
+        forward never runs), so that parameter loads with the model's own."""
         handles, loaded = [], []
+        inside = (lambda n: n == blocks_path or n.startswith(blocks_path + "."))
+        decoder = blocks_path.rpartition(".")[0]
+        by_id = {id(_get(self.model, n)): n for n in self.names}
         for mod_name, module in self.model.named_modules():
+            if inside(mod_name):
+                continue
             own = [n for n in self.names if n.rpartition(".")[0] == mod_name]
-            if not own or mod_name == blocks_path or mod_name.startswith(blocks_path + "."):
+            if mod_name == decoder:
+                own = _held_by(module, decoder, self.names)
+            first = by_id.get(id(next(module.parameters(), None))) if hasattr(type(module), "device") else None
+            if first is not None and first not in own and not inside(first.rpartition(".")[0]):
+                own.append(first)
+            if not own:
                 continue
 
             def hook(m, args, own=own):
@@ -191,6 +208,15 @@ class StreamedModel:
                 t = _get(self.model, name)
                 assign_tensor(self.model, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
         return undo
+
+
+def _held_by(decoder: nn.Module, prefix: str, names) -> list[str]:
+    """The tensor names (of `names`) under the module `decoder` at `prefix`, but those inside a list of layers (the
+    blocks, or any beside them) or a transformers model it holds (a vision tower)."""
+    full = (lambda n: ".".join(p for p in (prefix, n) if p))
+    apart = [full(n) + "." for n, m in decoder.named_modules()
+             if n and (isinstance(m, nn.ModuleList) or hasattr(type(m), "device"))]
+    return [n for n in names if (not prefix or n.startswith(prefix + ".")) and not n.startswith(tuple(apart))]
 
 
 def _stored_shape(f, stored) -> list:
@@ -228,11 +254,11 @@ class InMemoryModel(StreamedModel):
 
     def load(self, prefix, skip=()):
         return self.model.get_submodule(prefix)
+
     def split_sliced(self, params) -> None:
         split_sliced(self.model, params)
         self.names = list(drop_shared(self.model.state_dict()))
         self._state = self.model.state_dict()
-
 
     def load_names(self, names):
         pass
