@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from quantkit.core.errors import QuantkitError
-from quantkit.models.stream import return_freed_memory
+from quantkit.core.memory import return_freed_memory
 
 
 class _Slot:

@@ -276,26 +276,6 @@ class InMemoryModel(StreamedModel):
         pass
 
 
-def return_freed_memory() -> None:
-    """Hand the heap pages freed by the last block back to the OS: glibc keeps them otherwise, and the resident
-    memory creeps up by fragments of every block. A no-op without glibc."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-_LIBC = None
-
-
 def _distinct_state_names(model) -> list[str]:
     seen, names = set(), []
     for name, t in model.state_dict(keep_vars=True).items():

@@ -19,13 +19,13 @@ prefill, evaluation windows) decodes strip by strip from the exact codes and sca
 equals the reference decode.
 The module runs on the CPU only: the layout is the CPU kernel's (load with device_map="cuda" for the GPU).
 """
-import ctypes
 
 import torch
 from torch import nn
 
 from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
+from quantkit.core.memory import return_freed_memory
 from quantkit.core.groups import group_index, group_width, is_plain
 from quantkit.kernels import cpu_int4
 from quantkit.kernels.cpu_int4 import PLANE_BITS
@@ -122,15 +122,5 @@ def repack_layer(model: nn.Module, name: str) -> bool:
         return False
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent), leaf, new)
-    _return_freed_memory()
+    return_freed_memory()  # its temporaries, 4 bytes per weight and more (quantkit.core.memory)
     return True
-
-
-def _return_freed_memory() -> None:
-    """Give the OS back what a layer's repack freed (its temporaries, 4 bytes per weight and more): glibc keeps freed
-    chunks below its mmap threshold, which the next layers' chunks fragment, so without this the load's peak on
-    SmolLM2 is 570 MB above the model's skeleton instead of 250 (and 130 stay resident). A no-op without glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

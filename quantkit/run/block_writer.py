@@ -16,7 +16,8 @@ from quantkit.checkpoint.quantkit_format import layer_settings, quantizer_of
 from quantkit.core.errors import QuantkitError
 from quantkit.core.result import QuantResult
 from quantkit.models.arch import is_conv1d
-from quantkit.models.stream import assign_tensor, return_freed_memory
+from quantkit.core.memory import return_freed_memory
+from quantkit.models.stream import assign_tensor
 from quantkit.run import resume as resume_state
 from quantkit.schemes.rotation import Rotation
 

@@ -31,7 +31,8 @@ from quantkit.models.arch import (arch_for, check_window, fused_groups, fused_si
 from quantkit.models.head import head_paths, untie
 from quantkit.models.hub import resolve_device
 from quantkit.models.names import FileNames
-from quantkit.models.stream import open_model, return_freed_memory
+from quantkit.core.memory import return_freed_memory
+from quantkit.models.stream import open_model
 from quantkit.run import output
 from quantkit.run import resume as resume_state
 from quantkit.run.block_writer import BlockWriter
