@@ -123,6 +123,8 @@ KEPT_BY_USE = {
         rf"\.layers\.({'|'.join(str(i) for i in config['cross_attention_layers'])})\.")),
     # RWKV's forward divides attention.output and feed_forward.value weights in place at its first eval call
     "rwkv": ("read", lambda config: re.compile(r"\.(attention\.output|feed_forward\.value)\.weight$")),
+    # one attention block tied into every hybrid layer: each block is calibrated and written alone
+    "zamba": ("shared", lambda config: re.compile(r"\.shared_transf\.(self_attn|feed_forward)\.")),
 }
 
 

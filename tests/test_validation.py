@@ -216,6 +216,17 @@ def test_calibration_windows_given_to_the_api_are_checked_too(tmp_path, model_fa
     assert not (tmp_path / "out").exists()
 
 
+def test_token_ids_past_the_vocabulary_are_refused_before_any_block(tmp_path, model_factory):
+    from quantkit.api import quantize
+
+    src = model_factory("llama")
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    with pytest.raises(QuantkitError, match=f"token id {vocab}, past the model's vocabulary of {vocab}"):
+        quantize(str(src), tmp_path / "out", QuantConfig(method="gptq", group_size=32), device="cpu",
+                 calibration_ids=torch.full((2, 16), vocab, dtype=torch.long))
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_window_below_two_tokens_is_refused_before_anything_loads(tmp_path):
     # nothing at the model path and a hub dataset name: the option is what is named, at once
     for command in (("eval", "perplexity", tmp_path / "none"),

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from quantkit.calibration.runner import Carried, StopForward, check_activations
 from quantkit.core.errors import QuantkitError
-from quantkit.models.arch import get_submodule
+from quantkit.models.arch import get_submodule, vocabulary
 from quantkit.models.moe import set_all_tokens
 from quantkit.models.uses import META_OPS, BlockUses, UseTrace
 
@@ -171,7 +171,7 @@ def trace_blocks(source, arch, device, vocab_size: int | None = None) -> list[Bl
     Fused experts the trace finds multiplied one expert at a time (kind "sliced") are split into linears
     (quantkit.models.sliced, in `source` itself) and the blocks traced again. A block weight the model's code uses
     outside the blocks' forward (OutsideUses) is kind "read" (in float)."""
-    ids = (torch.arange(TRACE_TOKENS) % max(_vocab(source.model.config, vocab_size) - 1, 1) + 1).unsqueeze(0)
+    ids = (torch.arange(TRACE_TOKENS) % max((vocab_size or vocabulary(source.model.config)) - 1, 1) + 1).unsqueeze(0)
     touched = {}  # what the model's code does once (RWKV's rescale sets a flag) is kept over the traces
     traced = _trace_any(source, arch, device, ids, touched)
     sliced = [f"{arch.blocks}.{i}.{name}" for i, uses in enumerate(traced)
@@ -189,11 +189,6 @@ def _trace_any(source, arch, device, ids, touched) -> list[BlockUses]:
         raise
     except Exception:  # noqa: BLE001 (whatever a stand-in's unchanged hidden states break, the full forward decides)
         return _trace(source, arch, device, ids, touched, one_of_a_kind=False)
-
-
-def _vocab(config, given) -> int:
-    return given or getattr(config, "vocab_size", None) or getattr(
-        getattr(config, "text_config", None), "vocab_size", None) or 2
 
 
 def _kind_of(block) -> tuple:
@@ -245,8 +240,16 @@ def _trace(source, arch, device, ids, touched: dict, one_of_a_kind: bool) -> lis
                             f"{arch.blocks}, the blocks quantkit found for its decoder: its decoder blocks are "
                             "elsewhere or run only on other inputs; this family needs a table entry "
                             "(quantkit/models/families.py)")
-    return [_read_outside(uses[i], touched.get(i, ())) if i in uses else _never_run(block)
-            for i, block in enumerate(blocks)]
+    traced = [_read_outside(uses[i], touched.get(i, ())) if i in uses else _never_run(block)
+              for i, block in enumerate(blocks)]
+    return [_float_kind(u, _shared_linears(blocks, i), "shared") for i, u in enumerate(traced)]
+
+
+def _shared_linears(blocks, i: int) -> set[str]:
+    """The linears of block i (names in it) whose weight another block holds too, one tensor (Zamba's shared
+    attention block, tied into every hybrid layer)."""
+    elsewhere = {id(p) for j, b in enumerate(blocks) if j != i for p in b.parameters()}
+    return {n.rpartition(".")[0] for n, p in blocks[i].named_parameters(remove_duplicate=False) if id(p) in elsewhere}
 
 
 def _never_run(block) -> BlockUses:
@@ -297,13 +300,17 @@ def _in_place(func) -> bool:
 
 
 def _read_outside(uses: BlockUses, names) -> BlockUses:
-    """`uses` with the linears whose weight the model's code uses outside the blocks (OutsideUses) out of its
-    stages, as kind "read"."""
-    modules = {n.rpartition(".")[0] for n in names if n.endswith(".weight")} & uses.linears
+    """`uses` with the linears whose weight the model's code uses outside the blocks (OutsideUses) as kind "read"."""
+    return _float_kind(uses, {n.rpartition(".")[0] for n in names if n.endswith(".weight")}, "read")
+
+
+def _float_kind(uses: BlockUses, modules, kind: str) -> BlockUses:
+    """`uses` with those of `modules` that are its linears out of its stages, their weights of float `kind`."""
+    modules = set(modules) & uses.linears
     if not modules:
         return uses
     stages = tuple(s for s in (tuple(n for n in stage if n not in modules) for stage in uses.stages) if s)
-    return replace(uses, stages=stages, kinds={**uses.kinds, **{f"{m}.weight": "read" for m in modules}})
+    return replace(uses, stages=stages, kinds={**uses.kinds, **{f"{m}.weight": kind for m in modules}})
 
 
 def _trace_block(source, prefix, block, forward, device, args, kwargs):

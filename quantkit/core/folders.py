@@ -64,3 +64,31 @@ def index_map(folder: Path, fix: str) -> dict:
         if name not in weight_map:
             raise QuantkitError(f"{folder / where[0]} holds tensor {name}, which {INDEX_NAME} does not list: {fix}")
     return weight_map
+
+
+def shard_map(folder: Path) -> dict | None:
+    """{tensor name: shard file} of a safetensors folder, None when it has no safetensors."""
+    fix = "download or copy the model again"
+    if (folder / INDEX_NAME).is_file():
+        return index_map(folder, fix)
+    shards = sorted(folder.glob("*.safetensors"))
+    if not (folder / SINGLE_NAME).is_file() and len(shards) > 1:
+        raise QuantkitError(f"model '{folder}' has {len(shards)} safetensors shards ({shards[0].name}, ...) but no "
+                            f"{INDEX_NAME}, which says which tensor is where: {fix}")
+    if (folder / SINGLE_NAME).is_file():
+        try:
+            with safe_open(folder / SINGLE_NAME, framework="pt") as f:
+                return {k: SINGLE_NAME for k in f.keys()}
+        except (SafetensorError, OSError) as e:
+            raise QuantkitError(f"a safetensors file of model '{folder}' is truncated or corrupted ({e}): "
+                                "download or copy the model again") from e
+    return None
+
+
+def file_state(path: Path) -> tuple | None:
+    """(size, modification time, inode) of a file, None if it is gone: a file replaced while being read differs."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino

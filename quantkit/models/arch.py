@@ -208,6 +208,12 @@ def context_length(model_config) -> int | None:
     return limit
 
 
+def vocabulary(model_config) -> int:
+    """The model's vocabulary size (a vision-language model's text config's), 2 when its config does not say."""
+    return getattr(model_config, "vocab_size", None) or getattr(
+        getattr(model_config, "text_config", None), "vocab_size", None) or 2
+
+
 def check_window(model_config, length: int, what: str, fix=lambda limit: f"use --seqlen {limit} or less") -> None:
     """Refuse `length` tokens past the model's context (`what` names them, e.g. '--seqlen 4096'; fix(limit) says
     what to do instead): past it a learned position table fails with an index error and a RoPE model computes

@@ -43,14 +43,24 @@ class FileNames:
         self._index()
         if name in self._tensors:
             return self._tensors[name]
-        module, dot, leaf = name.rpartition(".")
-        return self._modules[module] + dot + leaf if module in self._modules else name
+        return self._by_prefix(name)
 
     def module_to_model(self, name: str) -> str:
         """The model's name of a module named `name` in the files (a module's name may equal another tensor's: Inkling
         saves sconv.weight_proj.weight as k_sconv.weight_proj, the name of the module sconv.weight_proj too)."""
         self._index()
-        return self._modules.get(name, name)
+        return self._modules[name] if name in self._modules else self._by_prefix(name)
+
+    def _by_prefix(self, name: str) -> str:
+        """`name` under its longest prefix the model names (a module, or a tensor quantkit.models.sliced split into
+        `<tensor>.<e>` layers after these names were read), renamed as that prefix is; else `name` itself."""
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            head, rest = ".".join(parts[:cut]), ".".join(parts[cut:])
+            known = self._modules.get(head) or self._tensors.get(head)
+            if known is not None:
+                return f"{known}.{rest}"
+        return name
 
     def _index(self) -> None:
         if self._modules is None:

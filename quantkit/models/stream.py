@@ -11,6 +11,7 @@ Sources that cannot be streamed (no safetensors, tensors transformers fuses or c
 fall back to loading the whole model (quantkit.models.hub) behind the same interface: the old memory, the same
 result.
 """
+import re
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from torch import nn
 
 from quantkit.core.errors import QuantkitError
 from quantkit.core.finite import all_finite
-from quantkit.core.folders import INDEX_NAME, SINGLE_NAME, drop_shared, index_map
+from quantkit.core.folders import drop_shared, file_state, shard_map
 from quantkit.models import hub as loader
 from quantkit.models.moe import split_experts
 from quantkit.models.names import FileNames
@@ -52,7 +53,7 @@ class StreamedModel:
         self.files = {n: files[s] for n, s in self.stored.items() if s in files}
         self.unloaded = unloaded_tensors(files, set(self.stored.values()), fp8_block is not None)
         self.files.update({n: files[n] for n in self.unloaded})
-        self.seen = {f: _file_state(folder / f) for f in set(self.files.values())}  # checked at every read
+        self.seen = {f: file_state(folder / f) for f in set(self.files.values())}  # checked at every read
 
     def read(self, names, dtype=None) -> dict:
         """{name: tensor} from the shards (one open per shard, closed again), checked finite."""
@@ -83,7 +84,7 @@ class StreamedModel:
     def _check_unchanged(self, fname: str) -> None:
         """The shard is the one the run started with: a source replaced during a run (a download or copy still
         going on) would give a checkpoint whose first blocks come from one model and the rest from another."""
-        if _file_state(self.folder / fname) != self.seen[fname]:
+        if file_state(self.folder / fname) != self.seen[fname]:
             raise QuantkitError(f"model '{self.source_name}': {fname} changed while this run was reading it (its size "
                                 "or modification time): the result would mix two models; let whatever writes the "
                                 "model finish, then run again")
@@ -246,7 +247,7 @@ class InMemoryModel(StreamedModel):
         self.names = list(drop_shared(model.state_dict()))
         self._state = model.state_dict()
         self.folder, self.unloaded, self.seen = folder, list(unloaded), {}
-        self.files = _shard_map(folder) if folder is not None and self.unloaded else {}
+        self.files = shard_map(folder) if folder is not None and self.unloaded else {}
 
     def read(self, names, dtype=None) -> dict:
         return {n: self._state[n].to(dtype) if dtype is not None and self._state[n].is_floating_point()
@@ -276,6 +277,9 @@ class InMemoryModel(StreamedModel):
         pass
 
 
+_IN_LIST = re.compile(r"\.\d+\.")  # a name inside a list of layers
+
+
 def _distinct_state_names(model) -> list[str]:
     seen, names = set(), []
     for name, t in model.state_dict(keep_vars=True).items():
@@ -300,35 +304,6 @@ def assign_tensor(model, name, t):
         module._buffers[leaf] = t
 
 
-def _shard_map(folder: Path) -> dict | None:
-    """{tensor name: shard file} of a safetensors folder, None when it has no safetensors."""
-    from safetensors import SafetensorError, safe_open
-
-    fix = "download or copy the model again"
-    if (folder / INDEX_NAME).is_file():
-        return index_map(folder, fix)
-    shards = sorted(folder.glob("*.safetensors"))
-    if not (folder / SINGLE_NAME).is_file() and len(shards) > 1:
-        raise QuantkitError(f"model '{folder}' has {len(shards)} safetensors shards ({shards[0].name}, ...) but no "
-                            f"{INDEX_NAME}, which says which tensor is where: {fix}")
-    if (folder / SINGLE_NAME).is_file():
-        try:
-            with safe_open(folder / SINGLE_NAME, framework="pt") as f:
-                return {k: SINGLE_NAME for k in f.keys()}
-        except (SafetensorError, OSError) as e:
-            raise QuantkitError(f"a safetensors file of model '{folder}' is truncated or corrupted ({e}): "
-                                "download or copy the model again") from e
-    return None
-
-
-def _file_state(path: Path) -> tuple | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns, st.st_ino
-
-
 def compute_dtype_for(config, dtype):
     """What from_pretrained(dtype=...) would give: the named dtype, or the config's for 'auto' (fp32 unknown)."""
     parsed = loader.parse_dtype(dtype)
@@ -346,7 +321,7 @@ def open_model(source: str, dtype="auto", trust_remote_code=False, tokenizer_req
     why = "it is not a local safetensors folder, which is read block by block"
     if loader.looks_local(source):
         loader.check_local_folder(source)
-        files = _shard_map(Path(source).expanduser())
+        files = shard_map(Path(source).expanduser())
         if files is not None:
             streamed = _streamed(source, files, dtype, trust_remote_code, tokenizer_required)
             if not isinstance(streamed, str):
@@ -356,7 +331,7 @@ def open_model(source: str, dtype="auto", trust_remote_code=False, tokenizer_req
     fp_model, tokenizer = loader.load_fp_model(source, dtype, trust_remote_code, tokenizer_required)
     print(f"note: {source} was loaded whole: {why}", file=sys.stderr)
     folder = Path(source).expanduser() if loader.looks_local(source) else None
-    files = (_shard_map(folder) or {}) if folder is not None else {}
+    files = (shard_map(folder) or {}) if folder is not None else {}
     unloaded = [n for n in fp_model.unloaded_tensors if n in files]
     if len(unloaded) < len(fp_model.unloaded_tensors):
         print(f"note: {len(fp_model.unloaded_tensors) - len(unloaded)} tensors of {source} that transformers does not "
@@ -386,6 +361,9 @@ def _streamed(source: str, files: dict, dtype, trust_remote_code, tokenizer_requ
     declared = _declared(config)  # before from_config, which sets config.dtype to the compute dtype
     model = StreamedModel(folder, config, compute_dtype_for(config, dtype), files, source, trust_remote_code,
                           fp8_block)
+    if _held_twice(model.model):
+        return (f"its layers share weights ({_held_twice(model.model)}, for one: Zamba's shared attention block), "
+                "which loading one block at a time would leave empty in the others")
     if all(n in model.files for n in model.names):  # else renamed or missing tensors: transformers decides
         model.check_shapes()
         return model, loader.load_tokenizer(folder, trust_remote_code, tokenizer_required), declared
@@ -393,6 +371,17 @@ def _streamed(source: str, files: dict, dtype, trust_remote_code, tokenizer_requ
     return (f"its files name tensors otherwise than the model does ({missing}, for one, is not stored as such: "
             "transformers converts such tensors as it loads, e.g. per-expert weights into fused 3-D ones), so they "
             "cannot be read block by block")
+
+
+def _held_twice(model: nn.Module) -> str | None:
+    """The name of a weight two layers of a list hold, one tensor (Zamba's shared attention block, tied into every
+    hybrid layer), or None. A tied embedding and head is not one: the stream reads those once, outside the blocks."""
+    seen = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first = seen.setdefault(id(p), name)
+        if first != name and _IN_LIST.search(first) and _IN_LIST.search(name):
+            return first
+    return None
 
 
 def _declared(config):

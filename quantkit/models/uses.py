@@ -14,6 +14,9 @@ was running at the time; for every tensor the forward makes, which linears it de
              weights_proj.weight.dtype, HunYuan's router wg.weight.dtype): a packed layer has no such tensor, so the
              layer stays in float
   unused     never read by the forward (Gemma's KV-shared layers keep k/v projections they do not call)
+  shared     a linear of a module several blocks hold, one object (Zamba's shared attention block): quantkit
+             calibrates and writes a block's linears from that block alone, so it stays in float (set by
+             quantkit.calibration.capture, which sees every block)
   sliced     a 3-D parameter used only one expert at a time, as F.linear(x, W[e]), or in a batched product with
              W.transpose(1, 2): fused experts quantkit.models.sliced splits into linears (then traced again)
   experts    a 3-D parameter multiplied as weights otherwise (fused experts no part of quantkit can split)
@@ -54,10 +57,11 @@ META_OPS = {getattr(torch._C.TensorBase, name).__get__ for name in ("shape", "dt
 # that passed through several more (a norm, a residual) selects nothing by itself
 ROUTE_HOPS = 6
 
-FLOAT_KINDS = ("router", "conv", "read", "unused", "other")
+FLOAT_KINDS = ("router", "conv", "read", "unused", "shared", "other")
 KIND_WORDS = {"router": ("router", "routers"), "conv": ("conv kernel", "conv kernels"),
               "read": ("weight the model's code reads", "weights the model's code reads"),
               "unused": ("weight the forward never reads", "weights the forward never reads"),
+              "shared": ("weight several blocks share", "weights several blocks share"),
               "other": ("other parameter", "other parameters")}
 
 

@@ -28,8 +28,9 @@ from quantkit.models.uses import kind_words
 
 ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # a linear of a routed expert (quantkit.models.moe)
 
-FLOAT_KINDS = ("recipe", "router", "read", "unused", "lm_head", "outside")  # the float kinds the share counts
-SUMMARY_ORDER = ("recipe", "conv", "other", "router", "read", "unused", "lm_head", "embeddings", "outside")
+FLOAT_KINDS = ("recipe", "router", "read", "unused", "shared", "lm_head", "outside")  # the float kinds the share counts
+SUMMARY_ORDER = ("recipe", "conv", "other", "router", "read", "unused", "shared", "lm_head", "embeddings",
+                 "outside")
 
 
 @dataclass

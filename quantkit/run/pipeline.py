@@ -27,7 +27,7 @@ from quantkit.checkpoint import files
 from quantkit.core.errors import QuantkitError
 from quantkit.core.version import __version__
 from quantkit.models.arch import (arch_for, check_window, fused_groups, fused_siblings, get_submodule,
-                                  require_scale_groups)
+                                  require_scale_groups, vocabulary)
 from quantkit.models.head import head_paths, untie
 from quantkit.models.hub import resolve_device
 from quantkit.models.names import FileNames
@@ -275,9 +275,21 @@ def _calibration(config: QuantConfig, tokenizer, calibration_ids, model_config):
     if calibration_ids is not None:
         length = calibration_ids.shape[-1]
         check_window(model_config, length, f"calibration windows of {length} tokens")
-        return calibration_ids
+        return _within_vocabulary(calibration_ids, model_config, "the calibration ids given")
     check_window(model_config, config.seqlen, f"--seqlen {config.seqlen}")  # before the data is read
-    return load_calibration(tokenizer, config.dataset, config.nsamples, config.seqlen, config.seed)
+    ids = load_calibration(tokenizer, config.dataset, config.nsamples, config.seqlen, config.seed)
+    return _within_vocabulary(ids, model_config, "the tokenizer beside the model")
+
+
+def _within_vocabulary(ids, model_config, source: str):
+    """ids, refused when one is past the model's vocabulary: the embedding lookup would fail mid-run with an index
+    error (a tokenizer of another model beside the weights)."""
+    vocab = vocabulary(model_config)
+    if vocab > 2 and int(ids.max()) >= vocab:
+        raise QuantkitError(f"{source} gives token id {int(ids.max())}, past the model's vocabulary of {vocab} "
+                            "(config.json's vocab_size): the tokenizer is not this model's; put the model's own "
+                            "tokenizer files beside it")
+    return ids
 
 
 def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids, trust_remote_code) -> None:
