@@ -19,8 +19,9 @@ only torchvision's Python side, which 0.16 imports without its C ops, so for the
 
     python scripts/family_sweep.py --families llama qwen3_next gemma4 --workdir /tmp/sweep
     python scripts/family_sweep.py --timeout 240 --out docs/MODELS.md   (every family, rtn and gptq)
-    git archive REV quantkit | tar -x -C /tmp/qk && PYTHONPATH=/tmp/qk python scripts/family_sweep.py ...
-        (the children run another quantkit tree: a fixed revision while the working tree changes)
+The children run the quantkit that `python -c "import quantkit"` finds: an editable install's finder takes
+precedence over PYTHONPATH, so to sweep a fixed revision while the working tree changes, install that revision into a
+venv of its own.
 """
 import argparse
 import dataclasses
