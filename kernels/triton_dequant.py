@@ -25,10 +25,12 @@ from quantkit.kernels.triton_gptq_ops import check_packed, group_layout
 
 
 @triton.jit
-def _dequant_kernel(qw_ptr, qz_ptr, s_ptr, g_ptr, w_ptr, N, K, KW, NW, GS,
-                    BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, UNIFORM: tl.constexpr, IS_FP16: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                    INTERPRETER: tl.constexpr = False):
+def gptq_dequant_kernel(qw_ptr, qz_ptr, s_ptr, g_ptr, w_ptr, N, K, KW, NW, GS,
+                        BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, UNIFORM: tl.constexpr, IS_FP16: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                        INTERPRETER: tl.constexpr = False):
+    """W^T [K, N] in w's dtype, one [BLOCK_K, BLOCK_N] tile a program; launched through dequant_kernel (autotuned)
+    or, with a fixed config, its heuristics wrapper."""
     pid_n = tl.program_id(0)   # fastest: neighbouring programs write neighbouring columns of the same rows
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,7 +77,7 @@ DEQUANT_CONFIGS = [triton.Config(dict(BLOCK_K=bk, BLOCK_N=bn), num_warps=w, num_
 _heuristic_kernel = triton.heuristics({
     "EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0,
     "EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
-})(_dequant_kernel)
+})(gptq_dequant_kernel)
 dequant_kernel = triton.autotune(DEQUANT_CONFIGS, key=["N", "K", "GS", "BITS", "UNIFORM", "IS_FP16"],
                                  prune_configs_by={"early_config_prune": _prune})(_heuristic_kernel)
 _INTERPRETER_CONFIG = dict(BLOCK_K=32, BLOCK_N=32)  # small tiles: the interpreter runs numpy per program

@@ -40,7 +40,7 @@ from quantkit.kernels.triton_gemv import gemv_tile, gemv_tile_half2
 
 
 @triton.jit
-def _gptq_matmul_kernel(
+def gptq_matmul_kernel(
         x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr,
         M, N, K, KW, NW, GS, stride_xm, stride_ym, SPLIT_K,  # SPLIT_K: runtime, no recompile per value
         M_BUCKET, NUM_SMS, WAVES,  # read only by the autotune key / split heuristic (no recompiles)
@@ -48,6 +48,8 @@ def _gptq_matmul_kernel(
         IS_FP16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
         INTERPRETER: tl.constexpr = False, HALF2: tl.constexpr = False):
+    """y [M, N] = x [M, K] @ W^T (+ bias), one [BLOCK_M, BLOCK_N] output tile and K slice a program (the module
+    docstring has the shapes); launched through m1_kernel, decode_kernel, gemm_kernel or untuned_kernel."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -224,7 +226,7 @@ _heuristic_kernel = triton.heuristics({
     "SPLIT_K": _split_heuristic,
     "EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0,   # no K masks: every tile is full
     "EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,   # no column masks
-})(_gptq_matmul_kernel)
+})(gptq_matmul_kernel)
 m1_kernel = triton.autotune(M1_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})(
     _heuristic_kernel)
 decode_kernel = triton.autotune(DECODE_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})(

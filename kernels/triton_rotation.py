@@ -15,7 +15,7 @@ MAX_TILE = 8192
 
 
 @triton.jit
-def _rotate_kernel(x_ptr, s_ptr, y_ptr, M, N, scale, B: tl.constexpr, LOG_B: tl.constexpr, BLOCK_M: tl.constexpr):
+def rotate_kernel(x_ptr, s_ptr, y_ptr, M, N, scale, B: tl.constexpr, LOG_B: tl.constexpr, BLOCK_M: tl.constexpr):
     """y[rows, block] = H_B diag(s[block]) x[rows, block] / sqrt(B), math in fp32."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -53,8 +53,8 @@ def rotate_triton(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Ten
         block_m, warps = tile_for(block, m)
         grid = (triton.cdiv(m, block_m), n // block)
         with on_device(x2):
-            _rotate_kernel[grid](x2, s, y, m, n, 1.0 / math.sqrt(block), B=block, LOG_B=block.bit_length() - 1,
-                                 BLOCK_M=block_m, num_warps=warps)
+            rotate_kernel[grid](x2, s, y, m, n, 1.0 / math.sqrt(block), B=block, LOG_B=block.bit_length() - 1,
+                                BLOCK_M=block_m, num_warps=warps)
     return y.reshape(x.shape)
 
 

@@ -34,7 +34,7 @@ def main(argv=None):
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3, help="timed runs per product path (fastest kept)")
     args = p.parse_args(argv)
-    if not matmul._onednn_available():
+    if not matmul.onednn_available():
         raise SystemExit("oneDNN is not used on this CPU (it needs AVX-512): nothing to compare")
 
     print(f"CPU eval, {torch.get_num_threads()} threads, torch {torch.__version__}, "

@@ -33,7 +33,7 @@ def layer(k: int, n: int):
     m.qzeros.copy_(bitpack.pack(torch.full((m.scales.shape[0], n), 7), 4, dim=1))
     m.scales.copy_((torch.rand(m.scales.shape, generator=gen) * 0.01 + 1e-3).half())
     m.g_idx.copy_(torch.arange(k, dtype=torch.int32) // 128)
-    weight = dequantize_weight(m.qweight, m.qzeros, m.scales, m.g_idx, 4, k, m._zero_offset(), torch.bfloat16)
+    weight = dequantize_weight(m.qweight, m.qzeros, m.scales, m.g_idx, 4, k, m.zero_offset(), torch.bfloat16)
     return CpuInt4Linear.from_quant_linear(m), weight.t().contiguous()
 
 

@@ -97,7 +97,7 @@ def _matmul_launch(config, block_m, bits):
                  BLOCK_M=kw.get("BLOCK_M", block_m), BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
                  GROUP_M=kw["GROUP_M"], EVEN_K=True, EVEN_N=True, INTERPRETER=False, HALF2=kw.get("HALF2", False))
     aligned = [n for n in sig if n.endswith("_ptr")] + ["N", "K", "KW", "NW", "GS", "stride_xm", "stride_ym"]
-    return triton_gptq._gptq_matmul_kernel, sig, const, aligned
+    return triton_gptq.gptq_matmul_kernel, sig, const, aligned
 
 
 def _dequant_launch(config, _, bits):
@@ -106,7 +106,7 @@ def _dequant_launch(config, _, bits):
     kw = config.kwargs
     const = dict(BITS=bits, ZERO_OFFSET=1, UNIFORM=True, IS_FP16=True, BLOCK_K=kw["BLOCK_K"], BLOCK_N=kw["BLOCK_N"],
                  EVEN_K=True, EVEN_N=True, INTERPRETER=False)
-    return triton_dequant._dequant_kernel, sig, const, list(sig)
+    return triton_dequant.gptq_dequant_kernel, sig, const, list(sig)
 
 
 def _codebook_layer(variant):
@@ -139,7 +139,7 @@ def _rotate_launch(config, _, bits):
     kw = config.kwargs
     sig = {"x_ptr": "*fp16", "s_ptr": "*fp32", "y_ptr": "*fp16", "M": "i32", "N": "i32", "scale": "fp32"}
     const = dict(B=kw["B"], LOG_B=kw["B"].bit_length() - 1, BLOCK_M=kw["BLOCK_M"])
-    return triton_rotation._rotate_kernel, sig, const, ["x_ptr", "s_ptr", "y_ptr", "N"]
+    return triton_rotation.rotate_kernel, sig, const, ["x_ptr", "s_ptr", "y_ptr", "N"]
 
 
 def _codebook_configs():

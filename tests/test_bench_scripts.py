@@ -120,7 +120,7 @@ def test_bench_cpu_eval_times_both_product_paths(tmp_path, capsys, monkeypatch):
     from quantkit.core import matmul
     from quantkit.demo import bundled_model_path
 
-    if not matmul._onednn_available():
+    if not matmul.onednn_available():
         pytest.skip("oneDNN is used on CPUs with AVX-512 only")
     monkeypatch.setattr(matmul, "ENABLED", True)  # undone after the script has switched it
     bench_cpu_eval.main([str(bundled_model_path()), "--eval", str(_text(tmp_path)), "--max-tokens", "256",

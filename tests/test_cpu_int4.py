@@ -41,7 +41,7 @@ def quant_linear(k, n, bits, group_size, fmt="gptq", act_order=False, seed=0) ->
 
 def reference(m: QuantLinear, x):
     return gptq_linear_torch(x.float(), m.qweight, m.qzeros, m.scales, m.g_idx, m.bits, m.in_features, m.bias,
-                             m._zero_offset())
+                             m.zero_offset())
 
 
 @pytest.mark.parametrize("n", [64, 80, 176, 48, 16])

@@ -90,20 +90,31 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-def test_no_private_names_across_modules():
+def _private_uses(module: str, path: Path) -> list:
+    """Where the file at `path` imports or reads a private name of a quantkit module other than `module`."""
     used = []
-    for module, path in MODULES.items():
-        for target, name, line, _ in _imports(module, path):
-            if name and name.startswith("_") and not name.startswith("__") and target != module:
-                used.append(f"{path.relative_to(ROOT)}:{line} imports {target}.{name}")
-        tree = ast.parse(path.read_text())
-        aliases = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
-                   and n.module.startswith("quantkit") for a in n.names if f"{n.module}.{a.name}" in MODULES}
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
-                    and node.attr.startswith("_") and not node.attr.startswith("__")):
-                used.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {node.value.id}.{node.attr}")
+    for target, name, line, _ in _imports(module, path):
+        if name and name.startswith("_") and not name.startswith("__") and target != module:
+            used.append(f"{path.relative_to(ROOT)}:{line} imports {target}.{name}")
+    tree = ast.parse(path.read_text())
+    aliases = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+               and n.module.startswith("quantkit") for a in n.names if f"{n.module}.{a.name}" in MODULES}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            used.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {node.value.id}.{node.attr}")
+    return used
+
+
+def test_no_private_names_across_modules():
+    used = [use for module, path in MODULES.items() for use in _private_uses(module, path)]
     assert not used, "private names used outside their module:\n" + "\n".join(used)
+
+
+def test_scripts_use_the_public_api():
+    """The benchmarks and tools in scripts/ are quantkit's users too: no private name of a quantkit module."""
+    used = [use for path in sorted((ROOT / "scripts").rglob("*.py")) for use in _private_uses("", path)]
+    assert not used, "private names of quantkit used by scripts:\n" + "\n".join(used)
 
 
 def test_library_imports_at_the_top():

@@ -13,7 +13,7 @@ from quantkit.models.arch import arch_for
 from tiny_models import run_sequential
 from test_awq import ids, tiny_model
 
-needs_onednn = pytest.mark.skipif(not matmul._onednn_available(), reason="oneDNN is used on CPUs with AVX-512 only")
+needs_onednn = pytest.mark.skipif(not matmul.onednn_available(), reason="oneDNN is used on CPUs with AVX-512 only")
 
 
 @pytest.fixture(params=[True, False], ids=["onednn", "torch"])

@@ -30,7 +30,9 @@ ENABLED = os.environ.get("QUANTKIT_ONEDNN", "1") != "0"
 
 
 @cache
-def _onednn_available() -> bool:
+def onednn_available() -> bool:
+    """Whether this machine's products can go through oneDNN at all: a torch built with it (and its linear op) on a
+    CPU with AVX-512. ENABLED (QUANTKIT_ONEDNN) decides whether they do."""
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
             and capability.startswith("AVX512"))
@@ -38,7 +40,7 @@ def _onednn_available() -> bool:
 
 def uses_onednn(*tensors: torch.Tensor) -> bool:
     """Whether a product of these tensors goes through oneDNN: float32 on the CPU, no gradient to track."""
-    return (ENABLED and _onednn_available()
+    return (ENABLED and onednn_available()
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
@@ -74,7 +76,7 @@ def onednn_linears(module: nn.Module):
     """While active, the plain nn.Linear layers inside `module` compute through `linear`. Their class is swapped,
     not their forward: the calibration loop patches and restores instance forwards of its own (replay, skipped
     outputs), and hooks, weights and isinstance checks are untouched."""
-    swapped = [m for m in module.modules() if type(m) is nn.Linear] if ENABLED and _onednn_available() else []
+    swapped = [m for m in module.modules() if type(m) is nn.Linear] if ENABLED and onednn_available() else []
     for m in swapped:
         m.__class__ = _OneDNNLinear
     try:

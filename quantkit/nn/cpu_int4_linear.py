@@ -64,7 +64,7 @@ class CpuInt4Linear(nn.Module):
         perm = _group_order(m.g_idx, k, g)
         if perm is False:
             return None
-        zeros = (bitpack.unpack(m.qzeros, bits, n, dim=1) + m._zero_offset()) & (2**bits - 1)
+        zeros = (bitpack.unpack(m.qzeros, bits, n, dim=1) + m.zero_offset()) & (2**bits - 1)
         try:
             planes = _repack(m.qweight, bits, k, g, n, perm)
         except RuntimeError:

@@ -90,16 +90,18 @@ class QuantLinear(nn.Module):
                 row_ranges = strips.ranges(self.out_features, self.in_features, align=32)
                 return strips.strip_linear(x, self._decode_columns, row_ranges, self.bias)
         return gptq_linear_op(x, self.qweight, self.qzeros, self.scales, self.g_idx, self.bits,
-                              self.in_features, self.bias, self._zero_offset())
+                              self.in_features, self.bias, self.zero_offset())
 
     def _decode_columns(self, a: int, b: int) -> torch.Tensor:
         """W^T[:, a:b] [in_features, b - a] in float32; a and b - a multiples of 32 (or b the last output), the unit
         the zeros are packed in."""
         words = slice(bitpack.packed_len(a, self.bits), bitpack.packed_len(b, self.bits))
         return gptq_layout.decode(self.qweight[:, a:b], self.qzeros[:, words], self.scales[:, a:b], self.g_idx,
-                                  self.bits, self.in_features, self._zero_offset(), plain_group_size(self))
+                                  self.bits, self.in_features, self.zero_offset(), plain_group_size(self))
 
-    def _zero_offset(self):
+    def zero_offset(self) -> int:
+        """What the stored zeros are off by: a gptq (v1) checkpoint stores zero - 1, gptq_v2 the zero itself, so
+        the true zero is (stored + zero_offset()) mod 2^bits."""
         return V1_ZERO_OFFSET[self.checkpoint_format]
 
     def _cached_weight(self, dtype):
@@ -108,7 +110,7 @@ class QuantLinear(nn.Module):
         key = (dtype,) + buffers_key(bufs)
         cache = self.__dict__.get("_weight_cache")
         if cache is None or cache[0] != key:
-            w = dequantize_weight(*bufs, self.bits, self.in_features, self._zero_offset(), dtype=dtype)
+            w = dequantize_weight(*bufs, self.bits, self.in_features, self.zero_offset(), dtype=dtype)
             w = w.float() if dtype == torch.float16 else w
             # kept as W^T over [out, in] rows, the layout oneDNN multiplies by (kernels/reference.linear_dequantized)
             cache = self.__dict__["_weight_cache"] = (key, w.t().contiguous().t())
