@@ -312,11 +312,6 @@ def decode(word: torch.Tensor, bits: int, ratio: Optional[float], tables=None) -
     return p
 
 
-def table_len(bits: int) -> int:
-    """Entries of the kernel's int32 tables: ABS (256), plus the 256 residual points at 3 bits."""
-    return 512 if bits == 3 else 256
-
-
 def split_word(word: torch.Tensor, bits: int) -> torch.Tensor:
     """Code words [...] -> the per-column codes [..., 8]: column j holds bits [bits·j, bits·j + bits)."""
     return (word[..., None] >> (bits * torch.arange(8, device=word.device))) & ((1 << bits) - 1)
