@@ -149,3 +149,8 @@ def test_linears_the_model_forward_needs_in_float_stay_there_and_the_model_runs_
         ref, logits = reference(calibration[:1]).logits, model(calibration[:1]).logits
     assert torch.isfinite(logits).all()
     assert (logits - ref).norm() / ref.norm() < 0.3
+
+
+def test_a_config_registered_under_another_model_type_gets_its_own_class():
+    # transformers registers EvollaConfig under the model type "EvollaModel": the auto mappings' `in` misses it
+    assert model_class(family_sweep.tiny_config("evolla")).cls.__name__ == "EvollaForProteinText2Text"

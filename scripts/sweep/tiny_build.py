@@ -23,6 +23,42 @@ MISSING_DEFAULTS = {
     # default codebooks keep a 266752-id vocabulary. The same layout in the small one: 256 text ids, 2 x 64 codes.
     "apertus1p5": {"image_token_offset": 256, "audio_token_offset": 320, "vision_config": {"codebook_size": 64},
                    "audio_config": {"codebook_size": 64}},
+    # Chameleon's model maps image codes to BPE ids through vocabulary_map, which the default leaves None (the
+    # released checkpoints carry the tokenizer's map, "<image>": 8711 among 65536 ids). A small map: the image
+    # placeholder and a few image codes inside the shrunk vocabulary.
+    "chameleon": {"vocabulary_map": {"<image>": 300, **{f"IMGIMG{chr(65 + i)}Z": 301 + i for i in range(8)}}},
+    # Cohere Compass's rotary module looks rope_parameters up per layer type, but the default is {} (the released
+    # configs key it by layer type). Cohere 2's layout: three sliding layers with RoPE, then a full layer without.
+    "cohere_compass": {"text_config": {
+        "layer_types": ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(40)],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 50000.0},
+                            "full_attention": None}}},
+    "cohere_compass_text": {
+        "layer_types": ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(40)],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 50000.0},
+                            "full_attention": None}},
+    # DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig's default leaves out, and clamps q, k
+    # and v to clip_qkv, None by default (DBRX's released config sets 500000 and 8).
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
+    # DeepSeek-OCR 2's decoder layers index mlp_layer_types, None by default; the DeepSeek-V2 layout of its
+    # release: the first layer dense, the rest mixture-of-experts.
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense"] + ["sparse"] * 31}},
+    # Granite 4 Vision builds one projector per deepstack_layer_map entry, and each parses downsample_rate: both
+    # None by default. Pairs of (vision layer, decoder layer) like the release's, the last vision layers into the
+    # first decoder layers; the docstring's "1/4" rate.
+    "granite4_vision": {"deepstack_layer_map": [[-1, 0], [-2, 1]], "downsample_rate": "1/4"},
+    # Qwen4-Exp's indexed-attention layers build the QSA indexer from the indexer_* fields, None by default (the
+    # released config sets them; the indexer takes one key head). Budget and block small enough to select among
+    # the sweep's 32-token prompts.
+    "qwen4_exp": {"text_config": {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 32,
+                                  "indexer_budget": 16, "indexer_compress_ratio": 4}},
+    # BLT is byte-level (256 bytes and 4 specials: vocab_size 260), but the sweep calibrates and evaluates with the
+    # bundled tokenizer, whose ids reach 511: a random model needs no byte meaning, only embeddings for every id.
+    # Set in each component that embeds or predicts ids (the patcher, local encoder and decoder, and the head).
+    "blt": {"vocab_size": 512, "patcher_config": {"vocab_size": 512}, "encoder_config": {"vocab_size": 512},
+            "decoder_config": {"vocab_size": 512}},
+    "qwen4_exp_text": {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 32,
+                       "indexer_budget": 16, "indexer_compress_ratio": 4},
 }
 
 
