@@ -10,9 +10,9 @@ def auto_class(config):
     """AutoModelForCausalLM where it takes this config class, else AutoModelForImageTextToText (Emu3's and
     Mllama's causal-LM entries take their text config only)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    from quantkit.models.hub import ExactClass
 
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
         return AutoModelForCausalLM
@@ -21,17 +21,7 @@ def auto_class(config):
     # A config registered under another model type than its class's (EvollaConfig under "EvollaModel"): the
     # mapping's `in` misses it while its lookup, which scans every model type of the config, finds the class.
     exact = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
-    return _Exact(exact) if exact is not None else AutoModelForImageTextToText
-
-
-class _Exact:
-    """An auto class's from_config for one model class."""
-
-    def __init__(self, cls):
-        self.cls = cls
-
-    def from_config(self, config, **kwargs):
-        return self.cls._from_config(config, **kwargs)
+    return ExactClass(exact) if exact is not None else AutoModelForImageTextToText
 
 
 def without_cache(model) -> dict:
