@@ -37,6 +37,7 @@ SAMPLE = [
     "gpt2",              # Conv1D
     "jetmoe",            # experts in a module of its own, F.linear(x, W[e]) each (split by quantkit.models.sliced)
     "inkling_text",      # shared experts as one batched product, bmm(x, W.transpose(1, 2))
+    "dbrx",              # experts as 2-D tensors, every expert's rows stacked (quantkit.models.moe STACKED_GLU)
     "emu3",              # a text config (Emu3TextConfig) no auto class maps: its causal-LM class found by config_class
     "idefics3",          # a forward that asks its .device (the first parameter: the vision tower's) before block 0
     "kosmos-2.5",        # a decoder that reads segment_emb.weight.device before calling segment_emb
@@ -78,7 +79,8 @@ def accounting(src, out) -> tuple[set, set, set]:
     floats = {n for n, t in written.items() if BLOCK.match(n) and n.rpartition(".")[0] not in packed
               and t.get_dtype() in ("F32", "F16", "BF16") and len(t.get_shape()) >= 2}
     split = {EXPERT.sub("", n) for n in packed if EXPERT.search(n)}
-    lost = {n for n in source if n not in written and not {n, n.rpartition(".")[0]} & (packed | split)}
+    kept = tuple(f"{x}." for x in packed | split)  # a tensor under a packed layer or a split experts module
+    lost = {n for n in source if n not in written and n not in split and not n.startswith(kept)}
     return packed, floats, lost
 
 
@@ -154,3 +156,21 @@ def test_linears_the_model_forward_needs_in_float_stay_there_and_the_model_runs_
 def test_a_config_registered_under_another_model_type_gets_its_own_class():
     # transformers registers EvollaConfig under the model type "EvollaModel": the auto mappings' `in` misses it
     assert model_class(family_sweep.tiny_config("evolla")).cls.__name__ == "EvollaForProteinText2Text"
+
+
+def test_stacked_experts_split_compute_what_the_fused_ones_did():
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.models.moe import FlatExperts, split_experts
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_sweep.tiny_config("dbrx"), dtype=torch.float32).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    ids = torch.randint(3, 400, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+        split_experts(model)
+        after = model(ids).logits
+    assert any(isinstance(m, FlatExperts) for m in model.modules())
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)

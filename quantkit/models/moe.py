@@ -123,8 +123,19 @@ class InputScaledExperts(ExpertLinears):
         self.router_view = (args[0], output[1]) if self.all_tokens else None
 
 
+class FlatExperts(ExpertLinears):
+    """DBRX's experts split: hidden states [batch, tokens, H] in and out, routed as [batch x tokens] rows."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        return super().forward(flat, top_k_index, top_k_weights).view(hidden_states.shape)
+
+
 # experts modules, by class, that take router-scaled inputs of every token (their MoE layer's router module name)
 INPUT_SCALED = {"Llama4TextExperts": "router"}
+# experts modules, by class, whose GLU weights are 2-D, every expert's rows stacked: [experts x I, H] gate (w1), up
+# (v1) and down (w2, transposed), in the submodule named here, which computes act(x w1^T) * (x v1^T) w2 per expert
+STACKED_GLU = {"DbrxExperts": "mlp"}
 
 
 def _input_scaled(module: nn.Module) -> bool:
@@ -141,7 +152,7 @@ def _swiglu_chunks(act_fn):
 
 def splittable(module: nn.Module) -> bool:
     """A fused experts module whose eager forward ExpertLinears (or InputScaledExperts) reproduces."""
-    if _input_scaled(module):
+    if _input_scaled(module) or type(module).__name__ in STACKED_GLU:
         return True
     flags = [getattr(module, f, None) for f in LAYOUT_FLAGS]
     first = getattr(module, "gate_up_proj" if module.has_gate else "up_proj", None) if None not in flags else None
@@ -174,8 +185,22 @@ def _experts(gate_up, down, bias, concatenated, gated=True) -> list:
     return experts
 
 
+def _split_stacked(fused: nn.Module) -> FlatExperts:
+    """DBRX's experts: w1, v1 and w2 [E x I, H] of its GLU submodule as E gate, up and down linears."""
+    glu = fused.get_submodule(STACKED_GLU[type(fused).__name__])
+    n = fused.num_experts
+    w1, v1, w2 = (getattr(glu, w).detach().view(n, -1, glu.w1.shape[-1]) for w in ("w1", "v1", "w2"))
+    inter = w1.shape[1]
+
+    def apply_gate(gate_up):
+        return glu.activation_fn(gate_up[..., :inter]) * gate_up[..., inter:]
+    return FlatExperts(_experts(torch.cat([w1, v1], dim=1), w2.transpose(1, 2), None, True), True, apply_gate)
+
+
 def split(fused: nn.Module) -> ExpertLinears:
     """ExpertLinears holding `fused`'s weights (on the meta device too, for a skeleton)."""
+    if type(fused).__name__ in STACKED_GLU:
+        return _split_stacked(fused)
     gate_up = (fused.gate_up_proj if _input_scaled(fused) or fused.has_gate else fused.up_proj).detach()
     down = fused.down_proj.detach()
     if _input_scaled(fused):  # [E, H, 2I] and [E, I, H], [gate; up] concatenated
