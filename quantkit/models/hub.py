@@ -50,15 +50,12 @@ def model_class(config):
 
     if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
         return AutoModelForImageTextToText
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and (exact := causal_lm_taking(config)) is not None:
-        return ExactClass(exact)
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        # a config registered under a model type other than its own (EvollaConfig under "EvollaModel"): `in` misses
-        # it, while the mapping's lookup, which tries every model type of the config, finds its class
-        registered = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
-        if registered is not None:
-            return ExactClass(registered)
-    return AutoModelForCausalLM  # a config it does not know either is refused there, with transformers' words
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM
+    # a config registered under a model type other than its own (EvollaConfig under "EvollaModel"): `in` misses it,
+    # while the mapping's lookup, which tries every model type of the config, finds its class
+    exact = causal_lm_taking(config) or MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
+    return ExactClass(exact) if exact is not None else AutoModelForCausalLM  # else refused there, in its words
 
 
 def causal_lm_taking(config):

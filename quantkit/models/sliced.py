@@ -100,8 +100,9 @@ class SliceMode(TorchFunctionMode):
         kwargs = kwargs or {}
         first = args[0] if args else None
         linears = self.linears_of.get(id(first)) if isinstance(first, torch.Tensor) else None
-        if linears is not None and func is TAKE and expert_index(args[1]) is not None:
-            return self._made(func(*args), ("expert", linears[expert_index(args[1])]))
+        expert = expert_index(args[1]) if linears is not None and func is TAKE else None
+        if expert is not None:
+            return self._made(func(*args), ("expert", linears[expert]))
         if linears is not None and func in TRANSPOSE and swaps_last_two(args, kwargs):
             return self._made(func(*args, **kwargs), ("all", linears))
         weight = args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("other"))

@@ -113,14 +113,13 @@ class StreamedModel:
     def _stored(self, f, name: str) -> torch.Tensor:
         """Tensor `name` of the open shard f, an FP8 weight dequantized by its block scales; an expert's slice of a
         3-D tensor (split_sliced) read alone."""
-        name = self.stored[name]
-        if isinstance(name, tuple) and self.fp8_block is None:
-            return f.get_slice(name[0])[name[1]]
-        if isinstance(name, tuple):
-            return self._stored_fp8(f, name[0])[name[1]]
-        return self._stored_fp8(f, name)
+        stored = self.stored[name]
+        if not isinstance(stored, tuple):
+            return self._whole(f, stored)
+        whole, expert = stored  # an FP8 tensor is dequantized whole: its block scales span the experts
+        return f.get_slice(whole)[expert] if self.fp8_block is None else self._whole(f, whole)[expert]
 
-    def _stored_fp8(self, f, name: str) -> torch.Tensor:
+    def _whole(self, f, name: str) -> torch.Tensor:
         t = f.get_tensor(name)
         if self.fp8_block is not None and t.dtype == torch.float8_e4m3fn:
             scale = f"{name}_scale_inv"

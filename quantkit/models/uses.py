@@ -95,7 +95,7 @@ class UseTrace(TorchFunctionMode):
         self.casts = {}  # id(a parameter cast to another dtype) -> (weakref, the parameter's owner entry)
         self.slices = {}  # id(W[e] or W.transpose(1, 2) of a 3-D parameter W) -> (weakref, the product it fits)
         self.running = []  # names of the block's modules whose forward is running, innermost last
-        self.uses = {}  # parameter name -> {"linear", "conv", "product", "read", "other"}
+        self.uses = {}  # parameter name -> {"linear", "sliced", "conv", "product", "read", "other"}
         self.linear_order, self.linear_deps = [], {}  # linears in call order; the linears their inputs depend on
         self.routers = set()
         self.by_product, self.not_linear = set(), set()  # linears multiplied by a product in this call; not x W^T

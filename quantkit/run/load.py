@@ -22,8 +22,8 @@ from quantkit.models import offload, placement
 from quantkit.models.arch import arch_for, get_weight
 from quantkit.models.hub import model_class, parse_dtype, resolve_device
 from quantkit.models.moe import split_experts
-from quantkit.models.sliced import split_in_files, split_sliced
 from quantkit.models.names import FileNames
+from quantkit.models.sliced import split_in_files, split_sliced
 from quantkit.nn.cpu_int4_linear import repack_layer
 
 

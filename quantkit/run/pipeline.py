@@ -25,13 +25,13 @@ from quantkit.calibration.data import check_dataset
 from quantkit.calibration.sequential import calibrated_blocks, check_activation_memory, data_free_blocks
 from quantkit.checkpoint import files
 from quantkit.core.errors import QuantkitError
+from quantkit.core.memory import return_freed_memory
 from quantkit.core.version import __version__
 from quantkit.models.arch import (arch_for, check_window, fused_groups, fused_siblings, get_submodule,
                                   require_scale_groups, vocabulary)
 from quantkit.models.head import head_paths, untie
 from quantkit.models.hub import resolve_device
 from quantkit.models.names import FileNames
-from quantkit.core.memory import return_freed_memory
 from quantkit.models.stream import open_model
 from quantkit.run import output
 from quantkit.run import resume as resume_state

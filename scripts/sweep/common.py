@@ -7,21 +7,15 @@ TOWER = re.compile(r"vision|visual|video|audio|image|vq|perceiver|qformer|projec
 
 
 def auto_class(config):
-    """AutoModelForCausalLM where it takes this config class, else AutoModelForImageTextToText (Emu3's and
-    Mllama's causal-LM entries take their text config only)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    """AutoModelForCausalLM where it takes this config class (the sweep builds the causal LM where there is one),
+    else the class quantkit builds the model with (image-text-to-text; a config registered under another model
+    type, Evolla's)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from quantkit.models.hub import ExactClass
+    from quantkit.models.hub import model_class
 
-    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return AutoModelForCausalLM
-    if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
-        return AutoModelForImageTextToText
-    # A config registered under another model type than its class's (EvollaConfig under "EvollaModel"): the
-    # mapping's `in` misses it while its lookup, which scans every model type of the config, finds the class.
-    exact = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
-    return ExactClass(exact) if exact is not None else AutoModelForImageTextToText
+    return AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else model_class(config)
 
 
 def without_cache(model) -> dict:
