@@ -140,11 +140,12 @@ def codebook_matmul_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
                        table: torch.Tensor, bits: int, variant: str, offset: float, ratio: float,
                        bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] @ Ŵᵀ by Triton, the KernelDecode given by its fields: the fused kernel (triton_codebook), or from
-    dispatch.py's PREFILL_MIN_M rows, the weight decoded once to a transient matrix and one cuBLAS GEMM."""
+    dispatch.py's PREFILL_MIN_M rows (or where triton_codebook.fused_pays says the fused kernel loses), the weight
+    decoded once to a transient matrix and one cuBLAS GEMM."""
     from quantkit.kernels import triton_codebook  # triton imports only where it runs
 
     decode = KernelDecode(variant, offset=offset, ratio=ratio)
-    if choose_path(x.shape[0]) == "fused":
+    if choose_path(x.shape[0]) == "fused" and triton_codebook.fused_pays(x.shape[0], decode, bits):
         return triton_codebook.codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias)
     triton_codebook.check_layer(x, codes, scales, g_idx, table, bits, decode, bias)
     w = triton_codebook.codebook_dequantize(codes, scales, g_idx, table, bits, decode, x.shape[1], x.dtype)

@@ -318,6 +318,14 @@ def takes_tiles_by_code(variant: int, bits: int) -> bool:
     return variant == TABLE and bits == 4 or variant == E8P and bits in (2, 4)
 
 
+def fused_pays(m: int, decode, bits: int) -> bool:
+    """Whether the fused kernel beats decode + cuBLAS (the prefill path) at m rows. The second H100 run (2026-11-27,
+    docs/BENCHMARKS.md) timed the generic 16-row tile 4-15x slower than the prefill path on TurboQuant 3-bit at
+    M = 1 and 16 (197 against 48 us on 4096 x 4096), while the tiles by code position beat it: so rows of 16 or
+    fewer take the fused kernel only where those tiles apply."""
+    return m > 16 or takes_tiles_by_code(VARIANTS[decode.variant], bits)
+
+
 def tile_for(m, by_code=False):
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps): 16-row mma.sync tiles while M is small (split-K fills the GPU), 64-row
     tiles above; the tiles by code position (M <= 16, takes_tiles_by_code) take BLOCK_K = 128, so that each code

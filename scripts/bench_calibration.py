@@ -142,6 +142,8 @@ def main(argv=None):
     p.add_argument("--nsamples", type=int, default=128, help="calibration windows")
     p.add_argument("--seqlen", type=int, default=2048,
                    help="calibration window (the real model's: at most its context)")
+    p.add_argument("--parts", nargs="+", choices=("real", "random"), default=["real", "random"],
+                   help="which models, in this order: the real one (GPU against CPU ppl), the random one (s / block)")
     p.add_argument("--workdir", help="where the models and checkpoints go (default: a temporary folder)")
     p.add_argument("--json", help="also write the rows here (rewritten after each part)")
     args = p.parse_args(argv)
@@ -150,11 +152,11 @@ def main(argv=None):
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
-        rows = real_model_rows(args, work)
-        save(args, device_name, rows)
-        if args.blocks:
-            rows += random_model_rows(args, work)
-            save(args, device_name, rows)
+        rows = []
+        for part in args.parts:
+            if part == "real" or args.blocks:
+                rows += (real_model_rows if part == "real" else random_model_rows)(args, work)
+                save(args, device_name, rows)
     print(f"\n{device_name}, w4 g128, {args.nsamples} x {args.seqlen} calibration tokens, torch {torch.__version__}\n")
     print(table(rows))
     if any(r.get("agrees") is False or "error" in r for r in rows):

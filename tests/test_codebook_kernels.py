@@ -117,6 +117,17 @@ def test_triton_matches_reference(device, dtype, m, n, k, quantizer, d):
     assert y.dtype == dtype and (y.float() - ref.float()).abs().max().item() <= tol
 
 
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_few_rows_take_the_fused_kernel_only_where_its_tiles_by_code_apply():
+    """The H100 timed TurboQuant 3-bit's generic 16-row tile 4-15x slower than decode + cuBLAS: such calls go there."""
+    from quantkit.kernels.triton_codebook import fused_pays
+
+    assert not fused_pays(1, TurboQuant(3, 128).kernel_decode, 3)
+    assert not fused_pays(16, E8P(3).kernel_decode, 3)
+    assert fused_pays(17, TurboQuant(3, 128).kernel_decode, 3)
+    assert fused_pays(1, TurboQuant(4, 128).kernel_decode, 4) and fused_pays(1, E8P(2).kernel_decode, 2)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("quantizer", [TurboQuant(3, 32), E8Box(2), E8P(3), E8P(4)])
 def test_decoded_linear_kernel_path_matches_its_cached_weight(device, quantizer):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.sh"
-PARTS = ("tests", "int4", "formats", "generate", "calibrate")
+PARTS = ("tests", "int4", "formats", "generate", "calibrate-8b", "calibrate")
 
 
 def run(out: Path, python: str, dry: bool = True) -> subprocess.CompletedProcess:
@@ -23,7 +23,7 @@ def test_the_dry_run_goes_through_every_part(tmp_path):
     done = run(tmp_path, sys.executable)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [  # what a lent machine returns: at most 8 files
-        "calibration.json", "generate.json", "gpu_bench.log", "kernels_formats.json", "kernels_int4.json",
+        "calibration.json", "calibration_8b.json", "generate.json", "gpu_bench.log", "kernels_formats.json", "kernels_int4.json",
         "summary.txt"]
     summary = (tmp_path / "summary.txt").read_text().splitlines()
     assert [line.split(":")[0] for line in summary[1:]] == list(PARTS)
@@ -35,11 +35,12 @@ def test_the_dry_run_goes_through_every_part(tmp_path):
     assert {r["format"] for r in formats["rows"]} == {"int4-asym", "int3", "int8", "int4-rotated", "turboquant4",
                                                       "turboquant3", "e8p2"}
     generate = json.loads((tmp_path / "generate.json").read_text())["rows"]
-    assert [r["model"] for r in generate] == ["fp32", "int4 g128", "e8p w2", "turboquant w4"]
+    assert [r["model"] for r in generate] == ["fp32", "int4 g128", "turboquant w4", "e8p w2"]
     calibration = json.loads((tmp_path / "calibration.json").read_text())["rows"]
-    methods = ["gptq", "awq", "turboquant+gptq", "e8+gptq"]
-    assert [r["method"] for r in calibration] == methods * 2
-    assert [r.get("agrees") for r in calibration] == [True] * 4 + [None] * 4  # the real model's CPU reference
+    assert [r["method"] for r in calibration] == ["gptq", "awq", "turboquant+gptq", "e8+gptq"]
+    assert [r.get("agrees") for r in calibration] == [True] * 4  # the real model against its CPU reference
+    block = json.loads((tmp_path / "calibration_8b.json").read_text())["rows"]
+    assert [(r["method"], r.get("agrees")) for r in block] == [("gptq", None)] and "error" not in block[0]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="a shell script")
