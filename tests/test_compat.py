@@ -83,10 +83,13 @@ def test_gptqmodel_refuses_asymmetric_v1_and_3bit_widths_off_32():
 
 
 @pytest.mark.parametrize("settings,shape,readers,words", [
-    (dict(bits=3), (512, 512), ["vllm"], "serves 4- and 8-bit weights, not 3-bit"),
-    (dict(bits=4, group_size=256), (512, 512), ["vllm"], "group size 256 has no kernel"),
+    (dict(bits=3), (512, 512), [], ""),  # vLLM 0.33 serves 2-8 bits (Humming)
+    (dict(bits=2, group_size=64, sym=False), (512, 512), ["transformers"], "asymmetric compressed-tensors"),
+    (dict(bits=4, group_size=256), (512, 512), [], ""),
+    (dict(bits=3, group_size=8), (512, 512), ["vllm"], "group size 8 is under the 16 its Humming kernel needs"),
+    (dict(bits=4, group_size=8), (512, 512), [], ""),  # symmetric 4-bit: Exllama takes any group
     (dict(bits=4, group_size=128), (576, 512), ["transformers", "vllm"], "576 inputs, not a multiple of group size"),
-    (dict(bits=8, group_size=128, sym=False), (512, 512), [], ""),
+    (dict(bits=8, group_size=128, sym=False), (512, 512), ["transformers"], "(a size mismatch for weight_zero_point)"),
 ])
 def test_compressed_tensors_output_is_checked_against_its_readers(settings, shape, readers, words):
     config = QuantConfig(**settings, checkpoint_format="compressed-tensors")
@@ -105,8 +108,9 @@ def test_quantkit_format_is_refused_by_every_reader():
 def test_enforce_raises_only_for_the_target():
     problems = _check(QuantConfig(bits=3, group_size=128))
     assert compat.enforce(problems, "none") == [
-        "vllm will refuse this checkpoint: its GPTQ path (Marlin) serves symmetric 4- and 8-bit only, not 3-bit sym "
-        "(fix: --bits 4 (or 8) --sym)"]
+        "vllm will refuse this checkpoint: its GPTQ path serves symmetric 4- and 8-bit only, not 3-bit sym "
+        "(fix: --checkpoint-format compressed-tensors (vLLM serves 2- to 8-bit weights, symmetric or not, there), or "
+        "--bits 4 (or 8) --sym)"]
     assert compat.enforce(problems, "gptqmodel") == compat.lines(problems)
     for target in ("vllm", "any"):
         with pytest.raises(QuantkitError, match=f"--compat {target}: vllm will refuse"):
@@ -172,3 +176,26 @@ def test_cli_compat_error_before_any_work(model_factory, tmp_path):
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "vllm will refuse" in errors[0] and "4-bit asym" in errors[0] and "--sym" in errors[0]
     assert not out.exists()
+
+
+def test_gptq_experts_fused_in_transformers_are_refused_for_it_with_the_format_that_loads(model_factory, tmp_path):
+    """transformers 5.24 loads a GPTQ mixture-of-experts folder with random experts and no error (issue 58)."""
+    src = str(model_factory("mixtral"))
+    with pytest.raises(QuantkitError, match=r"--compat transformers: transformers will refuse this checkpoint: it "
+                                            r"loads a GPTQ mixture-of-experts folder with its experts randomly "
+                                            r".*fix: --checkpoint-format compressed-tensors"):
+        quantize(src, tmp_path / "q", QuantConfig(method="rtn", group_size=32, compat="transformers"))
+    assert not (tmp_path / "q").exists()
+    quantize(src, tmp_path / "ct", QuantConfig(method="rtn", group_size=32, compat="transformers",
+                                               checkpoint_format="compressed-tensors"))
+
+
+def test_3bit_compressed_tensors_passes_compat_vllm_and_asym_fails_compat_transformers(model_factory, tmp_path):
+    src = model_factory("llama")
+    common = ["quantize", str(src), "--method", "rtn", "--group-size", "32", "--checkpoint-format",
+              "compressed-tensors", "--device", "cpu"]
+    done = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "w3"), "--bits", "3", "--compat", "vllm"])
+    assert done.exit_code == 0, done.output
+    done = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "asym"), "--asym", "--compat", "transformers"])
+    assert done.exit_code == 2 and "weight_zero_point" in done.output and "fix: --sym" in done.output
+    assert not (tmp_path / "asym").exists()

@@ -63,8 +63,9 @@ class Codec:
         shards.assemble(folder, order, max_shard_bytes, rename)
 
     @staticmethod
-    def compat_problems(config, specs: dict, shapes: dict, fused: dict) -> list:
-        """The readers that would refuse the checkpoint (quantkit.checkpoint.compat.Problem list)."""
+    def compat_problems(config, specs: dict, shapes: dict, fused: dict, fused_experts=frozenset()) -> list:
+        """The readers that would refuse the checkpoint (quantkit.checkpoint.compat.Problem list); `fused_experts`
+        names the linears of experts the model holds fused (quantkit.run.precheck.fused_expert_linears)."""
         return []
 
     @staticmethod

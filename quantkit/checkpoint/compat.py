@@ -1,18 +1,20 @@
 """Which serving stacks will refuse the checkpoint a run is about to write, told before any work.
 
-Each rule below is what a reader's own code does with a GPTQ checkpoint (docs/FORMAT.md has the table
-and the source files):
-  vLLM         quantization/auto_gptq.py: AutoGPTQConfig.TYPE_MAP holds (4, sym) and (8, sym) only, anything
-               else raises "Unsupported quantization config"; scales/qzeros are allocated input_size //
-               group_size rows, so a short last group fails the shape check. utils/marlin_utils.py:
-               MARLIN_SUPPORTED_GROUP_SIZES = [-1, 32, 64, 128]. utils/gptq_utils.py: "dynamic" rules are
-               matched against the fused layer (qkv_proj, gate_up_proj), one setting per fused group.
-  transformers utils/quantization_config.py GPTQConfig has no "dynamic": every linear is built with the
-               base bits/group size, so a recipe with per-module overrides or skips does not load; its
-               kernels are GPTQModel's (below).
-               A quantized lm_head (quantization_config "lm_head": true, what vLLM's GPTQConfig reads as
-               lm_head_quantized) is not loaded: its quantizer keeps the output embeddings in float.
-  GPTQModel    nn_modules/qlinear/torch.py TorchLinear (its most permissive kernel): group_size in
+Each rule below is what a reader's own code does, with the version and the file it was read from (docs/FORMAT.md has
+the table "who loads what"):
+GPTQ output (gptq_problems):
+  vLLM 0.33    quantization/auto_gptq.py (gptq, gptq_marlin and auto_gptq are one AutoGPTQConfig now): TYPE_MAP holds
+               (4, sym) and (8, sym) only, anything else raises "Unsupported quantization config"; scales are
+               allocated input_size // group_size rows, so a short last group fails; AutoGPTQLinearMethod calls
+               verify_marlin_supported: group sizes utils/marlin_utils.py MARLIN_SUPPORTED_GROUP_SIZES = [-1, 32, 64,
+               128]. utils/gptq_utils.py refuses desc_act=True with groups (quantkit writes static groups, desc_act
+               false) and matches "dynamic" rules against the fused layer (qkv_proj, gate_up_proj).
+  transformers 5.24  utils/quantization_config.py GPTQConfig has no "dynamic": every linear is built with the
+               base bits/group size, so a recipe with per-module overrides or skips does not load; its kernels are
+               GPTQModel's (below). A quantized lm_head is not loaded: its quantizer keeps the output embeddings in
+               float. Experts that the model holds fused (transformers 5's mlp.experts.gate_up_proj) load randomly
+               initialized from a GPTQ folder, with no error (issue 58's trial).
+  GPTQModel 7.6  nn_modules/qlinear/torch.py TorchLinear (its most permissive kernel): group_size in
                [-1, 16, 32, 64, 128, 256, 512, 1024] or equal to in_features; short last groups are padded.
                models/loader.py: an asymmetric checkpoint_format "gptq" (v1) folder loads only when its meta
                says GPTQModel made it (`not qcfg.sym and not qcfg.is_quantized_by_v2()` raises "Loading of a
@@ -20,21 +22,29 @@ and the source files):
                7.6.0 refused layers whose out_features do not divide by 32 (issue 38's trial: its 3-bit
                packing works in blocks of 32 values, three words each).
 compressed-tensors output (ct_problems):
-  vLLM         compressed_tensors/schemes/compressed_tensors_wNa16.py: WNA16_SUPPORTED_TYPES_MAP {4: uint4b8,
-               8: uint8b128} (asymmetric: WNA16_ZP_SUPPORTED_TYPES_MAP {4, 8}), scales allocated
-               input_size // group_size columns (no short last group), the kernel Marlin's group sizes.
-  transformers through the compressed-tensors library: quantization/lifecycle/forward_helpers.py raises "tensor
-               column shape must be divisble by the given group_size" (0.17 to 0.20) for a short last group.
+  vLLM 0.33    compressed_tensors/schemes/compressed_tensors_wNa16.py: WNA16_SUPPORTED_TYPES_MAP and
+               WNA16_ZP_SUPPORTED_TYPES_MAP hold 2 to 8 bits, symmetric and asymmetric, packed as one dense bit
+               stream (pack_factor Fraction(32, b), as compressed-tensors >= 0.18 and quantkit write it); scales
+               input_size // group_size columns, and verify_group_size_divides_partition raises on a short last group.
+               Kernels (kernels/linear/__init__.py): Machete, Marlin, Exllama, Triton for 4/8-bit; every other type
+               only on Humming (humming-kernels 0.1.19, a dependency of vLLM), whose schema refuses groups under 16
+               (humming/schema/humming.py).
+  transformers 5.24 through the compressed-tensors library: quantization/lifecycle/forward_helpers.py raises "tensor
+               column shape must be divisble by the given group_size" (0.17 to 0.20) for a short last group; from
+               transformers 5.23, every asymmetric folder fails ("size mismatch for weight_zero_point", issue 58's
+               trial, quantkit's and llm-compressor's folders alike).
 AWQ output: every rule of vLLM's awq.py (4 bits; in_features % group_size; out_features % 8) is a refusal of
 AutoAWQCodec.precheck already, so no reader refuses what it writes.
-Every reader refuses quant_method "quantkit" (rotated or codebook layers): only quantkit reads it.
+quant_method "quantkit" (rotated or codebook layers): read by quantkit.load_quantized and by transformers'
+AutoModelForCausalLM once quantkit is imported (quantkit.integrations.transformers); vLLM and GPTQModel refuse it.
 """
 from dataclasses import dataclass
 
 from quantkit.core.errors import QuantkitError
 
 READERS = ("vllm", "transformers", "gptqmodel")
-VLLM_TYPES = {(4, True), (8, True)}
+VLLM_TYPES = {(4, True), (8, True)}   # vLLM 0.33 auto_gptq.py TYPE_MAP
+HUMMING_MIN_GROUP = 16                 # humming-kernels 0.1.19 schema/humming.py: groups of fewer weights refused
 MARLIN_GROUP_SIZES = (-1, 32, 64, 128)
 GPTQMODEL_GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -46,29 +56,63 @@ class Problem:
     fix: str
 
 
-def gptq_problems(config, specs: dict, shapes: dict, fused: dict) -> list[Problem]:
+def gptq_problems(config, specs: dict, shapes: dict, fused: dict, fused_experts=frozenset()) -> list[Problem]:
     """Problems of a GPTQ-layout run's settings per reader (what GPTQCodec.compat_problems reports).
 
     specs {linear: LayerSpec, or None when left in float}; shapes {linear: (in_features, out_features)};
-    fused {serving name: its linears} (quantkit.models.arch.fused_groups). Each codec states its readers' rules
+    fused {serving name: its linears} (quantkit.models.arch.fused_groups); fused_experts: the linears of experts the model holds
+    fused, which quantkit splits (quantkit.run.precheck.fused_expert_linears).
+    Each codec states its readers' rules
     (quantkit.checkpoint.codecs); awq and compressed-tensors refuse what they cannot store in their precheck."""
     quantized = {n: s for n, s in specs.items() if s is not None}
     return (_vllm_types(quantized) + _group_sizes(quantized, shapes) + _short_groups(quantized, shapes)
             + _split_groups(specs, fused) + _overrides(config, specs) + _gptqmodel_v1_asym(config, quantized)
-            + _gptqmodel_3bit(quantized, shapes) + _lm_head(config))
+            + _gptqmodel_3bit(quantized, shapes) + _lm_head(config) + _transformers_gptq_experts(quantized, fused_experts))
 
 
 def ct_problems(config, specs: dict, shapes: dict, fused: dict) -> list[Problem]:
     """Problems of a compressed-tensors run's settings per reader (CompressedTensorsCodec.compat_problems)."""
     quantized = {n: s for n, s in specs.items() if s is not None}
-    bad_bits = sorted({s.bits for s in quantized.values()} - {4, 8})
-    out = [Problem("vllm", f"its WNA16 scheme serves 4- and 8-bit weights, not {bad_bits[0]}-bit", "--bits 4 (or 8)")
-           ] if bad_bits else []
-    out += [p for p in _group_sizes(quantized, shapes) if p.reader == "vllm"]
-    out += _split_groups(specs, fused)
+    out = _humming_groups(quantized) + _split_groups(specs, fused)
     short = _short_groups(quantized, shapes)
-    return out + short + [Problem("transformers", p.reason.replace("(a short last group)", "(compressed-tensors "
-                                  "refuses a short last group)"), p.fix) for p in short]
+    out += short + [Problem("transformers", p.reason.replace("(a short last group)", "(compressed-tensors refuses a "
+                            "short last group)"), p.fix) for p in short]
+    return out + _transformers_asym_ct(quantized)
+
+
+def _humming_groups(quantized: dict) -> list[Problem]:
+    """vLLM 0.33 serves compressed-tensors at 2-8 bits; what only Humming runs (every type but symmetric 4/8-bit,
+    which Machete, Marlin and Exllama also take) needs groups of 16 or more weights."""
+    small = sorted({s.group_size for s in quantized.values() if 0 < s.group_size < HUMMING_MIN_GROUP
+                    and not (s.bits in (4, 8) and s.sym)})
+    if not small:
+        return []
+    return [Problem("vllm", f"group size {small[0]} is under the {HUMMING_MIN_GROUP} its Humming kernel needs for "
+                            "these weights", f"--group-size {HUMMING_MIN_GROUP} or more (or -1)")]
+
+
+def _transformers_gptq_experts(quantized: dict, fused_experts) -> list[Problem]:
+    """transformers 5.24 builds a mixture-of-experts model's experts fused (mlp.experts.gate_up_proj, down_proj) and
+    its GPTQ path (integrations/gptq.py, GPTQModel's QuantLinear per nn.Linear) has nothing to put per-expert qweight
+    tensors into: they are reported UNEXPECTED, the fused experts MISSING, and the model runs with random experts,
+    no error raised (issue 58's trial: Mixtral argmax agreement 0.45 with quantkit's own load, Qwen3-MoE 0.73)."""
+    expert = sorted(n for n in quantized if n in fused_experts)
+    if not expert:
+        return []
+    return [Problem("transformers", f"it loads a GPTQ mixture-of-experts folder with its experts randomly initialized "
+                                    f"and no error ({expert[0]} and every other expert linear would be dropped)",
+                    "--checkpoint-format compressed-tensors, which transformers loads exactly, experts included")]
+
+
+def _transformers_asym_ct(quantized: dict) -> list[Problem]:
+    """transformers >= 5.23 with compressed-tensors 0.20 fails on every asymmetric folder, quantkit's and
+    llm-compressor's alike: its weight_zero_point parameter is built with a shape the stored zeros do not have
+    ("size mismatch for weight_zero_point", issue 58's trial)."""
+    if all(s.sym for s in quantized.values()):
+        return []
+    return [Problem("transformers", "transformers 5.23 and later refuse asymmetric compressed-tensors folders "
+                                    "(a size mismatch for weight_zero_point)",
+                    "--sym; or keep asymmetric weights and load them with quantkit.load_quantized or vLLM")]
 
 
 def _gptqmodel_v1_asym(config, quantized: dict) -> list[Problem]:
@@ -91,8 +135,9 @@ def _vllm_types(quantized: dict) -> list[Problem]:
     if not bad:
         return []
     kinds = ", ".join(f"{b}-bit {'sym' if sym else 'asym'}" for b, sym in bad)
-    return [Problem("vllm", f"its GPTQ path (Marlin) serves symmetric 4- and 8-bit only, not {kinds}",
-                    "--bits 4 (or 8) --sym")]
+    return [Problem("vllm", f"its GPTQ path serves symmetric 4- and 8-bit only, not {kinds}",
+                    "--checkpoint-format compressed-tensors (vLLM serves 2- to 8-bit weights, symmetric or not, "
+                    "there), or --bits 4 (or 8) --sym")]
 
 
 def _group_sizes(quantized: dict, shapes: dict) -> list[Problem]:

@@ -281,5 +281,5 @@ class CompressedTensorsCodec(Codec):
         repack.check_integer_settings(config, "compressed-tensors")
 
     @staticmethod
-    def compat_problems(config, specs: dict, shapes: dict, fused: dict) -> list:
+    def compat_problems(config, specs: dict, shapes: dict, fused: dict, fused_experts=frozenset()) -> list:
         return compat.ct_problems(config, specs, shapes, fused)

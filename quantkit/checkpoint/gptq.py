@@ -171,8 +171,8 @@ class GPTQCodec(Codec):
         return to_result(tensors, name, settings, fmt)
 
     @staticmethod
-    def compat_problems(config, specs: dict, shapes: dict, fused: dict) -> list:
-        return compat.gptq_problems(config, specs, shapes, fused)
+    def compat_problems(config, specs: dict, shapes: dict, fused: dict, fused_experts=frozenset()) -> list:
+        return compat.gptq_problems(config, specs, shapes, fused, fused_experts)
 
     @staticmethod
     def check_folder(folder, qc: dict) -> None:

@@ -118,7 +118,7 @@ class QuantkitCodec(Codec):
                            params={k: tensors[f"{name}.{k}"].float().t().contiguous() for k in quantizer.param_bits})
 
     @staticmethod
-    def compat_problems(config, specs: dict, shapes: dict, fused: dict) -> list:
+    def compat_problems(config, specs: dict, shapes: dict, fused: dict, fused_experts=frozenset()) -> list:
         what = "rotated" if config.rotate != "none" else config.quantizer
         return [compat.Problem(reader, f"quant_method 'quantkit' ({what} layers)",
                                "only quantkit.load_quantized reads it; use --quantizer int --rotate none for a GPTQ "

@@ -38,7 +38,8 @@ from quantkit.run import resume as resume_state
 from quantkit.run.block_writer import BlockWriter
 from quantkit.run.config import QuantConfig, write_recipe
 from quantkit.run.coverage import expert_calibration, weight_coverage
-from quantkit.run.precheck import check_compat, file_aliases, kept_head, layer_specs, quantizable_linears, writer_codec
+from quantkit.run.precheck import (check_compat, file_aliases, kept_head, layer_specs, quantizable_linears,
+                                   fused_expert_linears, writer_codec)
 from quantkit.run.report import flag_outliers
 
 
@@ -142,7 +143,7 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
                             "quantize; remove a skip: true or narrow its pattern")
     codec = writer_codec(config, specs)
     codec.check_source(fp_model.config.to_dict(), tokenizer, [in_files.of_tensor(n) for n in source.names])
-    compat_lines = check_compat(config, arch, names, specs, shapes)
+    compat_lines = check_compat(config, arch, names, specs, shapes, fused_expert_linears(fp_model, arch, names))
     method = Method(config, arch, specs)
     if config.needs_calibration:
         if method.use_awq:

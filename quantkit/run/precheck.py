@@ -7,6 +7,7 @@ from quantkit.checkpoint import codecs, compat, gguf_mix, gguf_types
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import check_shape
 from quantkit.models.arch import block_linears, fused_groups, get_submodule, get_weight, is_linear
+from quantkit.models.moe import is_routed
 from quantkit.models.names import FileNames
 from quantkit.run.config import LayerSpec
 
@@ -32,19 +33,32 @@ def quantizable_linears(model, arch, head=None, traced=None) -> list[str]:
     return names + ([head.lm_head] if head is not None else [])
 
 
+def fused_expert_linears(model, arch, names) -> frozenset:
+    """Which of `names` belong to experts the model holds fused, as 3-D tensors (transformers 5's layout), which
+    quantkit splits into one linear each: the module that holds them is one of quantkit.models.moe's or sliced's."""
+    blocks, prefix = get_submodule(model, arch.blocks), f"{arch.blocks}."
+    out = set()
+    for name in names:
+        index, _, rel = name.removeprefix(prefix).partition(".")
+        if name.startswith(prefix) and index.isdigit() and is_routed(blocks[int(index)], rel):
+            out.add(name)
+    return frozenset(out)
+
+
 def kept_head(head, specs: dict):
     """The HeadPaths of --lm-head (quantkit.models.head), or None when none was asked for or a recipe skips lm_head."""
     return head if head is not None and specs[head.lm_head] is not None else None
 
 
-def check_compat(config, arch, names, specs, shapes) -> list[str]:
-    """Before any calibration (specs and shapes from layer_specs): each layer's shape against its quantizer (an
-    error), then the readers that would refuse the checkpoint (quantkit.checkpoint.compat):
+def check_compat(config, arch, names, specs, shapes, fused_experts=frozenset()) -> list[str]:
+    """Before any calibration (specs and shapes from layer_specs; fused_experts: fused_expert_linears): each layer's shape against
+    its quantizer (an error), then the readers that would refuse the checkpoint (quantkit.checkpoint.compat):
     a QuantkitError for the --compat target, a warning line on stderr for each other reader."""
     _check_units(specs, shapes)
     codec = writer_codec(config, specs)
     codec.precheck(config, specs, shapes)
-    found = compat.enforce(codec.compat_problems(config, specs, shapes, fused_groups(arch, names)), config.compat)
+    problems = codec.compat_problems(config, specs, shapes, fused_groups(arch, names), fused_experts)
+    found = compat.enforce(problems, config.compat)
     for line in found:
         print(f"warning: {line}", file=sys.stderr)
     return found
