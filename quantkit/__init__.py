@@ -18,6 +18,20 @@ def command_line():
     main()
 
 
+def _register_with_transformers():
+    """quant_method "quantkit" in transformers' quantizer registry (quantkit.integrations.transformers), so that
+    AutoModelForCausalLM.from_pretrained loads quantkit-format folders once quantkit is imported. This imports
+    transformers (about 2 s), which every use of quantkit needs anyway; without transformers, nothing to register."""
+    try:
+        from quantkit.integrations.transformers import register
+    except ImportError:
+        return
+    register()
+
+
+_register_with_transformers()
+
+
 def __getattr__(name):  # keep `import quantkit` light: torch/transformers load on first use
     if name in _PUBLIC:
         import importlib

@@ -1,19 +1,19 @@
 """The house rule: quantkit is a stack of layers and every import points down (or stays in its layer), with no
 cycle between modules and no private name used outside its module.
 
-    core < schemes < kernels < nn < models < algorithms < calibration < checkpoint < run < app
+    core < schemes < kernels < nn < models < algorithms < calibration < checkpoint < run < integrations < app
 
 core: errors, bit packing, group arithmetic, QuantResult, registries. schemes: one file per quantizer (its fit,
 round, dequantize and kernel decode). kernels: Triton GEMMs and their torch references. nn: the quantized linears.
 models: architecture tables, reading a source model. algorithms: rtn, gptq, awq. calibration: the block loop.
 checkpoint: one file per codec, files and shards. run: the quantize pipeline, resume, staging, convert, loading.
-app: the public API, the CLI, evaluation.
+integrations: quantkit's formats in other tools' loaders (transformers' quantizer registry). app: the public API, the CLI, evaluation.
 """
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["core", "schemes", "kernels", "nn", "models", "algorithms", "calibration", "checkpoint", "run", "app"]
+LAYERS = ["core", "schemes", "kernels", "nn", "models", "algorithms", "calibration", "checkpoint", "run", "integrations", "app"]
 # Modules that may import lazily inside functions: the CLI keeps `quantkit --help` free of torch's import time,
 # and the package root loads the API on first use. Modules that import triton (optional: CPU-only platforms lack
 # it) may be imported lazily by anyone.

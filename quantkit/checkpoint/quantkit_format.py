@@ -121,8 +121,9 @@ class QuantkitCodec(Codec):
     def compat_problems(config, specs: dict, shapes: dict, fused: dict, fused_experts=frozenset()) -> list:
         what = "rotated" if config.rotate != "none" else config.quantizer
         return [compat.Problem(reader, f"quant_method 'quantkit' ({what} layers)",
-                               "only quantkit.load_quantized reads it; use --quantizer int --rotate none for a GPTQ "
-                               "checkpoint") for reader in compat.READERS]
+                               "quantkit.load_quantized reads it, and transformers' AutoModelForCausalLM after `import "
+                               "quantkit`; use --quantizer int --rotate none for a GPTQ checkpoint")
+                for reader in compat.READERS if reader != "transformers"]
 
 
 def layer_settings(res: QuantResult) -> dict:

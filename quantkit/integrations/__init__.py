@@ -1,0 +1,1 @@
+"""quantkit's formats inside other tools' loaders (transformers' quantizer registry)."""
