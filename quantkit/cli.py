@@ -69,6 +69,14 @@ _CONFIG_OPTIONS = [
                  help="Input columns sharing one scale (and zero); -1 = one group per row. A last shorter group is "
                       "fine. turboquant: the block d, a power of two >= 8; e8: a multiple of 8 (both cost 16/group "
                       "bits per weight for the scale)."),
+    click.option("--target-bits", type=float, default=None,
+                 help="Choose each linear's bits and group size for this average bits per weight of the quantized "
+                      "linears (codes, scales, zeros and g_idx counted as the files store them), where its error "
+                      "costs least: each layer's cost is its Fisher-weighted rounding error, measured on 8 "
+                      "calibration windows (one backward each); an exact knapsack picks from 2/3/4/8 bits x group "
+                      "sizes 32/64/128/-1, q/k/v and gate/up together, within --compat. Integer methods and the "
+                      "gptq, gptq_v2 and compressed-tensors formats; OUT's recipe holds the allocation "
+                      "(--recipe reproduces it). Replaces --bits and --group-size."),
     click.option("--sym/--asym", default=True, help="Symmetric grid (zero fixed at 2^(bits-1)) or asymmetric min/max grid."),
     click.option("--dataset", default="wikitext2",
                  help="Calibration data: wikitext2, c4, pileval (downloaded from the Hugging Face hub, cached), or "

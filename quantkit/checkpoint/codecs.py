@@ -62,6 +62,9 @@ class Codec:
         its quantization_config), .tokenizer and .name. Default: safetensors shards."""
         shards.assemble(folder, order, max_shard_bytes, rename)
 
+    layer_bits = None  # (bits, group_size, sym, in_features, out_features) -> the bits the format stores for one
+                       # integer layer's weight (codes, scales, zeros, g_idx; not its bias): what --target-bits counts
+
     @staticmethod
     def compat_problems(config, specs: dict, shapes: dict, fused: dict, fused_experts=frozenset()) -> list:
         """The readers that would refuse the checkpoint (quantkit.checkpoint.compat.Problem list); `fused_experts`

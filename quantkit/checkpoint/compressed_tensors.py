@@ -23,6 +23,7 @@ import torch
 
 from quantkit.checkpoint import compat, repack
 from quantkit.checkpoint.codecs import Codec, register_codec
+from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import n_groups
 from quantkit.core.result import QuantResult
@@ -279,6 +280,14 @@ class CompressedTensorsCodec(Codec):
     @staticmethod
     def precheck(config, specs: dict, shapes: dict) -> None:
         repack.check_integer_settings(config, "compressed-tensors")
+
+    @staticmethod
+    def layer_bits(bits: int, group_size: int, sym: bool, in_features: int, out_features: int) -> int:
+        """weight_packed (int32, dense), weight_scale (float16), weight_zero_point (asymmetric only: int32 packed
+        along the outputs) and weight_shape (two int64)."""
+        groups = n_groups(in_features, group_size)
+        zeros = 0 if sym else bitpack.packed_len(out_features, bits) * groups
+        return 32 * (out_features * bitpack.packed_len(in_features, bits) + zeros) + 16 * out_features * groups + 128
 
     @staticmethod
     def compat_problems(config, specs: dict, shapes: dict, fused: dict, fused_experts=frozenset()) -> list:

@@ -23,7 +23,7 @@ from quantkit.checkpoint.validate import check_gptq_config, check_packed_layers,
 from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
 from quantkit.core.gptq_layout import V1_ZERO_OFFSET
-from quantkit.core.groups import is_plain
+from quantkit.core.groups import is_plain, n_groups
 from quantkit.core.result import QuantResult
 from quantkit.nn.quant_linear import QuantLinear
 from quantkit.schemes.grid import Grid
@@ -169,6 +169,14 @@ class GPTQCodec(Codec):
     @staticmethod
     def layer_result(tensors: dict, name: str, settings: dict, fmt: str) -> QuantResult:
         return to_result(tensors, name, settings, fmt)
+
+    @staticmethod
+    def layer_bits(bits: int, group_size: int, sym: bool, in_features: int, out_features: int) -> int:
+        """qweight, qzeros (stored for symmetric layers too) and g_idx as int32 words, scales in float16."""
+        groups = n_groups(in_features, group_size)
+        words = (bitpack.packed_len(in_features, bits) * out_features + groups * bitpack.packed_len(out_features, bits)
+                 + in_features)
+        return 32 * words + 16 * groups * out_features
 
     @staticmethod
     def compat_problems(config, specs: dict, shapes: dict, fused: dict, fused_experts=frozenset()) -> list:

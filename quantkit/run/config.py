@@ -91,6 +91,8 @@ class QuantConfig:
     moe_calibration: str = "all"     # all: every expert's statistics from every token; routed: its routed ones
     lm_head: bool = False            # quantize the output projection too (untied from the embeddings)
     modules: list = field(default_factory=list)
+    target_bits: Optional[float] = None  # bits per weight of the quantized linears, each one's setting measured
+                                         # (quantkit.run.allocate); None: every layer the same settings
 
     def __post_init__(self):
         if isinstance(self.dataset, os.PathLike):
@@ -103,12 +105,12 @@ class QuantConfig:
         if self.checkpoint_format is None:
             self.checkpoint_format = "gptq" if self.gguf_type is None else "gguf"
         for f in dataclasses.fields(self):
-            if f.name == "gguf_type" and self.gguf_type is None:
+            if f.name in ("gguf_type", "target_bits") and getattr(self, f.name) is None:
                 continue
             if f.name == "max_shard_size" and is_int(self.max_shard_size):
                 continue  # a byte count is as good as "4GB"
             expected = {"modules": list, "quantizer": str, "rotate": str, "checkpoint_format": str,
-                        "gguf_type": str}.get(f.name, f.type)
+                        "gguf_type": str, "target_bits": float}.get(f.name, f.type)
             setattr(self, f.name, check_type(getattr(self, f.name), expected, f.name, "option"))
         check_group_size(self.group_size)
         for name in ("nsamples", "seqlen", "block_size", "awq_grid"):
@@ -137,7 +139,23 @@ class QuantConfig:
         codecs.codec_of_format(self.checkpoint_format)  # an unknown name is refused with the choices
         self._check_gguf_type()
         self.modules = [self._check_override(o, i) for i, o in enumerate(self.modules)]
+        self._check_target_bits()
         self._check_quantizers()
+
+    def _check_target_bits(self) -> None:
+        if self.target_bits is None:
+            return
+        if not 0 < self.target_bits <= 16:
+            raise QuantkitError(f"--target-bits {self.target_bits} is out of range: give the bits per weight of the "
+                                "quantized linears, e.g. 3.5")
+        if self.quantizer != "int" or self.gguf_type is not None or codecs.codec_of_format(self.checkpoint_format) \
+                .layer_bits is None:
+            raise QuantkitError("--target-bits chooses integer widths and group sizes for the gptq, gptq_v2 and "
+                                "compressed-tensors formats: use it with --method rtn, gptq, awq or awq+gptq and one "
+                                "of those --checkpoint-format values (codebook rates and GGUF types are not chosen yet)")
+        if any(k in o for o in self.modules for k in ("bits", "group_size")):
+            raise QuantkitError("--target-bits chooses every layer's bits and group size: drop the recipe's per-module "
+                                "bits / group_size (skip: true still keeps a layer in float)")
 
     def _check_gguf_type(self) -> None:
         if self.gguf_type is None:

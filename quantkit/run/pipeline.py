@@ -11,7 +11,7 @@ import json
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,7 +33,7 @@ from quantkit.models.head import head_paths, untie
 from quantkit.models.hub import resolve_device
 from quantkit.models.names import FileNames
 from quantkit.models.stream import open_model
-from quantkit.run import output
+from quantkit.run import allocate, output
 from quantkit.run import resume as resume_state
 from quantkit.run.block_writer import BlockWriter
 from quantkit.run.config import QuantConfig, write_recipe
@@ -67,6 +67,10 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     with contextlib.closing(group):  # a process group started here ends here, on every rank
         if group.active:
             distributed.check_supported(config, resume)
+            if config.target_bits is not None:
+                raise QuantkitError("--target-bits under torchrun (--processes) is not supported yet: every process "
+                                    "would measure the allocation; run it once in one process, then quantize with "
+                                    f"--recipe OUT/{files.RECIPE_NAME} and --processes")
         if not group.is_writer:
             return _follow(group, model, config, device, dtype, calibration_ids, trust_remote_code)
         return _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable,
@@ -102,6 +106,8 @@ class Plan:
     in_files: object        # the names the checkpoint gives the model's tensors (quantkit.models.names)
     calibration_ids: object  # [nsamples, seqlen] or None (data-free)
     traced: list            # each block's weights by use (quantkit.models.uses.BlockUses)
+    config: QuantConfig     # the run's settings, with --target-bits's allocation as recipe overrides
+    allocation: dict        # what --target-bits chose (quantkit.run.allocate.report), None without it
     head: object = None     # quantkit.models.head.HeadPaths when lm_head is quantized (--lm-head)
 
     @property
@@ -117,7 +123,7 @@ class Plan:
 def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) -> Plan:
     """Open the source and decide everything the settings decide: a refusal comes here, before any work."""
     compute_dtype = _compute_dtype(device, dtype)
-    needs_text = config.needs_calibration and calibration_ids is None
+    needs_text = (config.needs_calibration or config.target_bits is not None) and calibration_ids is None
     source, tokenizer, declared = open_model(model, compute_dtype, trust_remote_code, tokenizer_required=needs_text)
     fp_model = source.model
     arch = arch_for(fp_model)
@@ -141,6 +147,11 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
     if all(s is None for s in specs.values()):
         raise QuantkitError(f"the recipe's module overrides skip all {len(names)} quantizable linears: nothing to "
                             "quantize; remove a skip: true or narrow its pattern")
+    allocation = None
+    if config.target_bits is not None:  # the run's recipe becomes the allocation (quantkit.run.allocate)
+        calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
+        config, allocation = _allocated(config, source, arch, names, specs, shapes, calibration_ids, device)
+        specs, shapes = layer_specs(fp_model, names, config, siblings, in_files)
     codec = writer_codec(config, specs)
     codec.check_source(fp_model.config.to_dict(), tokenizer, [in_files.of_tensor(n) for n in source.names])
     compat_lines = check_compat(config, arch, names, specs, shapes, fused_expert_linears(fp_model, arch, names))
@@ -151,7 +162,22 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
         calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
     save_dtype = declared if dtype == "auto" else source.dtype
     return Plan(source, tokenizer, save_dtype, compute_dtype, arch, names, method, codec,
-                compat_lines, coverage, in_files, calibration_ids if config.needs_calibration else None, traced, head)
+                compat_lines, coverage, in_files, calibration_ids if config.needs_calibration else None, traced, config,
+                allocation, head)
+
+
+def _allocated(config, source, arch, names, specs, shapes, ids, device):
+    """(the config whose recipe gives each linear the setting --target-bits chose, the report's entry saying what),
+    the choice printed; measured before block 0, so a resumed run's fingerprint holds it."""
+    codec = writer_codec(config, specs)
+    start = time.perf_counter()
+    chosen = allocate.allocate(config, codec, source, arch.blocks, specs, shapes, fused_groups(arch, names), ids, device)
+    lines = allocate.summary(chosen, shapes, codec, config.sym, config.target_bits)
+    lines.append(f"  (sensitivity of {len(chosen.picked)} linears measured in {time.perf_counter() - start:.1f} s)")
+    for line in lines:
+        print(line, file=sys.stderr)
+    derived = replace(config, target_bits=None, modules=[*config.modules, *allocate.as_overrides(chosen)])
+    return derived, allocate.report(chosen, lines, config.target_bits, FileNames(source.model).of_module)
 
 
 def _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable, trust_remote_code):
@@ -160,6 +186,7 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
     partial = (output.partial_runs(out_path) or [None])[0] if resume else None
     t_start = time.perf_counter()
     plan = prepare(model, config, device, dtype, trust_remote_code, calibration_ids)
+    config = plan.config
     fingerprint = resume_state.fingerprint(model, config, device, plan.compute_dtype, plan.n_blocks,
                                            plan.calibration_ids)
     if partial is not None:
@@ -229,6 +256,8 @@ def _report(model, config, device, plan, writer, start, seconds) -> dict:
         report["resumed_at_block"] = start
     report["flagged"] = flag_outliers(report["layers"])
     report["compat"] = plan.compat_lines
+    if plan.allocation:
+        report["target_bits"] = plan.allocation
     report["coverage"] = {"summary": plan.coverage.summary(), **plan.coverage.to_report(plan.in_files.of_tensor)}
     if writer.carried:
         report["carried"] = writer.carried

@@ -1,0 +1,61 @@
+"""How much each weight's error costs end to end: the diagonal of the Fisher information, for --target-bits.
+
+For a small change δ of the weights, the KL divergence of the model's next-token distribution from the original one is
+½ δᵀ F δ per token, F the Fisher information E_{y ~ p}[g gᵀ] of that token (g = ∇ log p(y)). Its diagonal
+F_ii = E[g_i²] weighs each weight's squared error; the predicted cost of quantizing a layer is ½ Σ F_ii (w_i − ŵ_i)²,
+and the costs of layers add up (the linearity that HIGGS, arXiv 2411.17525, measures end to end). The labels y are
+drawn from the model's own distribution (the true Fisher, not the empirical one on the text's tokens). One backward
+per calibration window gives every layer's diagonal at once: the gradient of a window's summed log-probabilities has
+E[(Σ_t g_t)²] = Σ_t E[g_t²], since tokens' labels are drawn independently, so its square divided by the tokens is the
+mean per-token diagonal.
+
+The pass holds the whole model (a streamed source is loaded block by block, then released): its cost is one forward
+and one backward per window, which is small next to a GPTQ run's (docs/QUALITY.md, --target-bits).
+"""
+import torch
+
+from quantkit.models.arch import get_submodule, is_conv1d
+
+
+def visit_fisher_diagonals(source, blocks_path: str, names: list, ids: torch.Tensor, visit, device="cpu",
+                           seed: int = 0) -> None:
+    """visit(name, module, fisher) for each linear of `names`, fisher the mean per-token Fisher diagonal of its weight
+    ([out, in] float32) over the windows `ids` [n, seqlen], while the whole model is loaded (its weights real);
+    source: quantkit.models.stream's StreamedModel or InMemoryModel, released afterwards."""
+    model = source.model
+    prefixes = [f"{blocks_path}.{i}" for i in range(len(get_submodule(model, blocks_path)))]
+    for prefix in prefixes:
+        source.load(prefix)
+    undo = source.load_outside(blocks_path, device)
+    modules = {n: model.get_submodule(n) for n in names}
+    trainable = {id(p): p.requires_grad for p in model.parameters()}
+    try:
+        model.requires_grad_(False)
+        for module in modules.values():
+            module.weight.requires_grad_(True)
+        sums, tokens = _squared_gradients(model, modules, ids, device, seed)
+        for p in model.parameters():
+            p.requires_grad_(trainable.get(id(p), False))
+        for name in names:
+            fisher = sums.pop(name) / tokens
+            visit(name, modules[name], fisher.t() if is_conv1d(modules[name]) else fisher)
+    finally:
+        model.requires_grad_(False)
+        undo()
+        for prefix in prefixes:
+            source.release(prefix)
+
+
+def _squared_gradients(model, modules: dict, ids, device, seed):
+    """({name: Σ over windows of the squared gradient of the window's log-probabilities of sampled labels}, tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = [m.weight for m in modules.values()]
+    sums = {n: torch.zeros(m.weight.shape, dtype=torch.float32, device=m.weight.device) for n, m in modules.items()}
+    for window in ids:
+        logits = model(window[None].to(device), use_cache=False).logits[0].float()
+        log_p = logits.log_softmax(-1)
+        labels = torch.multinomial(log_p.detach().exp().cpu(), 1, generator=generator).to(log_p.device)
+        grads = torch.autograd.grad(log_p.gather(-1, labels).sum(), weights)
+        for name, g in zip(sums, grads):
+            sums[name] += g.float().square()
+    return sums, ids.numel()

@@ -1,0 +1,156 @@
+"""--target-bits B: each quantized linear's bits and group size chosen from its measured sensitivity, within a budget.
+
+1. Sensitivity: the Fisher diagonal of every linear on the calibration windows (quantkit.calibration.sensitivity);
+   a layer's predicted cost at a setting is ½ Σ F (W − Ŵ)², Ŵ its round-to-nearest weight at that setting.
+2. Candidates: integer widths CANDIDATE_BITS x group sizes CANDIDATE_GROUPS (and the run's own), those the --compat
+   target serves; a fused group (q/k/v, gate/up: vLLM runs it as one layer) takes one setting together.
+3. Budget: the bits the checkpoint stores per weight of the quantized linears, codes, scales, zeros and g_idx counted
+   as the codec writes them (Codec.layer_bits); the least summed cost within it, exactly (quantkit.core.knapsack).
+4. The allocation becomes the run's recipe: one `modules` override per linear, so that the recipe written to OUT
+   reproduces it with --recipe, and a resumed run reads it back from its fingerprint instead of measuring again.
+"""
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.algorithms.rtn import rtn
+from quantkit.calibration.sensitivity import visit_fisher_diagonals
+from quantkit.core import knapsack
+from quantkit.core.errors import QuantkitError
+from quantkit.models.arch import get_weight
+from quantkit.run.config import LayerSpec
+from quantkit.schemes.base import quantizer_for
+
+CANDIDATE_BITS = (2, 3, 4, 8)
+CANDIDATE_GROUPS = (32, 64, 128, -1)
+SENSITIVITY_WINDOWS = 8  # calibration windows the Fisher pass reads (their first ones)
+
+
+@dataclass(frozen=True)
+class Setting:
+    bits: int
+    group_size: int
+
+
+def candidates(config, codec, specs: dict, shapes: dict, fused: dict) -> list[Setting]:
+    """The settings a layer may take: the codec stores them and the --compat target serves them on every layer."""
+    groups = sorted({*CANDIDATE_GROUPS, config.group_size}, key=lambda g: (g == -1, g))
+    out = []
+    for setting in (Setting(b, g) for b in CANDIDATE_BITS for g in groups):
+        uniform = {n: LayerSpec(setting.bits, setting.group_size, config.sym) for n, s in specs.items() if s is not None}
+        refused = [p for p in codec.compat_problems(config, uniform, shapes, fused)
+                   if config.compat in ("any", p.reader)]
+        if not refused:
+            out.append(setting)
+    if not out:
+        raise QuantkitError(f"--target-bits: no candidate setting passes --compat {config.compat} "
+                            f"(bits {CANDIDATE_BITS}, group sizes {groups}): drop --compat or choose the bits yourself")
+    return out
+
+
+@dataclass
+class Allocation:
+    picked: dict   # {quantized linear: its Setting}
+    costs: dict    # {quantized linear: {Setting: predicted KL divergence per token}}
+
+    @property
+    def predicted_kld(self) -> float:
+        return sum(self.costs[n][s] for n, s in self.picked.items())
+
+
+def allocate(config, codec, source, blocks_path, specs: dict, shapes: dict, fused: dict, ids, device) -> Allocation:
+    """Each quantized linear's Setting: config.target_bits met at the least predicted cost."""
+    names = [n for n, s in specs.items() if s is not None]
+    settings = candidates(config, codec, specs, shapes, fused)
+    groups = _groups(names, fused)
+    sizes = [[sum(codec.layer_bits(s.bits, s.group_size, config.sym, *shapes[n]) for n in g) for s in settings]
+             for g in groups]
+    weights = sum(shapes[n][0] * shapes[n][1] for n in names)
+    budget = int(config.target_bits * weights)
+    least = sum(min(row) for row in sizes)
+    if least > budget:  # refused before the sensitivity pass
+        raise QuantkitError(f"--target-bits {config.target_bits}: the smallest candidate of every layer already "
+                            f"stores {least / weights:.3f} bits per weight (scales, zeros and g_idx counted): ask for "
+                            f"at least {math.ceil(least / weights * 1000) / 1000:.3f}")
+    costs = predicted_costs(source, blocks_path, names, settings, config.sym, ids[:SENSITIVITY_WINDOWS], device)
+    chosen = knapsack.solve([[sum(costs[n][j] for n in g) for j in range(len(settings))] for g in groups], sizes,
+                            budget)
+    if chosen is None:  # only the smallest settings fit, and the knapsack's units (sizes rounded up) do not
+        raise QuantkitError(f"--target-bits {config.target_bits} leaves no room above the smallest settings "
+                            f"({least / weights:.3f} bits per weight): ask for a little more")
+    return Allocation({n: settings[j] for g, j in zip(groups, chosen) for n in g},
+                      {n: dict(zip(settings, row)) for n, row in costs.items()})
+
+
+def as_overrides(allocation: Allocation) -> list[dict]:
+    """The recipe `modules` entries that give each linear its Setting (exact names; a fused group's members each)."""
+    return [{"pattern": f"^{re.escape(n)}$", "bits": s.bits, "group_size": s.group_size, "split_fused": True}
+            for n, s in allocation.picked.items()]
+
+
+def predicted_costs(source, blocks_path, names, settings, sym, ids, device) -> dict:
+    """{linear: [predicted KL divergence per token at each setting]}: ½ Σ F (W − Ŵ)² with Ŵ rounded to nearest."""
+    out = {}
+
+    def per_layer(name, module, fisher):
+        w = get_weight(module).detach().float()
+        out[name] = [0.5 * float((fisher * (w - _rounded(w, s, sym)).square()).sum()) for s in settings]
+    visit_fisher_diagonals(source, blocks_path, names, ids, per_layer, device)
+    return out
+
+
+def _rounded(w: torch.Tensor, setting: Setting, sym: bool) -> torch.Tensor:
+    quantizer = quantizer_for("int", setting.bits, sym, setting.group_size)
+    return rtn(w, quantizer, setting.group_size).dequantize().to(w.device)
+
+
+def _groups(names: list, fused: dict) -> list[tuple]:
+    """The allocation's items: each fused group whole, every other linear alone, in the order of `names`."""
+    group_of = {m: tuple(members) for members in fused.values() for m in members}
+    seen, out = set(), []
+    for n in names:
+        group = tuple(m for m in group_of.get(n, (n,)) if m in names)
+        if group[0] not in seen:
+            seen.add(group[0])
+            out.append(group)
+    return out
+
+
+def summary(allocation: Allocation, shapes: dict, codec, sym: bool, target: float) -> list[str]:
+    """Lines that say what was chosen: the bits stored per weight, and per module kind the settings' histogram and
+    its share of the stored bits."""
+    by_kind, total_bits, total_weights = {}, 0, 0
+    for name, s in allocation.picked.items():
+        stored, weights = codec.layer_bits(s.bits, s.group_size, sym, *shapes[name]), shapes[name][0] * shapes[name][1]
+        entry = by_kind.setdefault(module_kind(name), {"mix": {}, "stored": 0, "weights": 0})
+        key = setting_name(s)
+        entry["mix"][key] = entry["mix"].get(key, 0) + 1
+        entry["stored"], entry["weights"] = entry["stored"] + stored, entry["weights"] + weights
+        total_bits, total_weights = total_bits + stored, total_weights + weights
+    lines = [f"--target-bits {target}: {total_bits / total_weights:.3f} bits per weight stored in the quantized "
+             f"linears ({total_bits / 8 / 2**20:.2f} MiB), predicted KL divergence {allocation.predicted_kld:.4g} "
+             "nats per token"]
+    for kind, e in sorted(by_kind.items()):
+        mix = ", ".join(f"{k} x{v}" for k, v in sorted(e["mix"].items()))
+        lines.append(f"  {kind:<16} {e['stored'] / e['weights']:.2f} bits per weight, {e['stored'] / total_bits:5.1%} "
+                     f"of the bits: {mix}")
+    return lines
+
+
+def report(allocation: Allocation, lines: list, target: float, of_module) -> dict:
+    """The report's "target_bits" entry: the target, the lines, and every layer's predicted cost per setting (what
+    scripts/bench_target_bits.py checks the prediction with), under the layers' names in the files."""
+    return {"target": target, "predicted_kld": allocation.predicted_kld, "summary": lines,
+            "costs": {of_module(n): {setting_name(s): c for s, c in row.items()} for n, row in allocation.costs.items()}}
+
+
+def setting_name(s: Setting) -> str:
+    return f"{s.bits}-bit g{s.group_size}"
+
+
+def module_kind(name: str) -> str:
+    """A linear's kind for the summary: its last name component, `experts.` kept (experts may take fewer bits)."""
+    leaf = name.rpartition(".")[2]
+    return f"experts.{leaf}" if ".experts." in name else leaf

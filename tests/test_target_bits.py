@@ -1,0 +1,125 @@
+"""--target-bits (issue 59): each linear's bits and group size chosen from its measured sensitivity within a budget
+counted as the files store it; an exact knapsack; fused groups choose together; the recipe in OUT reproduces it."""
+import itertools
+import json
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from safetensors import safe_open
+
+import quantkit
+from quantkit.checkpoint.compressed_tensors import CompressedTensorsCodec
+from quantkit.checkpoint.gptq import GPTQCodec
+from quantkit.cli import main
+from quantkit.core import knapsack
+from quantkit.core.errors import QuantkitError
+
+IDS = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(0))
+STORAGE = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_packed", ".weight_scale", ".weight_zero_point",
+           ".weight_shape")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_knapsack_is_exact_on_cases_brute_force_can_check(seed):
+    g = torch.Generator().manual_seed(seed)
+    items, options = 4, 3
+    costs = torch.rand(items, options, generator=g).tolist()
+    sizes = torch.randint(1, 20, (items, options), generator=g).tolist()
+    budget = int(torch.randint(10, 60, (1,), generator=g))
+    best = min((sum(costs[i][j] for i, j in enumerate(c)), c) for c in itertools.product(range(options), repeat=items)
+               if sum(sizes[i][j] for i, j in enumerate(c)) <= budget) if any(
+        sum(sizes[i][j] for i, j in enumerate(c)) <= budget for c in itertools.product(range(options), repeat=items)
+    ) else None
+    chosen = knapsack.solve(costs, sizes, budget)
+    if best is None:
+        assert chosen is None
+    else:
+        assert sum(costs[i][j] for i, j in enumerate(chosen)) == pytest.approx(best[0])
+        assert sum(sizes[i][j] for i, j in enumerate(chosen)) <= budget
+
+
+def test_a_budget_cut_into_units_is_never_exceeded():
+    sizes = [[1000003, 2000011, 4000037]] * 30
+    costs = [[3.0, 2.0, 1.0]] * 30
+    budget = 75_000_000
+    chosen = knapsack.solve(costs, sizes, budget, resolution=1000)
+    assert sum(sizes[0][j] for j in chosen) <= budget
+
+
+@pytest.mark.parametrize("codec,fmt", [(GPTQCodec, "gptq"), (CompressedTensorsCodec, "compressed-tensors")])
+@pytest.mark.parametrize("target", [2.9, 4.5])
+def test_the_bits_counted_are_the_bits_the_files_store_and_never_over_budget(model_factory, tmp_path, codec, fmt,
+                                                                               target):
+    out = tmp_path / "q"
+    report = quantkit.quantize(str(model_factory("llama-gqa")), out, quantkit.QuantConfig(
+        method="gptq", target_bits=target, group_size=32, checkpoint_format=fmt), calibration_ids=IDS)
+    stored, weights = 0, 0
+    with safe_open(next(out.glob("*.safetensors")), "pt") as f:
+        for key in f.keys():
+            if key.endswith(STORAGE):
+                t = f.get_tensor(key)
+                stored += t.numel() * t.element_size() * 8
+    weights = sum(v["shape"][0] * v["shape"][1] for v in report["layers"].values())
+    assert stored / weights <= target
+    said = float(report["target_bits"]["summary"][0].split(": ")[1].split(" bits")[0])
+    assert said == pytest.approx(stored / weights, abs=1e-3)
+    assert {v["bits"] for v in report["layers"].values()} > {4} or target < 4  # a mix, not one setting
+
+
+def test_fused_groups_take_one_setting_and_sensitive_layers_more_bits(model_factory, tmp_path):
+    report = quantkit.quantize(str(model_factory("llama-gqa")), tmp_path / "q",
+                               quantkit.QuantConfig(method="rtn", target_bits=3.5, group_size=32), calibration_ids=IDS)
+    layers = report["layers"]
+    for i in range(2):
+        qkv = {(layers[f"model.layers.{i}.self_attn.{p}"]["bits"], layers[f"model.layers.{i}.self_attn.{p}"]
+                ["group_size"]) for p in ("q_proj", "k_proj", "v_proj")}
+        gate_up = {(layers[f"model.layers.{i}.mlp.{p}"]["bits"], layers[f"model.layers.{i}.mlp.{p}"]["group_size"])
+                   for p in ("gate_proj", "up_proj")}
+        assert len(qkv) == 1 and len(gate_up) == 1
+    costs = report["target_bits"]["costs"]
+    assert costs["model.layers.0.self_attn.v_proj"]["2-bit g32"] > costs["model.layers.0.self_attn.q_proj"]["2-bit g32"]
+
+
+def test_the_recipe_in_out_reproduces_the_run_byte_for_byte(model_factory, tmp_path):
+    src = str(model_factory("llama-gqa"))
+    quantkit.quantize(src, tmp_path / "a", quantkit.QuantConfig(method="gptq", target_bits=3.2, group_size=32),
+                      calibration_ids=IDS)
+    recipe = yaml.safe_load((tmp_path / "a" / "quantkit_recipe.yaml").read_text())
+    assert recipe["target_bits"] is None and len(recipe["modules"]) == 14
+    quantkit.quantize(src, tmp_path / "b", quantkit.QuantConfig(**recipe), calibration_ids=IDS)
+    a, b = (next((tmp_path / x).glob("*.safetensors")).read_bytes() for x in "ab")
+    assert a == b
+
+
+def test_a_budget_no_setting_meets_is_refused_before_any_work(model_factory, tmp_path):
+    runner = CliRunner()
+    done = runner.invoke(main, ["quantize", str(model_factory("llama-gqa")), "-o", str(tmp_path / "q"), "--method",
+                                "rtn", "--target-bits", "1.5", "--dataset", str(_text(tmp_path)), "--nsamples", "2",
+                                "--seqlen", "32", "--device", "cpu"])
+    assert done.exit_code == 2 and "ask for at least 2." in done.output and "Traceback" not in done.output
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("settings,words", [
+    (dict(method="turboquant", target_bits=3.0), "integer widths"),
+    (dict(method="gptq", target_bits=3.0, modules=[{"pattern": "down", "bits": 8}]), "drop the recipe's per-module"),
+    (dict(method="gptq", target_bits=0), "out of range"),
+])
+def test_what_target_bits_cannot_do_is_named(settings, words):
+    with pytest.raises(QuantkitError, match=words):
+        quantkit.QuantConfig(**settings)
+
+
+def _text(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text("Once upon a time there was a little model that wanted to be small. " * 200)
+    return path
+
+
+def test_the_report_holds_the_choice_and_every_layers_cost(model_factory, tmp_path):
+    quantkit.quantize(str(model_factory("llama-gqa")), tmp_path / "q",
+                      quantkit.QuantConfig(method="rtn", target_bits=4.0, group_size=32), calibration_ids=IDS)
+    report = json.loads((tmp_path / "q" / "quantkit_report.json").read_text())["target_bits"]
+    assert report["target"] == 4.0 and report["predicted_kld"] > 0 and len(report["costs"]) == 14
