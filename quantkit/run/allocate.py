@@ -15,13 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.algorithms.rtn import rtn
 from quantkit.calibration.sensitivity import visit_fisher_diagonals
 from quantkit.core import knapsack
 from quantkit.core.errors import QuantkitError
 from quantkit.models.arch import get_weight
 from quantkit.run.config import LayerSpec
-from quantkit.schemes.base import quantizer_for
 
 CANDIDATE_BITS = (2, 3, 4, 8)
 CANDIDATE_GROUPS = (32, 64, 128, -1)
@@ -96,14 +94,29 @@ def predicted_costs(source, blocks_path, names, settings, sym, ids, device) -> d
 
     def per_layer(name, module, fisher):
         w = get_weight(module).detach().float()
-        out[name] = [0.5 * float((fisher * (w - _rounded(w, s, sym)).square()).sum()) for s in settings]
+        out[name] = [0.5 * float((fisher * rounding_error(w, s, sym)).sum()) for s in settings]
     visit_fisher_diagonals(source, blocks_path, names, ids, per_layer, device)
     return out
 
 
-def _rounded(w: torch.Tensor, setting: Setting, sym: bool) -> torch.Tensor:
-    quantizer = quantizer_for("int", setting.bits, sym, setting.group_size)
-    return rtn(w, quantizer, setting.group_size).dequantize().to(w.device)
+def rounding_error(w: torch.Tensor, setting: Setting, sym: bool) -> torch.Tensor:
+    """(w − Ŵ)² [out, in] of round-to-nearest on the integer grid, all groups at once: the max-abs scale (symmetric)
+    or the min/max range (asymmetric) of each group. The run's quantizer picks between scales per group and GPTQ
+    feeds errors back, so the real error is smaller; the estimate ranks the settings and layers, which is its use."""
+    rows, cols = w.shape
+    size = cols if setting.group_size == -1 else min(setting.group_size, cols)
+    pad = (-cols) % size
+    g = torch.nn.functional.pad(w, (0, pad)).view(rows, -1, size)  # a short last group padded with zeros
+    maxq = 2 ** setting.bits - 1
+    if sym:
+        scale = (2 * g.abs().amax(-1, keepdim=True) / maxq).clamp(min=1e-12)
+        zero = torch.full_like(scale, 2 ** (setting.bits - 1))
+    else:
+        low, high = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
+        scale = ((high - low) / maxq).clamp(min=1e-12)
+        zero = (-low / scale).round()
+    rounded = ((g / scale).round() + zero).clamp(0, maxq).sub(zero).mul(scale)
+    return (g - rounded).square().view(rows, -1)[:, :cols]
 
 
 def _groups(names: list, fused: dict) -> list[tuple]:
