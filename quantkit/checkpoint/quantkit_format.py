@@ -87,7 +87,7 @@ class QuantkitCodec(Codec):
 
     @staticmethod
     def read_layers(qc: dict, tensors: dict, where: str) -> list:
-        layers = [_read_layer(name, settings, tensors, where) for name, settings in qc["layers"].items()]
+        layers = [read_layer(name, settings, tensors, where) for name, settings in qc["layers"].items()]
         listed = set(qc["layers"])
         stray = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".qweight", ".codes"))} - listed)
         if stray:
@@ -120,10 +120,12 @@ class QuantkitCodec(Codec):
     @staticmethod
     def compat_problems(config, specs: dict, shapes: dict, fused: dict, fused_experts=frozenset()) -> list:
         what = "rotated" if config.rotate != "none" else config.quantizer
-        return [compat.Problem(reader, f"quant_method 'quantkit' ({what} layers)",
-                               "quantkit.load_quantized reads it, and transformers' AutoModelForCausalLM after `import "
-                               "quantkit`; use --quantizer int --rotate none for a GPTQ checkpoint")
-                for reader in compat.READERS if reader != "transformers"]
+        gptq = "; or --quantizer int --rotate none for a GPTQ checkpoint"
+        return [compat.Problem("vllm", f"it reads quant_method 'quantkit' ({what} layers) only through quantkit's "
+                                       "plugin", "pip install 'quantkit[vllm]' where vLLM runs" + gptq),
+                compat.Problem("gptqmodel", f"it does not read quant_method 'quantkit' ({what} layers)",
+                               "load it with quantkit.load_quantized, transformers after `import quantkit`, or vLLM "
+                               "with quantkit's plugin" + gptq)]
 
 
 def layer_settings(res: QuantResult) -> dict:
@@ -156,7 +158,9 @@ def _check_layer_settings(settings, where: str) -> None:
                             "{\"type\": \"hadamard\", \"block\": a power of two, \"seed\": ...}")
 
 
-def _read_layer(name, settings, tensors, where) -> LayerInfo:
+def read_layer(name, settings, tensors, where) -> LayerInfo:
+    """The LayerInfo of layer `name` (its entry in "layers") from its tensors, checked (quantkit.integrations.vllm
+    reads a layer vLLM loaded this way too)."""
     settings = {"rotation": None, **settings}
     if settings["quantizer"] == "int":
         layer = check_gptq_layer(name, tensors, settings, INT_FORMAT, where)
