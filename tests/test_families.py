@@ -1,6 +1,6 @@
 """The families people quantize: a tiny random model from transformers' own config class, quantized, written, loaded
 back, and its logits equal to the in-loop model's (the fp model holding the weights the loop ended with). AWQ runs
-where the family's table entry says which op feeds which linears. README's family table lists these rows."""
+where the family's table entry says which op feeds which linears. docs/USAGE.md's family table lists these rows."""
 import pytest
 import torch
 
