@@ -123,3 +123,27 @@ def test_the_report_holds_the_choice_and_every_layers_cost(model_factory, tmp_pa
                       quantkit.QuantConfig(method="rtn", target_bits=4.0, group_size=32), calibration_ids=IDS)
     report = json.loads((tmp_path / "q" / "quantkit_report.json").read_text())["target_bits"]
     assert report["target"] == 4.0 and report["predicted_kld"] > 0 and len(report["costs"]) == 14
+
+
+def test_a_resumed_run_continues_the_allocation_it_recorded(model_factory, tmp_path, monkeypatch):
+    """The interrupted run's allocation is read back from its fingerprint: no second sensitivity pass, the same bytes."""
+    from quantkit.checkpoint import shards
+    from quantkit.run import allocate
+
+    src, out = str(model_factory("llama-gqa")), tmp_path / "q"
+    config = quantkit.QuantConfig(method="rtn", target_bits=3.3, group_size=32)
+    quantkit.quantize(src, tmp_path / "whole", config, calibration_ids=IDS)
+    save = shards.save_part
+
+    def interrupt(folder, key, tensors, info=None):
+        if key == "block-00001":
+            raise KeyboardInterrupt
+        save(folder, key, tensors, info)
+    with monkeypatch.context() as m:
+        m.setattr(shards, "save_part", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            quantkit.quantize(src, out, config, calibration_ids=IDS)
+    monkeypatch.setattr(allocate, "predicted_costs", lambda *a, **k: pytest.fail("measured again"))
+    quantkit.quantize(src, out, config, calibration_ids=IDS, resume=True)
+    a, b = (next(p.glob("*.safetensors")).read_bytes() for p in (tmp_path / "whole", out))
+    assert a == b

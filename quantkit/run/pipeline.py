@@ -185,10 +185,13 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
     out_path = output.claim_output(out, overwrite, sources=[model], resume=resume)  # before any heavy work
     partial = (output.partial_runs(out_path) or [None])[0] if resume else None
     t_start = time.perf_counter()
+    target = config.target_bits
+    if partial is not None and target is not None:  # the interrupted run's allocation, not a new measurement
+        config = resume_state.allocated_config(partial, config)
     plan = prepare(model, config, device, dtype, trust_remote_code, calibration_ids)
     config = plan.config
     fingerprint = resume_state.fingerprint(model, config, device, plan.compute_dtype, plan.n_blocks,
-                                           plan.calibration_ids)
+                                           plan.calibration_ids, target)
     if partial is not None:
         resume_state.check(partial, fingerprint)  # refused: the folder is left as it was
     elif resume:
