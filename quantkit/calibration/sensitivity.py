@@ -9,31 +9,28 @@ per calibration window gives every layer's diagonal at once: the gradient of a w
 E[(Σ_t g_t)²] = Σ_t E[g_t²], since tokens' labels are drawn independently, so its square divided by the tokens is the
 mean per-token diagonal.
 
-The pass holds the whole model (a streamed source is loaded block by block, then released): its cost is one forward
+The pass holds the whole model (a streamed source is loaded whole, then released): its cost is one forward
 and one backward per window, which is small next to a GPTQ run's (docs/QUALITY.md, --target-bits).
 """
 import torch
 
 from quantkit.core.errors import QuantkitError
-from quantkit.models.arch import get_submodule, is_conv1d
+from quantkit.models.arch import is_conv1d
+from quantkit.models.head import tied_head
 
 
-def visit_fisher_diagonals(source, blocks_path: str, names: list, ids: torch.Tensor, visit, device="cpu",
-                           seed: int = 0) -> None:
+def visit_fisher_diagonals(source, names: list, ids: torch.Tensor, visit, device="cpu", seed: int = 0) -> None:
     """visit(name, module, fisher) for each linear of `names`, fisher the mean per-token Fisher diagonal of its weight
     ([out, in] float32) over the windows `ids` [n, seqlen], while the whole model is loaded (its weights real);
     source: quantkit.models.stream's StreamedModel or InMemoryModel, released afterwards."""
     model = source.model
-    tied = _tied_head(model)
-    inside = [n for p in (f"{blocks_path}.{i}" for i in range(len(get_submodule(model, blocks_path))))
-              for n in source.under(p)]
-    outside = [n for n in source.names if n not in set(inside)]
-    source.load_names(inside + outside)
+    tied = tied_head(model)
+    source.load_names(source.names)
     if tied is not None:  # loading replaced the embedding's tensor: the head shares it again
         tied[0].weight = tied[1].weight
     unloaded = [n for n, p in model.named_parameters() if p.is_meta]
     if unloaded:  # a forward over a placeholder gives garbage, not an error
-        source.release_names(inside + outside)
+        source.release_names(source.names)
         raise QuantkitError(f"--target-bits: the sensitivity pass could not load {unloaded[0]} (a weight the model "
                             "shares in a way quantkit does not know): choose the bits with a recipe instead")
     modules = {n: model.get_submodule(n) for n in names}
@@ -50,22 +47,9 @@ def visit_fisher_diagonals(source, blocks_path: str, names: list, ids: torch.Ten
             visit(name, modules[name], fisher.t() if is_conv1d(modules[name]) else fisher)
     finally:
         model.requires_grad_(False)
-        source.release_names(inside + outside)
+        source.release_names(source.names)
         if tied is not None:
             tied[0].weight = tied[1].weight
-
-
-def _tied_head(model):
-    """(output projection, input embedding) when the head reuses the embedding's weight (the config says so, or they
-    are one tensor: a streamed source's earlier loads may have parted them), else None."""
-    try:
-        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    if head is None or embedding is None:
-        return None
-    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False) or head.weight is embedding.weight
-    return (head, embedding) if tied and tuple(head.weight.shape) == tuple(embedding.weight.shape) else None
 
 
 def _squared_gradients(model, modules: dict, ids, device, seed):

@@ -23,7 +23,6 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from quantkit.checkpoint.quantkit_format import QuantkitCodec
 from quantkit.checkpoint.validate import LayerInfo
 from quantkit.core.errors import QuantkitError
-from quantkit.kernels.codebook import decode_table
 from quantkit.models.arch import get_weight
 from quantkit.nn.decoded_linear import DecodedLinear
 
@@ -55,8 +54,8 @@ class QuantkitHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         for module in model.modules():
-            if isinstance(module, DecodedLinear) and module.kernel is not None:
-                module.codebook = decode_table(module.kernel, module.codes.device)
+            if isinstance(module, DecodedLinear):
+                module.build_codebook(module.codes.device)
         return model
 
     def is_serializable(self, *args, **kwargs):

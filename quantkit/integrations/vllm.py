@@ -40,7 +40,6 @@ from quantkit.checkpoint.quantkit_format import QuantkitCodec, quantizer_of
 from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import n_groups
-from quantkit.kernels.codebook import decode_table
 from quantkit.nn.decoded_linear import DecodedLinear
 from quantkit.schemes.base import param_dtype
 
@@ -305,8 +304,8 @@ class QuantkitLinearMethod(LinearMethodBase):
         for suffix, t in {**tensors, "bias": bias}.items():
             if t is not None:
                 setattr(module, suffix, t)
-        if isinstance(module, DecodedLinear) and module.kernel is not None:
-            module.codebook = decode_table(module.kernel, device)
+        if isinstance(module, DecodedLinear):
+            module.build_codebook(device)
         return module.to(device)  # on a GPU: reserves the kernels' workspace (quantkit.kernels.dispatch)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -56,6 +56,19 @@ def head_paths(model: nn.Module) -> HeadPaths:
                      tied=head.weight is embedding.weight)
 
 
+def tied_head(model: nn.Module):
+    """(output projection, input embedding) when the head reuses the embedding's weight (the config says so, or they
+    are one tensor: a streamed source's loads may have parted them), else None."""
+    try:
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a model class without them (transformers' base raises)
+        return None
+    if head is None or embedding is None:
+        return None
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False) or head.weight is embedding.weight
+    return (head, embedding) if tied and tuple(head.weight.shape) == tuple(embedding.weight.shape) else None
+
+
 def untie(model_config: dict) -> None:
     """config.json (as a dict) of a checkpoint whose lm_head is quantized: its weights are no longer the embedding's
     (a vision-language model's text config says so too)."""

@@ -45,6 +45,12 @@ class DecodedLinear(nn.Module):
         self.register_buffer("codebook", table, persistent=False)
         add_rotation(self, in_features, rotation_block, device)
 
+    def build_codebook(self, device) -> None:
+        """The kernel's decode table (the quantizer's settings make it; no checkpoint stores it) on `device`: for
+        loaders that fill a module built on the meta device with tensors of their own (transformers, vLLM)."""
+        if self.kernel is not None:
+            self.codebook = decode_table(self.kernel, device)
+
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, quantizer={self.quantizer.name}, "
                 f"bits={self.quantizer.code_bits}, group_size={self.group_size}, rotation_block={self.rotation_block}")

@@ -58,7 +58,7 @@ class Allocation:
         return sum(self.costs[n][s] for n, s in self.picked.items())
 
 
-def allocate(config, codec, source, blocks_path, specs: dict, shapes: dict, fused: dict, ids, device) -> Allocation:
+def allocate(config, codec, source, specs: dict, shapes: dict, fused: dict, ids, device) -> Allocation:
     """Each quantized linear's Setting: config.target_bits met at the least predicted cost."""
     names = [n for n, s in specs.items() if s is not None]
     settings = candidates(config, codec, specs, shapes, fused)
@@ -72,7 +72,7 @@ def allocate(config, codec, source, blocks_path, specs: dict, shapes: dict, fuse
         raise QuantkitError(f"--target-bits {config.target_bits}: the smallest candidate of every layer already "
                             f"stores {least / weights:.3f} bits per weight (scales, zeros and g_idx counted): ask for "
                             f"at least {math.ceil(least / weights * 1000) / 1000:.3f}")
-    costs = predicted_costs(source, blocks_path, names, settings, config.sym, ids[:SENSITIVITY_WINDOWS], device)
+    costs = predicted_costs(source, names, settings, config.sym, ids[:SENSITIVITY_WINDOWS], device)
     chosen = knapsack.solve([[sum(costs[n][j] for n in g) for j in range(len(settings))] for g in groups], sizes,
                             budget)
     if chosen is None:  # only the smallest settings fit, and the knapsack's units (sizes rounded up) do not
@@ -88,14 +88,14 @@ def as_overrides(allocation: Allocation) -> list[dict]:
             for n, s in allocation.picked.items()]
 
 
-def predicted_costs(source, blocks_path, names, settings, sym, ids, device) -> dict:
+def predicted_costs(source, names, settings, sym, ids, device) -> dict:
     """{linear: [predicted KL divergence per token at each setting]}: ½ Σ F (W − Ŵ)² with Ŵ rounded to nearest."""
     out = {}
 
     def per_layer(name, module, fisher):
         w = get_weight(module).detach().float()
         out[name] = [0.5 * float((fisher * rounding_error(w, s, sym)).sum()) for s in settings]
-    visit_fisher_diagonals(source, blocks_path, names, ids, per_layer, device)
+    visit_fisher_diagonals(source, names, ids, per_layer, device)
     return out
 
 

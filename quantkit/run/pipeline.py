@@ -38,8 +38,8 @@ from quantkit.run import resume as resume_state
 from quantkit.run.block_writer import BlockWriter
 from quantkit.run.config import QuantConfig, write_recipe
 from quantkit.run.coverage import expert_calibration, weight_coverage
-from quantkit.run.precheck import (check_compat, file_aliases, kept_head, layer_specs, quantizable_linears,
-                                   fused_expert_linears, writer_codec)
+from quantkit.run.precheck import (check_compat, file_aliases, fused_expert_linears, kept_head, layer_specs,
+                                   quantizable_linears, writer_codec)
 from quantkit.run.report import flag_outliers
 
 
@@ -150,7 +150,7 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
     allocation = None
     if config.target_bits is not None:  # the run's recipe becomes the allocation (quantkit.run.allocate)
         calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
-        config, allocation = _allocated(config, source, arch, names, specs, shapes, calibration_ids, device)
+        config, allocation = _allocated(config, source, arch, names, specs, shapes, in_files, calibration_ids, device)
         specs, shapes = layer_specs(fp_model, names, config, siblings, in_files)
     codec = writer_codec(config, specs)
     codec.check_source(fp_model.config.to_dict(), tokenizer, [in_files.of_tensor(n) for n in source.names])
@@ -166,18 +166,18 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
                 allocation, head)
 
 
-def _allocated(config, source, arch, names, specs, shapes, ids, device):
+def _allocated(config, source, arch, names, specs, shapes, in_files, ids, device):
     """(the config whose recipe gives each linear the setting --target-bits chose, the report's entry saying what),
     the choice printed; measured before block 0, so a resumed run's fingerprint holds it."""
     codec = writer_codec(config, specs)
     start = time.perf_counter()
-    chosen = allocate.allocate(config, codec, source, arch.blocks, specs, shapes, fused_groups(arch, names), ids, device)
+    chosen = allocate.allocate(config, codec, source, specs, shapes, fused_groups(arch, names), ids, device)
     lines = allocate.summary(chosen, shapes, codec, config.sym, config.target_bits)
     lines.append(f"  (sensitivity of {len(chosen.picked)} linears measured in {time.perf_counter() - start:.1f} s)")
     for line in lines:
         print(line, file=sys.stderr)
     derived = replace(config, target_bits=None, modules=[*config.modules, *allocate.as_overrides(chosen)])
-    return derived, allocate.report(chosen, lines, config.target_bits, FileNames(source.model).of_module)
+    return derived, allocate.report(chosen, lines, config.target_bits, in_files.of_module)
 
 
 def _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable, trust_remote_code):
