@@ -1,3 +1,4 @@
+import contextlib
 import sys
 from pathlib import Path
 
@@ -20,3 +21,23 @@ def model_factory(tmp_path_factory):
         return cache[kind]
 
     return make
+
+
+@pytest.fixture
+def stop_at_part(monkeypatch):
+    """stop_at_part(key, stop=KeyboardInterrupt): a context in which a quantize run raises `stop` when it is about to
+    save part `key` (quantkit.checkpoint.shards.save_part), as a Ctrl-C, a full disk or a kill would stop it there."""
+    from quantkit.checkpoint import shards
+
+    @contextlib.contextmanager
+    def stopping(key, stop=KeyboardInterrupt):
+        save = shards.save_part
+
+        def save_or_stop(folder, k, tensors, info=None):
+            if k == key:
+                raise stop
+            save(folder, k, tensors, info)
+        with monkeypatch.context() as m:
+            m.setattr(shards, "save_part", save_or_stop)
+            yield
+    return stopping

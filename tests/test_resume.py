@@ -122,18 +122,11 @@ def test_a_run_quantizing_lm_head_resumes_to_a_byte_identical_checkpoint(world, 
     (OSError(errno.ENOSPC, "No space left on device"), 2, "no space left on the device; the 2 of 4 blocks finished"),
     (StoppedFromOutside("another process of the run stopped"), 2, "stopped: the 2 of 4 blocks finished are kept"),
 ])
-def test_a_run_stopped_from_outside_keeps_its_blocks_and_says_how_to_continue(world, monkeypatch, stop, code, words):
+def test_a_run_stopped_from_outside_keeps_its_blocks_and_says_how_to_continue(world, stop_at_part, stop, code,
+                                                                               words):
     root = world[0]
     out = root / f"stopped-{stop.__name__ if isinstance(stop, type) else type(stop).__name__}"
-    save = shards.save_part
-
-    def stop_at_block_2(folder, key, tensors, info=None):
-        if key == "block-00002":
-            raise stop
-        save(folder, key, tensors, info)
-
-    with monkeypatch.context() as m:
-        m.setattr(shards, "save_part", stop_at_block_2)
+    with stop_at_part("block-00002", stop):
         result = cli(*args_for(world, out, "rtn"))
     assert result.exit_code == code and words in result.output and "--resume" in result.output, result.output
     assert not out.exists()
@@ -156,17 +149,9 @@ def test_an_error_of_the_run_itself_deletes_its_staging(world, monkeypatch):
     assert not list(root.glob(".failed.*")) and not (root / "failed").exists()
 
 
-def interrupted(monkeypatch, argv, key="block-00001"):
+def interrupted(stop_at_part, argv, key="block-00001"):
     """Run the CLI in this process, interrupted (Ctrl-C) when it is about to save part `key`."""
-    save = shards.save_part
-
-    def interrupt(folder, k, tensors, info=None):
-        if k == key:
-            raise KeyboardInterrupt
-        save(folder, k, tensors, info)
-
-    with monkeypatch.context() as m:
-        m.setattr(shards, "save_part", interrupt)
+    with stop_at_part(key):
         assert cli(*argv).exit_code == 1
 
 
@@ -175,7 +160,7 @@ def interrupted(monkeypatch, argv, key="block-00001"):
     (["--seed", 1], ["--seed 0 -> 1", "calibration token ids changed"]),
     ("source", ["model.safetensors changed"]),
 ])
-def test_resume_with_other_settings_or_a_changed_source_is_refused(world, tmp_path, monkeypatch, change, words):
+def test_resume_with_other_settings_or_a_changed_source_is_refused(world, tmp_path, stop_at_part, change, words):
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -185,7 +170,7 @@ def test_resume_with_other_settings_or_a_changed_source_is_refused(world, tmp_pa
     out = tmp_path / "out"
     argv = ["quantize", src, "-o", out, "--method", "gptq", "--group-size", 32, "--dataset", world[0] / "calib.txt",
             "--nsamples", 2, "--seqlen", 16]
-    interrupted(monkeypatch, argv)
+    interrupted(stop_at_part, argv)
     (left,) = tmp_path.glob(".out.tmp-*")
     before = {p.name: p.read_bytes() for p in left.iterdir()}
     if change == "source":  # the model downloaded again, one weight different
@@ -233,13 +218,13 @@ def test_replay_rebuilds_each_block_bit_for_bit(world, tmp_path, monkeypatch, me
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
-def test_a_damaged_part_is_set_aside_and_redone_and_the_good_ones_kept(world, monkeypatch, damage):
+def test_a_damaged_part_is_set_aside_and_redone_and_the_good_ones_kept(world, monkeypatch, damage, stop_at_part):
     """A part a copy or a failing disk damaged: named, set aside and made again; block 0's part is kept as it was
     and the checkpoint is the uninterrupted run's."""
     root = world[0]
     ref, out = root / f"ref-damaged-{damage}", root / f"damaged-{damage}"
     assert cli(*args_for(world, ref, "gptq")).exit_code == 0
-    interrupted(monkeypatch, args_for(world, out, "gptq"), key="block-00002")
+    interrupted(stop_at_part, args_for(world, out, "gptq"), key="block-00002")
     (left,) = root.glob(f".{out.name}.tmp-*")
     part = left / "part-block-00001.safetensors"
     part.write_bytes(part.read_bytes()[:-100] if damage == "truncated" else b"\x00" * 64)
@@ -256,10 +241,10 @@ def test_a_damaged_part_is_set_aside_and_redone_and_the_good_ones_kept(world, mo
     assert not list(out.glob("damaged-*")) and kept
 
 
-def test_an_error_in_a_resumed_run_keeps_the_earlier_runs_blocks(world, monkeypatch):
+def test_an_error_in_a_resumed_run_keeps_the_earlier_runs_blocks(world, monkeypatch, stop_at_part):
     root = world[0]
     out = root / "resumed-then-failed"
-    interrupted(monkeypatch, args_for(world, out, "rtn"), key="block-00002")
+    interrupted(stop_at_part, args_for(world, out, "rtn"), key="block-00002")
     save = shards.save_part
 
     def fail_at_block_3(folder, key, tensors, info=None):
@@ -300,13 +285,13 @@ def test_a_source_replaced_during_the_run_stops_it(world, tmp_path, monkeypatch)
     assert not (tmp_path / "q").exists() and "Traceback" not in result.output
 
 
-def test_resume_takes_the_same_calibration_file_by_another_name(world, tmp_path, monkeypatch):
+def test_resume_takes_the_same_calibration_file_by_another_name(world, tmp_path, monkeypatch, stop_at_part):
     """The calibration file given by a relative path in one run and an absolute one in the next is the same file."""
     root = world[0]
     out = tmp_path / "out"
     monkeypatch.chdir(root)
     relative = args_for(world, out, "gptq")
     relative[relative.index(str(root / "calib.txt"))] = "calib.txt"
-    interrupted(monkeypatch, relative)
+    interrupted(stop_at_part, relative)
     result = cli(*args_for(world, out, "gptq", "--resume"))
     assert result.exit_code == 0 and "block 0 of 4 is done" in result.output, result.output

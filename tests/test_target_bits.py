@@ -28,10 +28,9 @@ def test_the_knapsack_is_exact_on_cases_brute_force_can_check(seed):
     costs = torch.rand(items, options, generator=g).tolist()
     sizes = torch.randint(1, 20, (items, options), generator=g).tolist()
     budget = int(torch.randint(10, 60, (1,), generator=g))
-    best = min((sum(costs[i][j] for i, j in enumerate(c)), c) for c in itertools.product(range(options), repeat=items)
-               if sum(sizes[i][j] for i, j in enumerate(c)) <= budget) if any(
-        sum(sizes[i][j] for i, j in enumerate(c)) <= budget for c in itertools.product(range(options), repeat=items)
-    ) else None
+    fitting = [sum(costs[i][j] for i, j in enumerate(c)) for c in itertools.product(range(options), repeat=items)
+               if sum(sizes[i][j] for i, j in enumerate(c)) <= budget]
+    best = (min(fitting),) if fitting else None
     chosen = knapsack.solve(costs, sizes, budget)
     if best is None:
         assert chosen is None
@@ -125,24 +124,15 @@ def test_the_report_holds_the_choice_and_every_layers_cost(model_factory, tmp_pa
     assert report["target"] == 4.0 and report["predicted_kld"] > 0 and len(report["costs"]) == 14
 
 
-def test_a_resumed_run_continues_the_allocation_it_recorded(model_factory, tmp_path, monkeypatch):
-    """The interrupted run's allocation is read back from its fingerprint: no second sensitivity pass, the same bytes."""
-    from quantkit.checkpoint import shards
+def test_a_resumed_run_continues_the_allocation_it_recorded(model_factory, tmp_path, monkeypatch, stop_at_part):
+    """The interrupted run's allocation is read back from its fingerprint: no second sensitivity pass, same bytes."""
     from quantkit.run import allocate
 
     src, out = str(model_factory("llama-gqa")), tmp_path / "q"
     config = quantkit.QuantConfig(method="rtn", target_bits=3.3, group_size=32)
     quantkit.quantize(src, tmp_path / "whole", config, calibration_ids=IDS)
-    save = shards.save_part
-
-    def interrupt(folder, key, tensors, info=None):
-        if key == "block-00001":
-            raise KeyboardInterrupt
-        save(folder, key, tensors, info)
-    with monkeypatch.context() as m:
-        m.setattr(shards, "save_part", interrupt)
-        with pytest.raises(KeyboardInterrupt):
-            quantkit.quantize(src, out, config, calibration_ids=IDS)
+    with stop_at_part("block-00001"), pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(src, out, config, calibration_ids=IDS)
     monkeypatch.setattr(allocate, "predicted_costs", lambda *a, **k: pytest.fail("measured again"))
     quantkit.quantize(src, out, config, calibration_ids=IDS, resume=True)
     a, b = (next(p.glob("*.safetensors")).read_bytes() for p in (tmp_path / "whole", out))
