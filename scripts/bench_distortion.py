@@ -21,6 +21,12 @@ scale per block, so all of them spend b + 16/d bits per weight (turboquant_prod:
                   ratio), scale searched per block (quantkit.schemes.e8p)
   e8              what --method e8 rounds with: the E8 codebook that measured best at each b (e8p at 2..4,
                   e8_box at 1; quantkit.schemes.base.best_e8), the same numbers as that row
+  trellis         QTIP's trellis-coded quantizer as --quantizer trellis makes it (quantkit.schemes.trellis: L = 12
+                  state bits, 2 weights per step, 3INST values, tail-biting sequences of 64 weights), scale from the
+                  block's rms; b = 1..4. --trellis L:V:code[:length[:scale]] adds a row per variant
+                  (trellis_L16_V1_1mad; scale "refit": the least-squares refit, "unit": one fixed scale for unit
+                  Gaussians, rate exactly b, as QTIP measures)
+Seconds per million weights of every row are printed too (torch threads: --threads; the CPU: lscpu's model name).
 Theory: Lloyd–Max MSE of the unit Gaussian (the d -> inf codebook with the exact norm), the lower bound
 4^-b and TurboQuant's upper bound sqrt(3) pi / 2 * 4^-b ≈ 2.72 * 4^-b.
 Rotated rows use quantkit's randomized Hadamard rotation (block = largest power of two dividing the width).
@@ -31,6 +37,7 @@ Rotated rows use quantkit's randomized Hadamard rotation (block = largest power 
 import argparse
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -45,6 +52,7 @@ from quantkit.schemes.base import quantizer_for
 from quantkit.schemes.rotation import Rotation
 from quantkit.algorithms.rtn import rtn
 from quantkit.schemes.scales import SEARCH, fp16_scale
+from quantkit.schemes.trellis import GAIN as TRELLIS_GAIN, Trellis
 from quantkit.schemes.turboquant import TurboQuant
 
 BITS = (1, 2, 3, 4, 5)
@@ -148,6 +156,36 @@ def e8_relaxed(x, bits):
     return least_error(x, (rounded(m) for m in SEARCH))
 
 
+def trellis(x, bits, variant=None, unit=False):
+    """The trellis quantizer's blocks decoded: the default, or variant (state_bits, step, code, length, scale).
+    unit: every block at the one scale that fits unit Gaussians (GAIN / the table's rms; rate exactly b, what QTIP
+    measures) instead of a scale per block."""
+    if bits not in range(1, 5):
+        return None
+    try:
+        q = Trellis(bits) if variant is None else Trellis(bits, *variant)
+    except QuantkitError:  # e.g. 4 bits x 2 weights per step need more than 8 state bits
+        return None
+    if unit:
+        s = torch.full((x.shape[0],), TRELLIS_GAIN[bits] / q.spread)
+        return q.round(x, {"scale": fp16_scale(s)})[1]
+    return rtn(x, q, x.shape[1]).decoded()
+
+
+def trellis_variant(spec: str):
+    """(row name, variant, unit) of a --trellis "L:V:code[:length[:scale]]" (scale: rms, refit or unit)."""
+    parts = spec.split(":")
+    if len(parts) not in (3, 4, 5) or (len(parts) == 5 and parts[4] not in ("rms", "refit", "unit")):
+        raise argparse.ArgumentTypeError(f"--trellis {spec!r}: use L:V:code[:length[:scale]], e.g. 16:1:1mad or "
+                                         "12:2:3inst:64:refit (scale rms, refit or unit)")
+    L, V, code = int(parts[0]), int(parts[1]), parts[2]
+    length = int(parts[3]) if len(parts) > 3 else 64
+    scale = parts[4] if len(parts) > 4 else "rms"
+    name = f"trellis_L{L}_V{V}_{code}" + (f"_T{length}" if len(parts) > 3 else "") + (f"_{scale}" if len(parts) > 4
+                                                                                       else "")
+    return name, (L, V, code, length, "rms" if scale == "unit" else scale), scale == "unit"
+
+
 METHODS = {
     "rtn": lambda x, b: uniform(x, b, search=False),
     "rtn_mse": lambda x, b: uniform(x, b, search=True),
@@ -159,6 +197,7 @@ METHODS = {
     "e8_relaxed": e8_relaxed,
     "e8p": e8p,
     "e8": e8,
+    "trellis": trellis,
 }
 
 
@@ -186,10 +225,19 @@ def smollm2_rows(model_dir, d, rotate, layers=(0, 15, 29), seed=0):
     return torch.cat(out)
 
 
-def measure(x, bits, methods=None, ratios=()) -> dict:
+def measure(x, bits, methods=None, ratios=(), variants=()) -> tuple[dict, dict]:
+    """({method: {bits: normalized MSE}}, {method: {bits: seconds per million weights}}) of x's blocks."""
     fns = {m: fn for m, fn in METHODS.items() if methods is None or m in methods}
     fns.update({f"e8p_ratio{r:g}": (lambda x, b, r=r: e8p(x, b, r)) for r in ratios})
-    return {m: {str(b): nmse(x, fn(x, b)) for b in bits} for m, fn in fns.items()}
+    fns.update({name: (lambda x, b, v=v, u=u: trellis(x, b, v, u)) for name, v, u in variants})
+    mse, seconds = {}, {}
+    for m, fn in fns.items():
+        for b in bits:
+            t0 = time.perf_counter()
+            mse.setdefault(m, {})[str(b)] = nmse(x, fn(x, b))
+            took = (time.perf_counter() - t0) * 1e6 / x.numel()
+            seconds.setdefault(m, {})[str(b)] = None if mse[m][str(b)] is None else round(took, 3)
+    return mse, seconds
 
 
 def theory(bits, d) -> dict:
@@ -204,7 +252,8 @@ def theory(bits, d) -> dict:
 def markdown(results: dict, bits) -> str:
     lines = []
     for source, table in results.items():
-        lines += [f"\n**{source}** (normalized MSE; lower is better)\n",
+        what = "seconds per million weights" if source.endswith("_seconds") else "normalized MSE; lower is better"
+        lines += [f"\n**{source}** ({what})\n",
                   "| method | " + " | ".join(f"b = {b}" for b in bits) + " |",
                   "|---|" + "---|" * len(bits)]
         lines += [f"| {m} | " + " | ".join("–" if v[str(b)] is None else f"{v[str(b)]:.5f}" for b in bits) + " |"
@@ -224,8 +273,13 @@ def main(argv=None):
     p.add_argument("--methods", nargs="+", choices=list(METHODS), help="only these rows (default: all)")
     p.add_argument("--e8p-ratios", type=float, nargs="*", default=(),
                    help=f"extra e8p rows at 3 and 4 bits with this stage-2 ratio (default ratios: {RATIO})")
+    p.add_argument("--trellis", type=trellis_variant, nargs="*", default=(), metavar="L:V:CODE[:LENGTH]",
+                   help="extra trellis rows: state bits, weights per step, code (1mad, 3inst, hyb), sequence length")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of markdown")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results = {"theory": theory(args.bits, args.dim)}
     for source in args.sources:
         if source == "gaussian":
@@ -234,7 +288,8 @@ def main(argv=None):
             x = smollm2_rows(args.model, args.dim, rotate=source == "smollm2_rotated", seed=args.seed)
         else:
             continue
-        results[source] = measure(x, args.bits, args.methods, args.e8p_ratios)
+        results[source], results[f"{source}_seconds"] = measure(x, args.bits, args.methods, args.e8p_ratios,
+                                                                args.trellis)
     print(json.dumps(results, indent=1) if args.json else markdown(results, args.bits))
 
 

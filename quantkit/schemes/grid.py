@@ -19,14 +19,10 @@ from typing import Optional
 import torch
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.options import is_int
 from quantkit.schemes.base import register_quantizer
 
 SUPPORTED_BITS = (2, 3, 4, 8)
-
-
-def is_int(value) -> bool:
-    """An integer that is not a bool (YAML/JSON booleans are ints to Python)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_bits(bits, where="--bits", supported=SUPPORTED_BITS):

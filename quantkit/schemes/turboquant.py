@@ -22,8 +22,9 @@ from typing import Optional
 import torch
 
 from quantkit.core.errors import QuantkitError
+from quantkit.core.options import is_int
 from quantkit.schemes.base import KernelDecode, offer_method, register_quantizer
-from quantkit.schemes.grid import check_bits, is_int
+from quantkit.schemes.grid import check_bits
 from quantkit.schemes.lloyd_max import lloyd_max, nearest
 from quantkit.schemes.scales import OneScalePerGroup, fp16_scale, searched_scale
 

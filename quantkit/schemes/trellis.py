@@ -1,0 +1,218 @@
+"""QTIP's trellis-coded quantizer (Tseng et al., 2024, arXiv 2406.11235) as a quantizer: --quantizer trellis, and the
+methods trellis (rotated, data-free) and trellis+gptq (inside GPTQ's error feedback).
+
+A layer's weights are cut into sequences of `length` weights: tiles of `tile_rows` rows x length / tile_rows consecutive
+columns, read row by row (tile_rows 1 by default: a sequence is `length` columns of one row). The tile's columns are
+the quantizer's width: GPTQ rounds one column block of tiles at a time, its error fed to the columns after it. Each
+sequence is one tail-biting walk through the bitshift trellis of quantkit.schemes.trellis_codes: `state_bits` L bits
+of state, `step` V weights per step, `bits` k bits per weight, state values from `code` (1mad, 3inst or hyb):
+
+    w_hat = scale * value(state)_v          one fp16 scale per row and group (the group a multiple of the width)
+
+so a sequence of T weights costs exactly k·T bits plus its share of the scales: k + 16 / group_size bits per weight.
+The codes (k bits per column, quantkit.schemes.trellis_codes) are found by the exact Viterbi search of
+quantkit.schemes.trellis_viterbi with QTIP's two-search tail-biting, weighted per column inside GPTQ (the unit's
+error costs differ by column). dequantize decodes states from codes with the tables the search used: a reader's
+weights are the search's bit for bit.
+
+Defaults, measured on unit Gaussians in blocks of 128 with an fp16 scale each, one core of the project's CPU
+(scripts/bench_distortion.py): L = 12 and sequences of 64 columns of a row (a width that divides SmolLM2's 576 and
+the 128-group); per bit width the step and code with the least MSE at that L: V = 2 with 3INST at 1 and 2 bits (V = 1
+gains 1 % at 2 bits for 3.5x the time), V = 1 with 1MAD at 3 and 4 bits (V = 2 shares only L - 2k state bits between
+steps: 7 % / 26 % more MSE). MSE 0.0754 / 0.0194 / 0.0050 at 2 / 3 / 4 bits (1.21 / 1.24 / 1.29x the bound 4^-k;
+E8P: 0.0888 / 0.0277 / 0.0073) in 3.7 / 8.6-10 / 6.9-7.1 s per million weights. QTIP's L = 16 needs long sequences
+to pay (16 x 16 tiles: length 256, tile_rows 16): 0.0686 / 0.0175 / 0.0045 (1.10 / 1.12 / 1.16x) with V = 1 1MAD in
+179 / 130 / 95 s per million weights, or 0.0689 at 2 bits with V = 2 3INST in 51 s: a GPU's work (the search is
+plain torch and runs on the weight's device).
+
+The scale of a group (`scale`): "rms" is the group's rms over the value table's, times GAIN[bits] (measured the same
+way: a trellis at more bits wants a wider table); "refit" also searches the group at that scale and keeps the
+least-squares scale of the codes found (s = <w, p> / <p, p>): about 1 % less MSE for a second search per group.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from quantkit.core.errors import QuantkitError
+from quantkit.core.options import is_int
+from quantkit.schemes.base import offer_method, register_quantizer
+from quantkit.schemes.grid import check_bits
+from quantkit.schemes.scales import fp16_scale
+from quantkit.schemes.trellis_codes import CODES, codes_of_symbols, states_of_codes, sunflower_table
+from quantkit.schemes.trellis_codes import values as state_values
+from quantkit.schemes.trellis_viterbi import tail_biting
+
+SUPPORTED_BITS = (1, 2, 3, 4)
+SCALES = ("rms", "refit")
+GAIN = {1: 0.85, 2: 1.0, 3: 1.1, 4: 1.15}  # the rms scale's multiplier per bit width, measured (module docstring)
+DEFAULT_STEP_CODE = {1: (2, "3inst"), 2: (2, "3inst"), 3: (1, "1mad"), 4: (1, "1mad")}  # per bit width, measured
+DEFAULT_STATE_BITS, DEFAULT_LENGTH = 12, 64
+HYB_INDEX_BITS = 9
+
+
+def _check_int(value, what, lo, hi):
+    if not is_int(value) or not lo <= value <= hi:
+        raise QuantkitError(f"trellis {what} must be a whole number in {lo}..{hi}, got {value!r}")
+
+
+@register_quantizer
+@dataclass(frozen=True)
+class Trellis:
+    """Trellis-coded quantization (module docstring): k = `bits` bits per weight over sequences of `length` weights
+    (tiles of `tile_rows` rows), L = `state_bits`, V = `step`, state values from `code` (step and code: the bit width's
+    defaults when None); `table` the hyb lookup table (2^9 (x, y) pairs)."""
+    bits: int
+    state_bits: int = DEFAULT_STATE_BITS
+    step: Optional[int] = None
+    code: Optional[str] = None
+    length: int = DEFAULT_LENGTH
+    scale: str = "rms"
+    table: Optional[tuple] = None
+    tile_rows: int = 1
+
+    name = "trellis"
+    summary = ("QTIP's bitshift trellis (12 state bits; exact Viterbi over tail-biting sequences of 64 weights), one "
+               "fp16 scale per group (a multiple of 64); bits 1-4")
+    kernel_decode = None  # no codebook kernel yet: a loaded layer decodes through dequantize
+    weighted_round = True
+
+    def __post_init__(self):
+        check_bits(self.bits, "trellis bits", SUPPORTED_BITS)
+        step, code = DEFAULT_STEP_CODE[self.bits]
+        object.__setattr__(self, "step", step if self.step is None else self.step)
+        object.__setattr__(self, "code", code if self.code is None else self.code)
+        _check_int(self.step, "step (weights per trellis step)", 1, 2)
+        kv = self.bits * self.step
+        _check_int(self.state_bits, f"state_bits at {self.bits} bits x {self.step} weights per step", kv + 1, 20)
+        _check_int(self.length, "length (weights per sequence)", 1, 1 << 16)
+        _check_int(self.tile_rows, "tile_rows", 1, self.length)
+        if self.length % (self.tile_rows * self.step) or (self.length // self.step) * kv < self.state_bits:
+            raise QuantkitError(f"a trellis sequence of {self.length} weights must be whole rows of a tile of "
+                                f"{self.tile_rows} rows, a multiple of step {self.step} per row, and carry at least "
+                                f"state_bits = {self.state_bits} bits")
+        if self.code not in CODES:
+            raise QuantkitError(f"trellis code {self.code!r} is unknown: use {', '.join(CODES)}")
+        if self.scale not in SCALES:
+            raise QuantkitError(f"trellis scale {self.scale!r} is unknown: use {', '.join(SCALES)}")
+        object.__setattr__(self, "table", self._checked_table())
+
+    def _checked_table(self):
+        """hyb's table (the default sunflower if none is given) as a tuple of float32 pairs; None for the others."""
+        if self.code != "hyb":
+            if self.table is not None:
+                raise QuantkitError(f"trellis code {self.code} computes its values: it takes no table")
+            return None
+        if self.step != 2 or self.state_bits <= HYB_INDEX_BITS:
+            raise QuantkitError(f"the hyb code decodes 2 weights per step from more than {HYB_INDEX_BITS} state bits: "
+                                f"use step 2 and state_bits >= {HYB_INDEX_BITS + 1}")
+        table = sunflower_table(HYB_INDEX_BITS) if self.table is None else self.table
+        try:
+            t = torch.tensor(table, dtype=torch.float32) if isinstance(table, (list, tuple)) else None
+        except (TypeError, ValueError):  # ragged or not numbers
+            t = None
+        if t is None or t.shape != (1 << HYB_INDEX_BITS, 2) or not bool(torch.isfinite(t).all()):
+            raise QuantkitError(f"a hyb table needs {1 << HYB_INDEX_BITS} finite (x, y) pairs")
+        return tuple(tuple(p) for p in t.tolist())
+
+    @classmethod
+    def from_spec(cls, bits: int, sym: bool, group_size: int) -> "Trellis":
+        if group_size != -1 and (not is_int(group_size) or group_size % DEFAULT_LENGTH):
+            raise QuantkitError(f"trellis rounds sequences of {DEFAULT_LENGTH} weights: --group-size must be a "
+                                f"multiple of {DEFAULT_LENGTH} (or -1), got {group_size}")
+        return cls(bits)
+
+    @property
+    def width(self) -> int:
+        """Columns rounded at once: a sequence's columns (its tile's width)."""
+        return self.length // self.tile_rows
+
+    @property
+    def row_multiple(self) -> int:
+        """The layer's output rows must be a multiple of this (a tile's height). quantkit.core.groups.check_shape does
+        not read it yet: round and dequantize refuse other row counts."""
+        return self.tile_rows
+
+    @property
+    def code_bits(self) -> int:
+        return self.bits
+
+    @property
+    def param_bits(self) -> dict:
+        return {"scale": 16}
+
+    def settings(self) -> dict:
+        out = {"bits": self.bits, "state_bits": self.state_bits, "step": self.step, "code": self.code,
+               "length": self.length, "scale": self.scale}
+        if self.tile_rows != 1:
+            out["tile_rows"] = self.tile_rows
+        if self.table is not None:
+            out["table"] = [list(p) for p in self.table]
+        return out
+
+    def values(self, device) -> torch.Tensor:
+        """[2^L, V] float32: every state's value, on `device` (cached: GPTQ asks once per sequence)."""
+        key = ("_values", torch.device(device))
+        if key not in self.__dict__:
+            self.__dict__[key] = state_values(self.code, self.state_bits, self.step, self.table).to(device)
+        return self.__dict__[key]
+
+    @property
+    def spread(self) -> float:
+        """The rms of the value table: the scale that maps it onto unit-rms weights."""
+        return float(self.values("cpu").pow(2).mean().sqrt())
+
+    def sequences(self, t: torch.Tensor) -> torch.Tensor:
+        """[sequences, length] of t [rows, cols]: tiles of tile_rows rows x width columns, each read row by row."""
+        rows, cols = t.shape
+        h, c = self.tile_rows, self.width
+        if rows % h or cols % c:
+            raise QuantkitError(f"the trellis quantizer reads tiles of {h} rows x {c} columns: a [{rows}, {cols}] "
+                                f"weight does not split into them")
+        return t.reshape(rows // h, h, cols // c, c).transpose(1, 2).reshape(-1, self.length)
+
+    def unsequence(self, seqs: torch.Tensor, shape) -> torch.Tensor:
+        """The inverse of sequences: [sequences, length] back to [rows, cols]."""
+        rows, cols = shape
+        h, c = self.tile_rows, self.width
+        return seqs.reshape(rows // h, cols // c, h, c).transpose(1, 2).reshape(rows, cols)
+
+    def _search(self, y: torch.Tensor, importance=None):
+        """(states [sequences, n], values [rows, cols]) of the scaled weights y [rows, cols]."""
+        V = self.step
+        seqs = self.sequences(y).reshape(-1, self.length // V, V)
+        weights = None
+        if importance is not None:
+            weights = self.sequences(importance.to(y)[None].expand(y.shape)).reshape(seqs.shape)
+        table = self.values(y.device)
+        states, _ = tail_biting(seqs, table, self.state_bits, self.bits * V, weights)
+        return states, self.unsequence(table[states].reshape(-1, self.length), y.shape)
+
+    def fit(self, w: torch.Tensor, importance=None) -> dict:
+        """{"scale": [rows]} of one group w [rows, cols] (`importance` unused: the scale is unweighted)."""
+        w = w.float()
+        s = fp16_scale(w.pow(2).mean(dim=1).sqrt() * (GAIN[self.bits] / self.spread))
+        if self.scale == "refit":
+            p = self._search(w / s[:, None])[1]
+            refit = fp16_scale((w * p).sum(dim=1) / (p * p).sum(dim=1).clamp(min=1e-30))
+            keep = (w - refit[:, None] * p).pow(2).sum(dim=1) < (w - s[:, None] * p).pow(2).sum(dim=1)
+            s = torch.where(keep, refit, s)
+        return {"scale": s}
+
+    def round(self, w: torch.Tensor, params: dict, importance=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, dequantized) of w [rows, k * length] with per-row scales [rows]; importance [cols], if given,
+        weighs each column's squared error in the search."""
+        s = params["scale"][:, None].to(w.dtype)
+        states, points = self._search(w.float() / s, importance)
+        kv = self.bits * self.step
+        codes = self.unsequence(codes_of_symbols(states & ((1 << kv) - 1), self.bits, self.step), w.shape)
+        return codes, s * points.to(w.dtype)
+
+    def dequantize(self, codes: torch.Tensor, params: dict) -> torch.Tensor:
+        """Weights [rows, cols] of codes [rows, cols] with per-column params (scale [rows, cols])."""
+        states = states_of_codes(self.sequences(codes), self.state_bits, self.bits, self.step)
+        points = self.values(codes.device)[states].reshape(-1, self.length)
+        return params["scale"].float() * self.unsequence(points, codes.shape)
+
+
+offer_method("trellis", "QTIP's trellis-coded quantization (bitshift trellis, exact Viterbi, tail-biting)")
