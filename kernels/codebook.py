@@ -23,7 +23,7 @@ import torch
 
 from quantkit.core import bitpack
 from quantkit.core.groups import per_column, row_groups
-from quantkit.kernels.dispatch import choose_backend, choose_path, prefill_gemm
+from quantkit.kernels.dispatch import LayerFacts, choose_path, layer_backend, prefill_gemm
 from quantkit.kernels.reference import linear_dequantized
 from quantkit.schemes.base import KernelDecode
 
@@ -122,7 +122,8 @@ def codebook_linear_torch(x, codes, scales, g_idx, quantizer, in_features, bias=
 def codebook_linear(x, codes, scales, g_idx, table, quantizer, in_features, bias=None, *, backend=None):
     """y = x @ Ŵᵀ (+ bias), x [..., in_features]; table: decode_table(quantizer.kernel_decode) on x's device;
     backend "auto" | "triton" | "torch" (see dispatch.py)."""
-    if choose_backend(x, quantizer.code_bits, backend) == "torch":
+    facts = LayerFacts(in_features, scales.shape[-1], quantizer.code_bits, codebook="lookup")
+    if layer_backend(facts, x.device.type, x.dtype, backend=backend).name != "triton":
         return codebook_linear_torch(x, codes, scales, g_idx, quantizer, in_features, bias)
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"x must be [..., in_features={in_features}], got {tuple(x.shape)}")

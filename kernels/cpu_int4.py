@@ -77,10 +77,6 @@ def kernel_group(in_features: int, group_size: int) -> Optional[int]:
     return max(whole) if whole else (group_size if group_size in GROUP_SIZES else None)
 
 
-def supports(out_features: int, in_features: int, group_size: int) -> bool:
-    return out_features % N_MULTIPLE == 0 and kernel_group(in_features, group_size) is not None
-
-
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """int [N, K] codes in 0..15 -> the op's uint8 [N, K/2]; RuntimeError when the decode would not give them back."""
     packed = _convert(codes)

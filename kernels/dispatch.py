@@ -1,11 +1,14 @@
-"""Entry point used by QuantLinear: Triton on CUDA, pure torch on CPU.
+"""What runs a quantized linear (`layer_backend`, the one place that decides it), and the GPTQ-layout entry point.
 
-Backend choice ("auto" unless the `backend` argument or the QUANTKIT_BACKEND env var says otherwise):
-  auto   -> Triton when x is on CUDA, x is fp16/bf16 and triton imports;
-            the torch reference otherwise (CPU, fp32 activations).
+`layer_backend(facts, device, dtype)` names the backend of a layer for activations of `dtype` on `device`, with the
+reason; the loader (which layers to repack for the CPU's int4 GEMM), every quantized module's forward, the entry
+points below and `quantkit inspect` all ask it. The `backend` argument or the QUANTKIT_BACKEND env var can force
+one ("auto" unless they say otherwise):
+  auto   -> Triton when x is on CUDA, x is fp16/bf16, triton imports (and a GPTQ layer's scales are fp16);
+            on the CPU torch's int4 GEMM where it takes the layer, else a strip-by-strip decode.
   triton -> always Triton; on CPU tensors this needs TRITON_INTERPRET=1 (how the tests check the
             kernels without a GPU). Unsupported inputs raise ValueError instead of falling back.
-  torch  -> always the torch reference.
+  torch  -> always the torch reference (on the CPU: the strip decode, no int4 GEMM).
 
 Within the Triton backend, two paths (the `path` argument; "auto" picks by M = rows of x):
   fused   (M < PREFILL_MIN_M) -> triton_gptq_ops.gptq_matmul: the weight is decoded in registers
@@ -30,28 +33,113 @@ dequantize + cuBLAS is 5%-25% faster on every Llama-3 8B/70B shape. The weight i
 activation dtype with the reference's single rounding, so both paths see identical weights.
 """
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
+from quantkit.kernels import cpu_int4
 from quantkit.kernels.device import triton_available
 from quantkit.kernels.reference import gptq_linear_torch, linear_dequantized
 
 BACKENDS = ("auto", "triton", "torch")
 PATHS = ("auto", "fused", "prefill")
 PREFILL_MIN_M = 256   # Triton backend: M >= this decodes to a transient fp16/bf16 weight + cuBLAS
+HALF = (torch.float16, torch.bfloat16)
 
 
-def choose_backend(x, bits, backend):
+class LayerFacts(NamedTuple):
+    """What the backend choice reads of a quantized linear: a loaded module's (QuantLinear.facts(),
+    DecodedLinear.facts()) or a checkpoint layer's (quantkit inspect)."""
+    in_features: int
+    out_features: int
+    bits: int
+    group_size: int = -1       # as stored: -1 is one group per row
+    groups: str = "plain"      # g_idx: "plain" (k // group_size), "sorted" (act-order whose groups are whole once the
+    #                            inputs are sorted by group) or "scattered" (groups of unequal sizes)
+    scales: torch.dtype = torch.float16  # what the scales run in (another tool's bf16/fp32 ones are kept)
+    codebook: str = ""         # "" for the integer grid; a codebook layer's CPU decode: "lookup" or "quantizer"
+    kernel: bool = True        # a Triton kernel decodes it: every grid layer, a codebook one with a KernelDecode
+
+
+class Backend(NamedTuple):
+    name: str    # "triton", "cpu_int4", "strips", "reference" or "dense"
+    reason: str  # one line: why this one, for `quantkit inspect`
+
+
+def layer_backend(layer: LayerFacts, device, dtype: torch.dtype, cache_dequantized: bool = False,
+                  backend: Optional[str] = None) -> Backend:
+    """What runs `layer` for `dtype` activations on `device` ("cpu", "cuda:1", a torch.device):
+      triton    the Triton dequant-GEMM (GPTQ layout: fused below PREFILL_MIN_M rows, decode + cuBLAS from there;
+                codebook layers: kernels/codebook.py), decoding in registers;
+      cpu_int4  the layer repacked at load time for torch's CPU int4 GEMM (quantkit.nn.cpu_int4_linear), which runs
+                bf16 calls of up to INT4_MM_MAX_M rows; every other call decodes exact strips from the same bytes;
+      strips    a strip of the weight decoded per product (quantkit.core.strips): the CPU's exact path, a codebook
+                layer's path wherever no kernel runs it;
+      reference the whole weight decoded per call (kernels/reference.py): a GPTQ layer off the Triton path on a GPU;
+      dense     cache_dequantized: the weight decoded once and kept (the unquantized model's speed and size).
+    Raises ValueError for a forced backend that cannot run (see the module docstring)."""
+    device = getattr(device, "type", device).partition(":")[0]
+    no_triton = _why_not_triton(layer, device, dtype, _forced(backend, device))
+    if no_triton is None:
+        where = "the Triton interpreter" if device == "cpu" else f"CUDA, {_name(dtype)} activations"
+        kind = "codebook dequant-GEMM" if layer.codebook else "dequant-GEMM (fused; decode + cuBLAS from 256 rows)"
+        return Backend("triton", f"{where}: Triton {kind}")
+    if cache_dequantized:
+        return Backend("dense", "cache_dequantized: the weight is decoded once and kept")
+    if layer.codebook:
+        how = "by table lookup" if layer.codebook == "lookup" else "through its quantizer"
+        return Backend("strips", f"{no_triton}: decoded a strip at a time, {how}")
+    if device != "cpu":
+        return Backend("reference", f"{no_triton}: the whole weight decoded at each call")
+    return _cpu_grid(layer, dtype, no_triton if no_triton.startswith("QUANTKIT_BACKEND") else None)
+
+
+def _forced(backend, device: str) -> str:
     backend = backend or os.environ.get("QUANTKIT_BACKEND", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the Triton backend on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
-    if backend != "auto":
-        return backend
-    fits = x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-    return "triton" if fits and triton_available() else "torch"
+    return backend
+
+
+def _why_not_triton(layer: LayerFacts, device: str, dtype, forced: str) -> Optional[str]:
+    """None where Triton runs the layer, else why not."""
+    if forced == "torch":
+        return "QUANTKIT_BACKEND=torch"
+    if not layer.kernel:
+        return "no Triton kernel decodes this codebook"
+    if not layer.codebook and layer.scales != torch.float16:  # the GPTQ tiles are written for fp16 scales
+        return f"{_name(layer.scales)} scales (the Triton kernel reads float16 ones)"
+    if forced == "triton":
+        return None
+    if device != "cuda":
+        return "on the CPU"
+    if dtype not in HALF:
+        return f"{_name(dtype)} activations (the Triton kernels take float16 and bfloat16)"
+    return None if triton_available() else "triton is not installed"
+
+
+def _cpu_grid(layer: LayerFacts, dtype, forced: Optional[str]) -> Backend:
+    """A GPTQ-layout layer on the CPU: torch's int4 GEMM where it takes the layer, else the strip decode."""
+    k, n = layer.in_features, layer.out_features
+    g = k if layer.group_size == -1 else layer.group_size
+    refusal = (forced or (f"{layer.bits}-bit codes" if layer.bits > 2 * cpu_int4.PLANE_BITS else None)
+               or (f"{n} outputs, not a multiple of {cpu_int4.N_MULTIPLE}" if n % cpu_int4.N_MULTIPLE else None)
+               or (f"groups of {g} inputs (the int4 GEMM takes {', '.join(map(str, cpu_int4.GROUP_SIZES))})"
+                   if cpu_int4.kernel_group(k, g) is None else None)
+               or ("act-order groups of unequal sizes" if layer.groups == "scattered" else None))
+    if refusal:
+        return Backend("strips", f"{refusal}: decoded a strip at a time, exactly")
+    if dtype == torch.bfloat16:
+        return Backend("cpu_int4", f"torch's int4 GEMM for bfloat16 calls of up to {cpu_int4.INT4_MM_MAX_M} rows, "
+                                   "exact strips for longer ones")
+    return Backend("cpu_int4", f"held for torch's int4 GEMM, which takes bfloat16: {_name(dtype)} activations "
+                               "decode exact strips at every call")
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def reserve_workspace(device: torch.device, out_features: int, in_features: int, codebook: bool = False) -> None:
@@ -82,9 +170,9 @@ def gptq_linear(x, qweight, qzeros, scales, g_idx, bits, in_features, bias=None,
     `path` ("auto", "fused", "prefill") applies to the Triton backend only; see the module docstring."""
     if path is not None and path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    # another tool's bf16/fp32 scales that fp16 cannot hold (kept as stored at load time) take the reference
-    # decode: the Triton tiles are written for fp16 scales
-    if choose_backend(x, bits, backend) == "torch" or scales.dtype != torch.float16:
+    # off the Triton path this op is the reference decode (on the CPU QuantLinear calls it under torch.compile only)
+    facts = LayerFacts(in_features, scales.shape[-1], bits, scales=scales.dtype)
+    if layer_backend(facts, x.device.type, x.dtype, backend=backend).name != "triton":
         return gptq_linear_torch(x, qweight, qzeros, scales, g_idx, bits, in_features, bias, zero_offset)
     from quantkit.kernels.triton_gptq_ops import check_layer, gptq_matmul
 

@@ -1,5 +1,8 @@
 """quantkit: offline weight quantization for Hugging Face causal LMs."""
 from quantkit.core.version import __version__  # noqa: F401
+# llama.cpp's quantizers and GGUF codec register into quantkit.schemes' and quantkit.checkpoint's registries from a
+# layer above both, which neither package imports: every use of quantkit sees them from here
+from quantkit import gguf  # noqa: F401
 
 _PUBLIC = {"quantize": "quantkit.api", "load_quantized": "quantkit.api", "convert": "quantkit.api",
            "QuantConfig": "quantkit.run.config", "QuantkitError": "quantkit.core.errors"}

@@ -2,7 +2,7 @@
 
     import quantkit
     report = quantkit.quantize("HuggingFaceTB/SmolLM2-135M", "out", quantkit.QuantConfig(method="gptq"))
-    model = quantkit.load_quantized("out", device_map="auto")
+    model = quantkit.load_quantized("out")   # on the GPU when there is one, in the checkpoint's dtype
 
 Every user mistake is a quantkit.QuantkitError whose message names the input and the fix.
 """

@@ -4,12 +4,11 @@ import sys
 
 import click
 
-from quantkit.algorithms.registry import method_help, method_names
-from quantkit.checkpoint.codecs import format_help, write_formats
-from quantkit.checkpoint.gguf_mix import FILE_TYPES
+from quantkit.algorithms.registry import method_names
+from quantkit.checkpoint.codecs import write_formats
 from quantkit.core.errors import QuantkitError
-from quantkit.run.config import QuantConfig, read_recipe
-from quantkit.schemes.base import quantizer_help
+from quantkit.core.options import Option
+from quantkit.run.config import QuantConfig, config_options, read_recipe
 
 
 class _Group(click.Group):
@@ -56,93 +55,26 @@ TRUST_HELP = ("Run the model's own Python code (auto_map in its config.json) for
               "ship. Off by default: only pass it for a model whose code you trust.")
 
 
-# Options that map 1:1 onto QuantConfig fields; the recipe fills the ones not given on the command line.
-_CONFIG_OPTIONS = [
-    click.option("--method", type=click.Choice(method_names()), default="rtn", help=method_help() + "."),
-    click.option("--quantizer", default=None,
-                 help="What rounds the weights. Default: the method's (int for rtn/gptq/awq; the method's own "
-                      "codebook for the others). " + quantizer_help() + ". Anything but unrotated int is written in "
-                      "the quantkit format."),
-    click.option("--bits", type=int, default=4, help="Bits per weight code; which widths a quantizer takes: "
-                                                     "see --quantizer."),
-    click.option("--group-size", type=int, default=128,
-                 help="Input columns sharing one scale (and zero); -1 = one group per row. A last shorter group is "
-                      "fine. turboquant: the block d, a power of two >= 8; e8: a multiple of 8 (both cost 16/group "
-                      "bits per weight for the scale)."),
-    click.option("--target-bits", type=float, default=None,
-                 help="Choose each linear's bits and group size for this average bits per weight of the quantized "
-                      "linears (codes, scales, zeros and g_idx counted as the files store them), where its error "
-                      "costs least: each layer's cost is its Fisher-weighted rounding error, measured on 8 "
-                      "calibration windows (one backward each); an exact knapsack picks from 2/3/4/8 bits x group "
-                      "sizes 32/64/128/-1, q/k/v and gate/up together, within --compat. Integer methods and the "
-                      "gptq, gptq_v2 and compressed-tensors formats; OUT's recipe holds the allocation "
-                      "(--recipe reproduces it). Replaces --bits and --group-size."),
-    click.option("--sym/--asym", default=True, help="Symmetric grid (zero fixed at 2^(bits-1)) or asymmetric min/max grid."),
-    click.option("--dataset", default="wikitext2",
-                 help="Calibration data: wikitext2, c4, pileval (downloaded from the Hugging Face hub, cached), or "
-                      "a local UTF-8 .txt/.jsonl/.json/.parquet file (offline). Unused by rtn."),
-    click.option("--nsamples", type=int, default=128, help="Calibration windows."),
-    click.option("--seqlen", type=int, default=512,
-                 help="Tokens per calibration window, at most the model's context (max_position_embeddings)."),
-    click.option("--seed", type=int, default=0,
-                 help="Seed for choosing calibration windows (and rotation signs): an integer from 0 to 2147483647."),
-    click.option("--damp", type=float, default=0.01, help="GPTQ damping, as a fraction of the mean Hessian diagonal "
-                                                          "(raised automatically if the Cholesky fails)."),
-    click.option("--block-size", type=int, default=128, help="GPTQ columns per lazy-update block."),
-    click.option("--act-order/--no-act-order", default=True,
-                 help="GPTQ: quantize columns by descending Hessian diagonal, with static groups so g_idx stays "
-                      "i // group_size (no reordering cost at inference). Much better on models with outlier "
-                      "channels (SmolLM2-135M, WikiText-2 ppl, fp 29.8: w4 g128 38.2 vs 44.0 without, w3 g128 "
-                      "77.7 vs 106.3)."),
-    click.option("--true-sequential/--no-true-sequential", default=True,
-                 help="Calibrate each stage of a block (q/k/v, o, gate/up, down) on the outputs of the already "
-                      "quantized stages before it (GPTQ rounding; with AWQ's round-to-nearest only the error "
-                      "report's inputs change). Also the faster way: the stages cost one block forward in all."),
-    click.option("--moe-calibration", type=click.Choice(["all", "routed"]), default="all",
-                 help="Mixture-of-experts models: all: while a block is calibrated every expert also computes every "
-                      "token, so each expert's statistics cover them all (the block's output keeps the true "
-                      "routing); routed: each expert's statistics from the tokens routed to it (an expert none "
-                      "reaches is rounded to nearest). The tokens routed to each expert are reported either way."),
-    click.option("--lm-head/--no-lm-head", default=False,
-                 help="Quantize lm_head too (after the last block, calibrated on the final norm's outputs; GPTQ "
-                      "methods round it with GPTQ, the others to nearest). A tied lm_head is untied: the embeddings "
-                      "stay in float. Saves vocab x hidden weights (SmolLM2: 57 MB of its 269 in bf16) and makes "
-                      "CPU decode read 4 bits per weight there; a recipe override (pattern: lm_head) sets its bits. "
-                      "vLLM and GPTQModel load it, transformers does not."),
-    click.option("--awq-grid", type=int, default=20, help="AWQ: number of alpha values tried on [0, 1)."),
-    click.option("--awq-clip/--no-awq-clip", default=True, help="AWQ: search a per-group clipping range too."),
-    click.option("--checkpoint-format", type=click.Choice(write_formats()), default=None,
-                 help=format_help() + ". gptq and gptq_v2 write rotated and codebook layers in the quantkit format. "
-                      "Default: gptq (gguf with --gguf-type)."),
-    click.option("--gguf-type", type=click.Choice(FILE_TYPES), default=None,
-                 help="Write a llama.cpp file of this file type: every layer gets the block type llama-quantize "
-                      "gives it for this type (Q4_K_M: Q4_K, with Q6_K on attn_v and ffn_down of half the layers; "
-                      "rows that are not whole super-blocks of 256 fall back as llama.cpp's do, e.g. Q4_K to Q5_0), "
-                      "rounded by --method (rtn, gptq, awq). Implies --checkpoint-format gguf; --bits, --group-size, "
-                      "--sym and --quantizer are not used. The embeddings and output stay in float (llama-quantize "
-                      "--token-embedding-type/--output-tensor-type f16 makes llama.cpp's file the same)."),
-    click.option("--rotate", type=click.Choice(["none", "hadamard"]), default=None,
-                 help="hadamard: quantize each linear as W Πᵀ with a seeded randomized Hadamard rotation Π along "
-                      "its inputs (GPTQ then rounds against Π H Πᵀ); the layer computes Ŵ (Π x). Default: hadamard "
-                      "for the turboquant and e8 methods, none otherwise; not with awq; "
-                      "written in the quantkit format (quant_method \"quantkit\"), which GPTQ readers cannot run. "
-                      "--seed picks the signs."),
-    click.option("--max-shard-size", default="4GB",
-                 help="Largest safetensors shard, in bytes or with a unit: KB, MB, GB (powers of 1000), KiB, MiB, GiB "
-                      "(of 1024), e.g. 500MB; bigger checkpoints get several shards and an index."),
-    click.option("--compat", type=click.Choice(["none", "any", "vllm", "transformers", "gptqmodel"]), default="none",
-                 help="Before any work, quantize checks the settings against what vLLM, transformers and GPTQModel "
-                      "load (bits/sym, group size, short last group, overrides of part of a fused q/k/v or gate/up "
-                      "group, per-module overrides) and prints one warning line per reader that would refuse the "
-                      "checkpoint, with the fix. none: warnings only; vllm/transformers/gptqmodel: that reader's "
-                      "refusal is an error; any: every reader's is. docs/FORMAT.md has the rules and their sources."),
-]
+def _click_option(option: Option) -> click.Option:
+    """The --flag of a run setting (quantkit.core.options.Option), its type, default, choices and help as declared."""
+    if option.type is bool:
+        return click.Option([option.cli_flag], default=option.default, help=option.help)
+    kind = click.Choice(option.choices) if option.choices else option.type
+    return click.Option([option.cli_flag], type=kind, default=option.default, help=option.help)
 
 
-def _config_options(f):
-    for opt in reversed(_CONFIG_OPTIONS):
-        f = opt(f)
-    return f
+class _ConfigCommand(click.Command):
+    """`quantize`: its run settings (QuantConfig's fields and every registered algorithm's options) become --options
+    when the command parses or prints help, after -o/--output, so an algorithm a plugin registers has its own."""
+
+    def get_params(self, ctx):
+        options = config_options()
+        key = tuple(o.name for o in options) + tuple(o.choices for o in options)
+        if getattr(self, "_config_key", None) != key:  # built once per set of registered algorithms and methods
+            self._config_params, self._config_key = [_click_option(o) for o in options], key
+        params = super().get_params(ctx)
+        at = next(i for i, p in enumerate(params) if p.name == "out") + 1
+        return params[:at] + self._config_params + params[at:]
 
 
 def build_config(ctx, params: dict, recipe_path) -> QuantConfig:
@@ -150,18 +82,18 @@ def build_config(ctx, params: dict, recipe_path) -> QuantConfig:
     from click.core import ParameterSource
 
     values = read_recipe(recipe_path) if recipe_path else {}
+    settings = {o.name for o in config_options()}
     for name, value in params.items():
-        if name in QuantConfig.__dataclass_fields__:
+        if name in settings:
             explicit = ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
             if explicit or name not in values:
                 values[name] = value
     return QuantConfig(**values)
 
 
-@main.command()
+@main.command(cls=_ConfigCommand)
 @click.argument("model")
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="Checkpoint folder to write.")
-@_config_options
 @click.option("--recipe", type=click.Path(), default=None,
               help="YAML/TOML file of options and per-module overrides (command-line options win).")
 @click.option("--device", default="auto", help="Compute device: cpu, cuda, cuda:N or auto (GPU if available).")
@@ -246,15 +178,18 @@ def _mention_idle_gpus(device: str) -> None:
 @click.argument("src")
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
 @click.option("--checkpoint-format", type=click.Choice(write_formats()), required=True, help="The layout to write.")
+@click.option("--max-shard-size", default=None,
+              help="Largest safetensors shard (bytes, or with a unit as quantize takes it, e.g. 500MB). Default: the "
+                   "one SRC was quantized with (its quantkit_recipe.yaml), else 4GB.")
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT if it holds a checkpoint quantkit wrote (never a folder with other files).")
-def convert(src, out, checkpoint_format, overwrite):
+def convert(src, out, checkpoint_format, max_shard_size, overwrite):
     """Repack the quantized folder SRC (gptq v1/v2, awq, compressed-tensors, quantkit integer layers) into OUT
     in another layout, exactly: codes, scales and zeros are decoded and re-encoded, never re-rounded. What the
     target cannot store (e.g. 3-bit as awq, a zero of 0 as gptq v1) is refused with the reason."""
     from quantkit.run.convert import convert as run
 
-    report = run(src, out, checkpoint_format, overwrite)
+    report = run(src, out, checkpoint_format, overwrite, max_shard_size)
     click.echo(f"wrote {out} ({report['layers']} quantized linears, {report['source_format']} -> "
                f"{checkpoint_format})")
 

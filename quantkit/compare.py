@@ -26,13 +26,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from quantkit.calibration.data import check_dataset, eval_ids
+from quantkit.calibration.data import check_dataset
 from quantkit.checkpoint.files import REPORT_NAME, read_report
 from quantkit.core.errors import QuantkitError
 from quantkit.core.textfile import check_path_name, read_user_text
 from quantkit.core.units import size_text
-from quantkit.eval import (check_eval_options, check_seqlen, is_quantized_folder, load_any, model_device, model_logits,
-                           split_windows)
+from quantkit.eval import (check_eval_options, check_seqlen, eval_ids, is_quantized_folder, load_any, model_device,
+                           model_logits, split_windows)
 from quantkit.models.arch import check_window
 from quantkit.models.hub import load_tokenizer
 

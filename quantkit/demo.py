@@ -59,7 +59,7 @@ def run_demo(out, bits, group_size, method, n_tokens, overwrite=False) -> str:
         quantize(str(src), target, config, device="cpu", overwrite=overwrite, calibration_ids=calib_rows,
                  resumable=False)
         seconds = time.perf_counter() - t0
-        q_model = load_quantized(target)
+        q_model = load_quantized(target, device="cpu")  # where the fp model runs, in its float32
         stream = eval_rows.reshape(1, -1)
         fp = perplexity(fp_model, stream, seqlen, progress=False)
         q = perplexity(q_model, stream, seqlen, progress=False)

@@ -1,5 +1,6 @@
-"""Perplexity of a causal LM on a token stream, by the protocol of the GPTQ evaluation scripts, and of a path
-(a quantized folder or a floating-point model) as `quantkit eval perplexity` runs it."""
+"""Perplexity of a causal LM on a token stream, by the protocol of the GPTQ evaluation scripts (eval_ids: a dataset's
+evaluation stream), and of a path (a quantized folder or a floating-point model) as `quantkit eval perplexity` runs
+it."""
 
 from __future__ import annotations
 
@@ -9,20 +10,34 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from quantkit.calibration.data import check_dataset, eval_ids
-from quantkit.calibration.capture import move_loaded
-from quantkit.checkpoint.files import has_quantization_config
+from quantkit.calibration.data import CUT_MARGIN, check_dataset, check_positive, token_stream
+from quantkit.checkpoint.files import has_quantization_config, read_config
 from quantkit.core.errors import QuantkitError
 from quantkit.core.matmul import onednn_linears
 from quantkit.models import offload
 from quantkit.models.arch import arch_for, check_window
 from quantkit.models.hub import load_fp_model, load_tokenizer, resolve_device
+from quantkit.models.placement import move_loaded
 from quantkit.models.stream import InMemoryModel, open_model
-from quantkit.run.load import load_quantized
+from quantkit.run.load import checkpoint_dtype, load_quantized
 
 # Positions per cross-entropy call: bounds the float32 copy of the logits to
 # _LOSS_CHUNK x vocab floats (e.g. 1024 x 152k x 4 B ≈ 0.6 GB for Qwen) however long the window.
 _LOSS_CHUNK = 1024
+
+
+def eval_ids(tokenizer, dataset: str, max_tokens: int | None = None) -> torch.LongTensor:
+    """The evaluation stream of `dataset` (quantkit.calibration.data reads it) as LongTensor [1, T].
+
+    Protocol (GPTQ eval scripts): tokenizer("\\n\\n".join(texts), return_tensors="pt") over the
+    eval split, cut to the first `max_tokens` tokens when given. With `max_tokens` only the leading
+    documents needed for that many tokens (plus a margin) are tokenized; the result is identical
+    to tokenizing everything and then cutting.
+    """
+    if max_tokens is None:
+        return token_stream(tokenizer, dataset, "eval").unsqueeze(0)
+    check_positive(max_tokens, "--max-tokens")
+    return token_stream(tokenizer, dataset, "eval", max_tokens + CUT_MARGIN)[:max_tokens].unsqueeze(0)
 
 
 def perplexity(model, input_ids: torch.LongTensor, seqlen: int, batch_size: int = 1, progress: bool = True) -> dict:
@@ -137,13 +152,22 @@ def load_any(path, device="auto", dtype=None, stream=False, trust_remote_code=Fa
     trust_remote_code: run a floating-point model's own code (config.json auto_map); off by default."""
     device = resolve_device(device)
     if is_quantized_folder(path):
-        model = load_quantized(path, device_map=device, dtype=dtype, stream=stream)
+        model = load_quantized(path, device=device, dtype=dtype or _quantized_eval_dtype(path, device), stream=stream)
         return model, load_tokenizer(path)
     dtype = dtype or ("float32" if device == "cpu" else "auto")
     if stream:
         return _stream_fp_model(path, device, dtype, trust_remote_code)
     model, tokenizer = load_fp_model(path, dtype, trust_remote_code)
     return model.to(device), tokenizer
+
+
+def _quantized_eval_dtype(path, device: str) -> torch.dtype:
+    """What evaluation computes a quantized folder in by default (--dtype's help): float32 on the CPU (exact: a
+    perplexity there is the fp32 model's protocol), the checkpoint's half type on a GPU (float16 for another)."""
+    if device == "cpu":
+        return torch.float32
+    own = checkpoint_dtype(read_config(path))
+    return own if own in (torch.float16, torch.bfloat16) else torch.float16
 
 
 def _stream_fp_model(path, device, dtype, trust_remote_code):

@@ -81,7 +81,7 @@ def real_model_rows(args, work: Path) -> list:
             out = work / f"{source.name}-{row['method']}-{device}-{role}"
             timing = quantize_timed(source, out, config, device, calibration)
             with torch.inference_mode():
-                model = load_quantized(out, device_map=device, dtype=torch.float32)
+                model = load_quantized(out, device=device, dtype=torch.float32)
                 ppl = perplexity(model, eval_ids.to(device), seqlen, progress=False)["ppl"]
             if role == "run":
                 row.update(timing, ppl=ppl)

@@ -15,8 +15,7 @@ import time
 import torch
 
 from quantkit.core import matmul
-from quantkit.calibration.data import eval_ids
-from quantkit.eval import load_any, perplexity
+from quantkit.eval import eval_ids, load_any, perplexity
 
 
 def timed(model, ids, seqlen, onednn: bool) -> tuple[float, float]:

@@ -83,7 +83,7 @@ def child(path: str, dtype: str, cache: bool, args) -> dict:
     baseline, code = status("VmRSS"), code_pages()
     quantized = (Path(path) / "quantkit_report.json").exists()
     if quantized:
-        model = load_quantized(path, dtype=dtype, cache_dequantized=cache)
+        model = load_quantized(path, device="cpu", dtype=dtype, cache_dequantized=cache)
     else:
         model = load_fp_model(path, dtype)[0].eval()
     loaded = status("VmRSS")

@@ -80,7 +80,7 @@ def load(kind: str, folder: Path, device: str, dtype: torch.dtype):
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     from quantkit.run.load import load_quantized
 
-    return load_quantized(folder, device_map=device, dtype=dtype).eval()
+    return load_quantized(folder, device=device, dtype=dtype).eval()
 
 
 def synchronize(device: str) -> None:

@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from quantkit.checkpoint.gguf_mix import FILE_TYPES
+from quantkit.gguf.mix import FILE_TYPES
 
 X86 = ["AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX512_VBMI", "AVX_VNNI"]
 TARGETS = ["llama-perplexity", "llama-quantize", "llama-imatrix", "llama-bench"]

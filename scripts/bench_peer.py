@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from quantkit.calibration.data import calibration_ids, eval_ids
-from quantkit.eval import perplexity
+from quantkit.calibration.data import calibration_ids
+from quantkit.eval import eval_ids, perplexity
 from quantkit.run.load import load_quantized
 from quantkit.models.hub import load_fp_model
 
@@ -71,7 +71,7 @@ def run_quantkit(model_path, run, calib_file, texts, seqlen, extra, evaluated=Tr
         times = {"times": [json.loads(timing.read_text())["seconds"]]}
         if not evaluated:
             return times
-        model = load_quantized(out, device_map="cpu", dtype="float32")
+        model = load_quantized(out, device="cpu", dtype="float32")
         return {**times, **evaluate(model, texts, seqlen)}
 
 

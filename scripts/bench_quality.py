@@ -25,8 +25,8 @@ import torch
 from quantkit.api import quantize
 from quantkit.compare import compare_models
 from quantkit.run.config import QuantConfig
-from quantkit.calibration.data import calibration_ids, eval_ids
-from quantkit.eval import perplexity
+from quantkit.calibration.data import calibration_ids
+from quantkit.eval import eval_ids, perplexity
 from quantkit.run.load import load_quantized
 from quantkit.models.hub import load_fp_model
 from quantkit.run.report import inspect_checkpoint
@@ -98,7 +98,7 @@ def main(argv=None, config_of=default_config, prog=None):
                      calibration_ids=calib if config.needs_calibration else None)
             seconds = time.perf_counter() - t0
             info = inspect_checkpoint(out)
-            model = load_quantized(out, device_map=device, dtype=args.eval_dtype)
+            model = load_quantized(out, device=device, dtype=args.eval_dtype or fp_model.dtype)
             q = compare_models(fp_model, model, ids, args.seqlen, progress=False)
             del model
         row = {"run": spec, "ppl": q["ppl"]["quant"], "kld": q["kld"]["mean"], "top1": q["top1"]["mean"],

@@ -94,7 +94,7 @@ def child_load(out, args, stream=False):
 
     from quantkit.run.load import load_quantized
 
-    model = load_quantized(out, stream=stream, dtype=args.dtype)
+    model = load_quantized(out, device="cpu", stream=stream, dtype=args.dtype or "auto")
     with torch.inference_mode():
         logits = model(torch.arange(16).unsqueeze(0)).logits
     assert torch.isfinite(logits).all()
@@ -174,7 +174,7 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the synthetic model and the output")
     ap.add_argument("--source", help="an existing model folder (e.g. a kept fp/ of an earlier run) instead of building")
     ap.add_argument("--quantized", help="an existing quantized output of --source (a kept q/): measure the loads only")
-    ap.add_argument("--dtype", help="activation dtype of the loads (default: load_quantized's, float32 on the CPU)")
+    ap.add_argument("--dtype", help="activation dtype of the loads (default: load_quantized's, the checkpoint's own)")
     ap.add_argument("--eval-dataset", help="also run `eval perplexity` of the quantized model on this dataset")
     ap.add_argument("--eval-tokens", type=int, default=1024, help="tokens that evaluation reads (default 1024)")
     ap.add_argument("--seqlen-eval", type=int, default=512, help="evaluation window (default 512)")

@@ -25,8 +25,9 @@ import torch
 
 from bench_quality import true_bits_per_weight
 from quantkit.api import quantize
-from quantkit.calibration.data import calibration_ids, eval_ids
+from quantkit.calibration.data import calibration_ids
 from quantkit.compare import compare_models
+from quantkit.eval import eval_ids
 from quantkit.models.hub import load_fp_model
 from quantkit.run.config import QuantConfig
 from quantkit.run.load import load_quantized
@@ -44,7 +45,7 @@ def measure(args, fp_model, eval_tokens, calib, config: QuantConfig, tokens: int
         report = quantize(args.model, out, config, calibration_ids=calib)
         seconds = time.perf_counter() - start
         info = inspect_checkpoint(out)
-        model = load_quantized(out)
+        model = load_quantized(out, device="cpu", dtype=fp_model.dtype)  # as the fp model it is compared with
         q = compare_models(fp_model, model, eval_tokens[:tokens], args.seqlen, progress=False)
     row = {"kld": q["kld"]["mean"], "top1": q["top1"]["mean"], "ppl": q["ppl"]["quant"], "seconds": seconds,
            "bpw": true_bits_per_weight(info), "mib": info["total_bytes"] / 2**20}

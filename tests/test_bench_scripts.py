@@ -292,3 +292,17 @@ def test_bench_cpu_generate_runs_a_row_under_the_allocator_setting(tmp_path):
     assert row["bf16_bytes"] == 2 * params
     assert bench.run_child(str(folder), "bfloat16", False, SimpleNamespace(**{**vars(args), "mmap_threshold": None})
                            )["mmap_threshold"] == "default (dynamic)"
+
+
+def test_bench_load_memory_measures_each_row_in_a_fresh_process(tmp_path, capsys):
+    """Build, quantize and the four children (imports, defaults, bf16, fp32) on a tiny shape."""
+    bench_load_memory = pytest.importorskip("bench_load_memory")
+    out = tmp_path / "rows.json"
+    bench_load_memory.main(["--small", "--hidden", "128", "--layers", "1", "--intermediate", "256", "--heads", "4",
+                            "--vocab", "512", "--workdir", str(tmp_path / "work"), "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [rows[k]["dtype"] for k in ("defaults", "dtype=bfloat16", "dtype=float32")] == ["float16", "bfloat16",
+                                                                                          "float32"]
+    imports = rows[bench_load_memory.IMPORTS]["VmHWM"]
+    assert all(r["VmHWM"] > imports > 0 for k, r in rows.items() if k != bench_load_memory.IMPORTS)
+    assert "| defaults | float16 |" in capsys.readouterr().out and not (tmp_path / "work").exists()

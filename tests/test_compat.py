@@ -160,7 +160,7 @@ def test_quantize_fused_override_loads_and_warns(model_factory, tmp_path, capsys
     assert "warning: transformers will refuse this checkpoint" in err and "vllm" not in err
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert list(qc["dynamic"]) == [r"+:^model\.layers\.0\.self_attn\.(?:q_proj|k_proj|v_proj|qkv_proj)$"]
-    model = load_quantized(tmp_path / "q")
+    model = load_quantized(tmp_path / "q", device="cpu")
     assert [model.get_submodule(n).bits for n in LLAMA_QKV] == [8, 8, 8]
     assert model.get_submodule("model.layers.0.self_attn.o_proj").bits == 4
     report = json.loads((tmp_path / "q" / "quantkit_report.json").read_text())
@@ -199,3 +199,53 @@ def test_3bit_compressed_tensors_passes_compat_vllm_and_asym_fails_compat_transf
     done = CliRunner().invoke(main, [*common, "-o", str(tmp_path / "asym"), "--asym", "--compat", "transformers"])
     assert done.exit_code == 2 and "weight_zero_point" in done.output and "fix: --sym" in done.output
     assert not (tmp_path / "asym").exists()
+
+
+def test_transformers_517_renamed_router_is_a_warning_that_names_the_dtype_that_loads():
+    """transformers 5.17 to 5.20 load a float tensor they rename (Mixtral's block_sparse_moe.gate, their mlp.gate) in
+    its stored dtype: a compressed-tensors Mixtral from fp16 crashes with dtype=torch.float32 there (issue 58). They
+    serve it in the config's dtype, so it is a warning, never a --compat refusal; Qwen3-MoE's router keeps its name."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.models.names import FileNames
+    from tiny_models import CONFIGS
+
+    model = AutoModelForCausalLM.from_config(CONFIGS["mixtral"]())
+    kinds = {"router": {"model.layers.0.mlp.gate.weight": 256, "model.layers.1.mlp.gate.weight": 256},
+             "embeddings": {"model.embed_tokens.weight": 1}, "lm_head": {"lm_head.weight": 1},
+             "quantized": {"model.layers.0.mlp.experts.0.gate_proj.weight": 1}}
+    renamed = compat.renamed_floats(kinds, FileNames(model).of_tensor)
+    assert renamed == ["model.layers.0.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.gate.weight"]
+    problems = compat.transformers_renamed_floats(renamed)
+    assert [(p.reader, p.fatal) for p in problems] == [("transformers", False)]
+    assert "5.17 to 5.20" in problems[0].reason and "dtype='auto'" in problems[0].fix
+    for target in ("transformers", "any"):
+        assert compat.enforce(problems, target) == [
+            f"transformers may fail on this checkpoint: {problems[0].reason} (fix: {problems[0].fix})"]
+    assert compat.renamed_floats({"router": {"model.layers.0.mlp.gate.weight": 1}}, lambda n: n) == []
+    assert compat.transformers_renamed_floats([]) == []
+
+
+def test_compressed_tensors_mixtral_router_is_written_in_the_config_dtype_under_its_file_name(tmp_path):
+    """What transformers 5.17 to 5.20 load (they keep the router as stored): the router in the dtype config.json
+    states, which from_pretrained's default dtype asks for, named as the files name it (vLLM refuses mlp.gate)."""
+    from safetensors import safe_open
+
+    from tiny_models import make_model_folder
+
+    src = make_model_folder("mixtral", tmp_path / "src", dtype=torch.float16)
+    config = QuantConfig(method="rtn", group_size=32, checkpoint_format="compressed-tensors")
+    quantize(str(src), tmp_path / "ct", config, device="cpu")
+    assert json.loads((tmp_path / "ct" / "config.json").read_text())["dtype"] == "float16"
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
+        routers = {k: f.get_slice(k).get_dtype() for k in f.keys() if k.endswith("gate.weight")}
+    assert routers == {f"model.layers.{i}.block_sparse_moe.gate.weight": "F16" for i in range(2)}
+
+
+def test_quantize_warns_of_the_renamed_router_and_still_writes_under_compat_transformers(model_factory, tmp_path):
+    config = QuantConfig(method="rtn", bits=4, group_size=32, checkpoint_format="compressed-tensors",
+                         compat="transformers")
+    report = quantize(str(model_factory("mixtral")), tmp_path / "ct", config)
+    assert any("transformers may fail on this checkpoint" in line and "block_sparse_moe.gate.weight" in line
+               for line in report["compat"])
+    assert (tmp_path / "ct" / "config.json").exists()

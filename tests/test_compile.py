@@ -59,7 +59,7 @@ def test_loaded_quantized_model_compiles_in_one_graph(tmp_path):
 
     quantkit.quantize(str(make_model_folder("llama-gqa", tmp_path)), str(tmp_path / "q"),
                       QuantConfig(method="rtn", bits=4, group_size=32))
-    model = quantkit.load_quantized(str(tmp_path / "q"))
+    model = quantkit.load_quantized(str(tmp_path / "q"), device="cpu")
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         explained = torch._dynamo.explain(model)(ids, use_cache=False)

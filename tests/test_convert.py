@@ -24,7 +24,7 @@ def _tensors(folder):
 
 def _logits(folder):
     with torch.no_grad():
-        return load_quantized(folder)(IDS).logits
+        return load_quantized(folder, device="cpu")(IDS).logits
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_skipped_linears_are_declared(sources, tmp_path):
     skip = "model.layers.0.mlp.down_proj"
     assert json.loads((tmp_path / "awq/config.json").read_text())["quantization_config"]["modules_to_not_convert"] == [skip]
     assert json.loads((tmp_path / "ct/config.json").read_text())["quantization_config"]["ignore"] == [skip]
-    assert isinstance(load_quantized(tmp_path / "ct").get_submodule(skip), torch.nn.Linear)
+    assert isinstance(load_quantized(tmp_path / "ct", device="cpu").get_submodule(skip), torch.nn.Linear)
 
 
 def test_refusals(sources, model_factory, tmp_path):

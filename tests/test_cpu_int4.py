@@ -127,6 +127,21 @@ def test_the_repack_strip_by_strip_is_the_whole_layers(monkeypatch, bits, act_or
     assert torch.equal(CpuInt4Linear.from_quant_linear(m).planes, whole)
 
 
+def test_a_layer_repacked_for_other_activations_builds_the_ops_scales_at_its_first_bf16_call():
+    """Loaded for float32 or float16, a layer never runs the int4 GEMM until bf16 comes: its scales for the op are not
+    held until then (a traced graph computes them inline), and are then those a bf16 repack builds."""
+    m = quant_linear(128, 64, 4, 32)
+    packed, eager = CpuInt4Linear.from_quant_linear(m, torch.float32), CpuInt4Linear.from_quant_linear(m)
+    assert packed.kernel_scales is None and eager.kernel_scales is not None
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(packed(x), eager(x), rtol=0, atol=0)
+    assert packed.kernel_scales is None
+    compiled = torch.compile(packed, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x.bfloat16()), eager(x.bfloat16())) and packed.kernel_scales is None
+    assert torch.equal(packed(x.bfloat16()), eager(x.bfloat16()))
+    assert torch.equal(packed.kernel_scales, eager.kernel_scales)
+
+
 def test_a_repacked_layer_stays_on_the_cpu():
     packed = CpuInt4Linear.from_quant_linear(quant_linear(128, 64, 4, 32))
     packed.to(torch.bfloat16)  # a dtype change is fine
@@ -140,15 +155,15 @@ def test_load_quantized_keeps_the_weights_packed_on_the_cpu(model_factory, tmp_p
     quantkit.quantize(str(src), tmp_path / "q", quantkit.QuantConfig(method=method, bits=bits, group_size=32),
                       device="cpu")
     ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(3))
-    packed = quantkit.load_quantized(tmp_path / "q")
-    cached = quantkit.load_quantized(tmp_path / "q", cache_dequantized=True)
+    packed = quantkit.load_quantized(tmp_path / "q", device="cpu")
+    cached = quantkit.load_quantized(tmp_path / "q", cache_dequantized=True, device="cpu")
     kinds = {type(m) for m in packed.modules()}
     assert (CpuInt4Linear if method == "rtn" else DecodedLinear) in kinds
     with torch.inference_mode():
         torch.testing.assert_close(packed(ids).logits, cached(ids).logits, **FP32_TOL)
         assert not any("_weight_cache" in m.__dict__ for m in packed.modules())  # no dense copy was kept
         assert any("_weight_cache" in m.__dict__ for m in cached.modules())
-        bf16 = quantkit.load_quantized(tmp_path / "q", dtype=torch.bfloat16)
+        bf16 = quantkit.load_quantized(tmp_path / "q", dtype=torch.bfloat16, device="cpu")
         out = bf16.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 16)
 
@@ -163,7 +178,7 @@ def test_a_loaded_model_maps_no_more_of_its_files_than_the_input_embedding(model
                       device="cpu")  # float tensors stored in float32
     weights = tmp_path / "q" / "model.safetensors"
     for kwargs in ({"dtype": torch.bfloat16}, {"dtype": torch.float16, "cache_dequantized": True}, {}):
-        model = quantkit.load_quantized(tmp_path / "q", **kwargs)
+        model = quantkit.load_quantized(tmp_path / "q", **kwargs, device="cpu")
         gc.collect()
         embedding = model.get_input_embeddings().weight.nbytes
         mapped = mapped_bytes(weights)

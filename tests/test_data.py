@@ -9,6 +9,7 @@ import torch
 import quantkit
 from quantkit.calibration import data
 from quantkit.core.errors import QuantkitError
+from quantkit.eval import eval_ids
 
 TOKENIZER_DIR = Path(quantkit.__file__).parent / "assets" / "stories260k"
 
@@ -286,7 +287,7 @@ def test_calibration_rejects_non_positive_sizes(tokenizer, txt_file, nsamples, s
 
 
 def test_eval_ids_is_the_joined_stream(tokenizer, txt_file):
-    ids = data.eval_ids(tokenizer, str(txt_file))
+    ids = eval_ids(tokenizer, str(txt_file))
     expected = stream_of(tokenizer, DOCS)
     assert ids.shape == (1, expected.numel())
     assert torch.equal(ids[0], expected)
@@ -294,11 +295,11 @@ def test_eval_ids_is_the_joined_stream(tokenizer, txt_file):
 
 
 def test_eval_ids_max_tokens_is_a_prefix_of_the_full_stream(tokenizer, txt_file):
-    full = data.eval_ids(tokenizer, str(txt_file))
-    cut = data.eval_ids(tokenizer, str(txt_file), max_tokens=50)
+    full = eval_ids(tokenizer, str(txt_file))
+    cut = eval_ids(tokenizer, str(txt_file), max_tokens=50)
     assert cut.shape == (1, 50)
     assert torch.equal(cut, full[:, :50])
-    longer_than_text = data.eval_ids(tokenizer, str(txt_file), max_tokens=10**6)
+    longer_than_text = eval_ids(tokenizer, str(txt_file), max_tokens=10**6)
     assert torch.equal(longer_than_text, full)
 
 
@@ -310,7 +311,7 @@ def test_long_stream_does_not_warn_about_model_max_length(tokenizer, txt_file, c
     tokenizer.model_max_length = 16
     try:
         with caplog.at_level("WARNING"):
-            data.eval_ids(tokenizer, str(txt_file))
+            eval_ids(tokenizer, str(txt_file))
             data.calibration_ids(tokenizer, str(txt_file), nsamples=2, seqlen=32, seed=0)
     finally:
         tokenizer.model_max_length = saved

@@ -42,7 +42,7 @@ def test_rtn_checkpoint_matches_fake_quant(model_factory, tmp_path, kind, bits, 
     config = QuantConfig(method="rtn", bits=bits, group_size=group_size, sym=sym)
     out = tmp_path / "q"
     quantize(str(src), out, config, device="cpu")
-    model = load_quantized(out)
+    model = load_quantized(out, device="cpu")
     n_quant = sum(isinstance(m, INTEGER_GRID_LINEARS) for m in model.modules())
     assert n_quant == len(json.loads((out / "quantkit_report.json").read_text())["layers"]) > 0
     ref = fake_quant_reference(src, config)
@@ -52,7 +52,7 @@ def test_rtn_checkpoint_matches_fake_quant(model_factory, tmp_path, kind, bits, 
 def test_loaded_model_holds_no_fp_weights_of_quantized_layers(model_factory, tmp_path):
     out = tmp_path / "q"
     quantize(str(model_factory("llama-gqa")), out, QuantConfig(bits=4, group_size=32), device="cpu")
-    model = load_quantized(out)
+    model = load_quantized(out, device="cpu")
     q = model.model.layers[0].self_attn.k_proj
     assert isinstance(q, INTEGER_GRID_LINEARS) and q.out_features == 32  # GQA: 2 kv heads x 16
     assert not any(n.endswith("k_proj.weight") for n, _ in model.named_parameters())
@@ -65,7 +65,7 @@ def test_loaded_model_holds_no_fp_weights_of_quantized_layers(model_factory, tmp
 def test_tied_embeddings_and_bias_survive(model_factory, tmp_path):
     out = tmp_path / "q"
     quantize(str(model_factory("llama-tied-bias")), out, QuantConfig(bits=4, group_size=32), device="cpu")
-    model = load_quantized(out)
+    model = load_quantized(out, device="cpu")
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert model.model.layers[0].self_attn.q_proj.bias is not None
 
@@ -85,7 +85,7 @@ def test_gptq_checkpoint_reproduces_in_loop_weights(model_factory, tmp_path):
         if f"{name}.qweight" in tensors:
             t = {s: tensors[f"{name}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx")}
             set_weight(module, dequantize_gptq(t, 3, module.in_features))
-    torch.testing.assert_close(logits(load_quantized(out)), logits(ref), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits(load_quantized(out, device="cpu")), logits(ref), rtol=1e-4, atol=1e-4)
     report = json.loads((out / "quantkit_report.json").read_text())
     assert all(0 <= r["error"] < 1 for r in report["layers"].values())
 
@@ -96,7 +96,7 @@ def test_per_module_overrides(model_factory, tmp_path):
         {"pattern": r"layers\.0\.mlp\.down_proj", "bits": 8},
         {"pattern": r"o_proj", "skip": True}])
     quantize(str(model_factory("llama")), out, config, device="cpu")
-    model = load_quantized(out)
+    model = load_quantized(out, device="cpu")
     assert model.model.layers[0].mlp.down_proj.bits == 8
     assert model.model.layers[1].mlp.down_proj.bits == 4
     assert isinstance(model.model.layers[0].self_attn.o_proj, torch.nn.Linear)
@@ -110,7 +110,7 @@ def test_sharded_checkpoint_has_index(model_factory, tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert not (out / "model.safetensors").exists()
-    load_quantized(out)
+    load_quantized(out, device="cpu")
 
 
 def test_failed_run_leaves_nothing(model_factory, tmp_path, monkeypatch):
@@ -137,7 +137,7 @@ def test_bf16_model(model_factory, tmp_path):
     src = model_factory("llama-gqa")
     out = tmp_path / "q"
     quantize(str(src), out, QuantConfig(bits=4, group_size=32), device="cpu", dtype="bfloat16")
-    model = load_quantized(out, dtype="bfloat16")
+    model = load_quantized(out, dtype="bfloat16", device="cpu")
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert torch.isfinite(logits(model)).all()
 

@@ -117,7 +117,7 @@ def test_pretrained_stories_model_on_a_story(tmp_path):
     """End to end through quantkit.calibration.data: the real tiny model finds a children's story predictable."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantkit.calibration.data import eval_ids
+    from quantkit.eval import eval_ids
 
     story = tmp_path / "story.txt"
     story.write_text(

@@ -1,7 +1,8 @@
-"""A new quantizer is one scheme file and a new checkpoint format one codec file: here both live in this test module
-and nothing else in quantkit names them. The toy scheme is quantized (as a quantizer, and as a method of its own
-behind a Hadamard rotation, inside GPTQ too), written, loaded and run; the toy codec is written, loaded and
-converted to and from.
+"""A new quantizer is one scheme file, a new checkpoint format one codec file and a new algorithm one algorithm file:
+here all three live in this test module and nothing else in quantkit names them. The toy scheme is quantized (as a
+quantizer, and as a method of its own behind a Hadamard rotation, inside GPTQ too), written, loaded and run; the toy
+codec is written, loaded and converted to and from; the toy algorithm brings its own option to the config, recipes
+and the CLI, and runs end to end.
 """
 from dataclasses import dataclass
 
@@ -9,10 +10,13 @@ import pytest
 import torch
 
 import quantkit
+from quantkit.algorithms.registry import ALGORITHMS, METHODS, MethodSpec, Rounding, register_algorithm, register_method
+from quantkit.algorithms.rtn import rtn
 from quantkit.checkpoint import repack
 from quantkit.checkpoint.codecs import CODECS, Codec, register_codec
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import group_index
+from quantkit.core.options import Option
 from quantkit.core.result import QuantResult
 from quantkit.nn.decoded_linear import DecodedLinear
 from quantkit.schemes.base import METHOD_QUANTIZERS, QUANTIZERS, KernelDecode, offer_method, register_quantizer
@@ -115,16 +119,31 @@ class ToyCodec(Codec):
         return repack.runtime_module(layer, dtype)
 
 
+# ------------------------------------------------------------------ the algorithm file: RTN of a shrunk weight
+class Shrunk(Rounding):
+    """Round to nearest the weight times --test-shrink (a test algorithm with an option of its own)."""
+    name = "test-shrink"
+    options = (Option("test_shrink", float, 1.0, "test-shrink: the factor the weights are multiplied by first.",
+                      check=lambda factor: None if 0 < factor <= 1 else "use a factor in (0, 1]"),)
+
+    def round(self, weight, observer, quantizer, group_size, config, bias):
+        return rtn(weight * config.test_shrink, quantizer, group_size, bias=bias)
+
+
 # ------------------------------------------------------------------ the tests
 @pytest.fixture(autouse=True)
 def registered():
     register_quantizer(Ternary)
     offer_method(Ternary.name, "ternary weights")
     register_codec(ToyCodec)
+    register_algorithm(Shrunk())
+    register_method(MethodSpec(Shrunk.name, Shrunk.name, summary="the weights shrunk, then rounded (a test method)"))
     yield
     QUANTIZERS.pop(Ternary.name)
     METHOD_QUANTIZERS.pop(Ternary.name)
     CODECS.pop(ToyCodec.quant_method)
+    ALGORITHMS.pop(Shrunk.name)
+    METHODS.pop(Shrunk.name)
 
 
 def calibration():
@@ -132,7 +151,7 @@ def calibration():
 
 
 def logits(folder_or_model, ids):
-    model = quantkit.load_quantized(folder_or_model) if not isinstance(folder_or_model, torch.nn.Module) \
+    model = quantkit.load_quantized(folder_or_model, device="cpu") if not isinstance(folder_or_model, torch.nn.Module) \
         else folder_or_model
     with torch.no_grad():
         return model(ids).logits
@@ -144,7 +163,7 @@ def test_a_registered_quantizer_quantizes_writes_and_loads(model_factory, tmp_pa
     report = quantkit.quantize(str(src), tmp_path / "q", config)
     layer = report["layers"]["model.layers.0.mlp.down_proj"]
     assert layer["quantizer"] == Ternary.name and layer["bits_per_weight"] == pytest.approx(2 + 16 / 32)
-    model = quantkit.load_quantized(tmp_path / "q")
+    model = quantkit.load_quantized(tmp_path / "q", device="cpu")
     down = model.get_submodule("model.layers.0.mlp.down_proj")
     assert isinstance(down, DecodedLinear) and down.quantizer == Ternary()
     # every decoded weight is -s, 0 or +s of its group's scale: the checkpoint holds ternary codes
@@ -164,7 +183,7 @@ def test_a_quantizer_offers_its_own_methods(model_factory, tmp_path, method):
     assert config.quantizer == Ternary.name and config.rotate == "hadamard"
     report = quantkit.quantize(str(src), tmp_path / "q", config, calibration_ids=calibration())
     assert report["layers"]["model.layers.1.self_attn.o_proj"]["rotation"]["type"] == "hadamard"
-    model = quantkit.load_quantized(tmp_path / "q")
+    model = quantkit.load_quantized(tmp_path / "q", device="cpu")
     assert torch.isfinite(logits(model, calibration())).all()
 
 
@@ -192,5 +211,29 @@ def test_unregistered_names_are_refused_with_the_choices():
             quantkit.QuantConfig(checkpoint_format="test-toy")
     finally:
         register_codec(ToyCodec)
-    with pytest.raises(QuantkitError, match="unknown method 'nope': choose one of rtn, gptq"):
+    with pytest.raises(QuantkitError, match="unknown method 'nope': choose one of rtn, "):
         quantkit.QuantConfig(method="nope")
+
+
+def test_a_registered_algorithm_brings_its_option_to_the_config_recipes_and_cli(model_factory, tmp_path):
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from quantkit.cli import main
+
+    assert "--test-shrink FLOAT" in CliRunner().invoke(main, ["quantize", "--help"]).output
+    assert quantkit.QuantConfig().test_shrink == 1.0  # declared default
+    refused = CliRunner().invoke(main, ["quantize", "m", "-o", str(tmp_path / "x"), "--test-shrink", "2"])
+    assert refused.exit_code == 2 and "error: --test-shrink 2.0: use a factor in (0, 1]" in refused.output
+    src = model_factory("llama-gqa")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("method: test-shrink\ntest_shrink: 0.5\nbits: 4\ngroup_size: 32\n")
+    done = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "q"), "--recipe", str(recipe)])
+    assert done.exit_code == 0, done.output
+    original = load_file(next(src.glob("*.safetensors")))["model.layers.0.mlp.down_proj.weight"].float()
+    layer = quantkit.load_quantized(tmp_path / "q", device="cpu", dtype=torch.float32).get_submodule(
+        "model.layers.0.mlp.down_proj")
+    x = torch.randn(5, original.shape[1])
+    expected = x @ rtn(original * 0.5, Grid(4, sym=True), 32).decoded().t()  # what the toy algorithm rounded
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)

@@ -102,7 +102,7 @@ def v2_folder(model_factory, tmp_path_factory):
 
 def _logits(folder):
     with torch.no_grad():
-        return load_quantized(folder)(IDS).logits
+        return load_quantized(folder, device="cpu")(IDS).logits
 
 
 def _foreign_folder(src, dst, qc, layer_tensors):
@@ -195,7 +195,7 @@ def test_llmcompressor_fp32_and_bf16_scales_are_read_without_rounding(v2_folder,
     got = _logits(folder)
     said = capsys.readouterr().err
     assert ("float32 scales that float16 cannot hold exactly" in said) == (dtype == torch.float32)
-    reference = load_quantized(v2_folder)
+    reference = load_quantized(v2_folder, device="cpu")
     for layer, w in zip(checkpoint.read_checkpoint(v2_folder)[2], written):
         parent, _, leaf = layer.name.rpartition(".")
         old = reference.get_submodule(layer.name)
@@ -272,6 +272,6 @@ def test_read_refusals(model_factory, tmp_path, fmt, edit, words):
     config["quantization_config"].update(edit)
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(QuantkitError) as err:
-        load_quantized(out)
+        load_quantized(out, device="cpu")
     for w in words:
         assert w in str(err.value), str(err.value)

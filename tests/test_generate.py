@@ -33,7 +33,7 @@ def fake_quant(src, dtype, device):
 def test_greedy_tokens_match_fake_quant(checkpoint, device):
     src, out = checkpoint
     dtype = torch.float32 if device == "cpu" else torch.float16
-    model = load_quantized(out, device_map="auto" if device == "cuda" else None, dtype=dtype)
+    model = load_quantized(out, device=device, dtype=dtype)
     assert next(model.buffers()).device.type == device
     prompt = torch.tensor([[1, 17, 42, 99, 7]], device=device)
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -59,7 +59,7 @@ def test_static_cache_decode_gives_the_same_tokens(which, device, request):
     workspace is reserved before the capture: the first GPU run of an int4 model failed there)."""
     _, out = request.getfixturevalue(which)
     dtype = torch.float32 if device == "cpu" else torch.float16
-    model = load_quantized(out, device_map="auto" if device == "cuda" else None, dtype=dtype)
+    model = load_quantized(out, device=device, dtype=dtype)
     prompt = torch.tensor([[1, 17, 42, 99, 7], [3, 5, 8, 13, 21]], device=device)
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     dynamic = model.generate(prompt, **kwargs)
@@ -101,8 +101,8 @@ def test_a_model_spread_over_devices_generates_the_same_tokens(checkpoint):
     _, out = checkpoint
     prompt = torch.tensor([[1, 17, 42, 99, 7]])
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
-    want = load_quantized(out).generate(prompt, **kwargs)
-    model = load_quantized(out)
+    want = load_quantized(out, device="cpu").generate(prompt, **kwargs)
+    model = load_quantized(out, device="cpu")
     outside = {"model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head"}
     assert set(outside_modules(model, "model.layers")) == outside
     model = spread(model, "model.layers", ["cpu", "cpu"], [1 << 40, 1 << 40])

@@ -9,11 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantkit import api
-from quantkit.checkpoint import gguf_file
 from quantkit.core.errors import QuantkitError
-from quantkit.models import gguf_arch
+from quantkit.gguf import file as gguf_file
+from quantkit.gguf.arch import rotary_rows
+from quantkit.gguf.legacy import GGMLBlocks
 from quantkit.run.config import QuantConfig
-from quantkit.schemes.ggml_legacy import GGMLBlocks
 from test_resume import assert_same_checkpoint, cli, killed
 from tiny_models import make_model_folder
 
@@ -55,7 +55,7 @@ def test_each_block_type_reads_back_the_same_in_transformers_and_gguf_py(world, 
     assert reader.fields["general.architecture"].contents() == "llama"
     assert reader.fields["llama.attention.head_count_kv"].contents() == 2
 
-    ours = api.load_quantized(out)
+    ours = api.load_quantized(out, device="cpu", dtype=torch.float32)  # as theirs
     theirs = AutoModelForCausalLM.from_pretrained(out, gguf_file="model.gguf", dtype=torch.float32)
     x = world[2][:1, :24]
     torch.testing.assert_close(ours(x).logits, theirs(x).logits, rtol=0, atol=1e-5)
@@ -63,7 +63,7 @@ def test_each_block_type_reads_back_the_same_in_transformers_and_gguf_py(world, 
     q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
     theirs_q = torch.from_numpy(gguf.quants.dequantize(q.data, q.tensor_type)).reshape(64, 64)
     ours_q = ours.model.layers[0].self_attn.q_proj.weight.detach()
-    assert torch.equal(theirs_q, ours_q[gguf_arch.rotary_rows(64, 4)])
+    assert torch.equal(theirs_q, ours_q[rotary_rows(64, 4)])
 
 
 def test_a_tied_model_with_biases_reads_back_the_same_in_transformers(tmp_path):
@@ -73,7 +73,8 @@ def test_a_tied_model_with_biases_reads_back_the_same_in_transformers(tmp_path):
     assert "output.weight" not in names and {"blk.0.attn_q.bias", "blk.0.ffn_down.bias"} <= names  # tied: one table
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out", gguf_file="model.gguf", dtype=torch.float32)
     x = torch.arange(20)[None]
-    torch.testing.assert_close(api.load_quantized(tmp_path / "out")(x).logits, theirs(x).logits, rtol=0, atol=1e-5)
+    ours = api.load_quantized(tmp_path / "out", device="cpu", dtype=torch.float32)  # as theirs
+    torch.testing.assert_close(ours(x).logits, theirs(x).logits, rtol=0, atol=1e-5)
 
 
 def test_gptq_feedback_in_q4_1_beats_rounding_to_nearest(world):
@@ -88,7 +89,8 @@ def test_gptq_feedback_in_q4_1_beats_rounding_to_nearest(world):
     assert all(r["quantizer"] == "ggml" and r["bits_per_weight"] == 5.0 for r in layers.values())  # 4 + 2 x 16 / 32
     with torch.no_grad():
         fp = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
-        errors = {f.name: (api.load_quantized(f)(ids).logits - fp).pow(2).mean().item() for f in (gptq, rtn)}
+        errors = {f.name: (api.load_quantized(f, device="cpu", dtype=torch.float32)(ids).logits - fp).pow(2).mean()
+                  .item() for f in (gptq, rtn)}
     assert errors[gptq.name] < 0.8 * errors[rtn.name], errors
 
 
@@ -115,7 +117,8 @@ def test_a_gptq_checkpoint_of_groups_of_32_converts_to_q4_0_exactly(world):
     out = root / "converted.gguf-folder"
     api.convert(gptq, out, "gguf")
     x = ids[:1, :24]
-    assert torch.equal(api.load_quantized(gptq)(x).logits, api.load_quantized(out)(x).logits)
+    assert torch.equal(api.load_quantized(gptq, device="cpu", dtype=torch.float32)(x).logits,
+                       api.load_quantized(out, device="cpu", dtype=torch.float32)(x).logits)
     with pytest.raises(QuantkitError, match="load_quantized and `quantkit eval` read it"):
         api.convert(out, root / "back", "gptq")
 
@@ -138,7 +141,7 @@ def test_smollm2s_pre_tokenizer_is_recognised_as_llama_cpp_names_it():
     folder = Path(os.path.expanduser("~/.cache/quantkit-assets/smollm2-135m"))
     if not (folder / "tokenizer.json").is_file():
         pytest.skip("SmolLM2 is built by ../shared/assets/get-smollm2.sh")
-    from quantkit.checkpoint.gguf_vocab import vocab_metadata
+    from quantkit.gguf.vocab import vocab_metadata
 
     meta = {k: v for k, _, v in vocab_metadata(AutoTokenizer.from_pretrained(folder), 49152)}
     assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "smollm"
@@ -149,8 +152,8 @@ def test_rotary_rows_are_llama_cpps_permutation():
     rows, heads = 24, 3
     w = torch.arange(rows * 5).reshape(rows, 5)
     theirs = w.reshape(heads, 2, rows // heads // 2, 5).swapaxes(1, 2).reshape(rows, 5)  # convert_hf_to_gguf's permute
-    assert torch.equal(w[gguf_arch.rotary_rows(rows, heads)], theirs)
-    assert torch.equal(theirs[gguf_arch.rotary_rows(rows, heads, inverse=True)], w)
+    assert torch.equal(w[rotary_rows(rows, heads)], theirs)
+    assert torch.equal(theirs[rotary_rows(rows, heads, inverse=True)], w)
 
 
 def test_the_container_round_trips_through_gguf_py(tmp_path):

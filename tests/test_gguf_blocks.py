@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from quantkit.checkpoint import gguf_blocks as blocks
 from quantkit.core.errors import QuantkitError
+from quantkit.gguf import legacy_blocks as blocks
 from quantkit.schemes.grid import Grid
 
 gguf = pytest.importorskip("gguf")

@@ -10,12 +10,12 @@ from transformers import AutoModelForCausalLM
 
 from quantkit import api
 from quantkit.algorithms.rtn import rtn
-from quantkit.checkpoint.gguf_mix import layer_types
-from quantkit.checkpoint.gguf_types import TYPES
 from quantkit.core.errors import QuantkitError
+from quantkit.gguf.iq_lattice import nearest_points, tables
+from quantkit.gguf.mix import layer_types
+from quantkit.gguf.types import TYPES
 from quantkit.run.config import QuantConfig
 from quantkit.schemes.base import fit_all, quantizer_for
-from quantkit.schemes.ggml_iq_lattice import nearest_points, tables
 
 gguf = pytest.importorskip("gguf")
 KINDS = {"IQ2_XXS": ("iq2xxs", 2), "IQ3_XXS": ("iq3xxs", 3)}
@@ -150,7 +150,7 @@ def test_gguf_type_iq2_xxs_with_gptq_reads_back_in_transformers(tmp_path):
     assert reader.fields["general.file_type"].contents() == 19  # LLAMA_FTYPE_MOSTLY_IQ2_XXS
     assert types["blk.1.attn_q.weight"] == types["blk.1.ffn_up.weight"] == "IQ2_XXS"
     assert types["blk.0.ffn_down.weight"] == "IQ4_NL"  # 288 inputs: IQ2_XXS's fallback
-    ours = api.load_quantized(out)
+    ours = api.load_quantized(out, device="cpu", dtype=torch.float32)  # as theirs
     theirs = AutoModelForCausalLM.from_pretrained(out, gguf_file="model.gguf", dtype=torch.float32)
     x = ids[:1, :24]
     torch.testing.assert_close(ours(x).logits, theirs(x).logits, rtol=0, atol=1e-5)

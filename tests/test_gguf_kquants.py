@@ -12,10 +12,10 @@ from transformers import AutoModelForCausalLM
 from quantkit import api
 from quantkit.algorithms.gptq import GPTQ
 from quantkit.algorithms.rtn import rtn
-from quantkit.checkpoint import gguf_kquants
-from quantkit.checkpoint.gguf import GGUFCodec
-from quantkit.checkpoint.gguf_mix import layer_types
 from quantkit.core.errors import QuantkitError
+from quantkit.gguf import kquants_blocks as gguf_kquants
+from quantkit.gguf.codec import GGUFCodec
+from quantkit.gguf.mix import layer_types
 from quantkit.run.config import QuantConfig
 from quantkit.schemes.base import make_quantizer, quantizer_for
 
@@ -24,7 +24,7 @@ BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 
 
 def reference_dequantize(name, data: torch.Tensor, block=256) -> torch.Tensor:
-    from quantkit.checkpoint.gguf_types import TYPES
+    from quantkit.gguf.types import TYPES
 
     qtype = gguf.GGMLQuantizationType[name]
     assert gguf.GGML_QUANT_SIZES[qtype] == (block, TYPES[name].block_bytes)
@@ -198,7 +198,7 @@ def test_gguf_type_writes_llama_cpps_mix_and_reads_back_in_transformers(wide):
     assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_up.weight"] == types["blk.0.attn_v.weight"] == "Q4_K"
     assert types["blk.1.attn_v.weight"] == "Q6_K"  # the last eighth of the layers gets more bits
     assert types["blk.0.ffn_down.weight"] == "Q5_0" and types["blk.1.ffn_down.weight"] == "Q8_0"  # 288 inputs
-    ours = api.load_quantized(out)
+    ours = api.load_quantized(out, device="cpu", dtype=torch.float32)  # as theirs
     theirs = AutoModelForCausalLM.from_pretrained(out, gguf_file="model.gguf", dtype=torch.float32)
     x = ids[:1, :24]
     torch.testing.assert_close(ours(x).logits, theirs(x).logits, rtol=0, atol=1e-5)
@@ -224,7 +224,7 @@ def test_gguf_type_refusals(wide):
 def test_iq4_types_decode_bit_for_bit_and_beat_the_uniform_grid(quantizer_name):
     """IQ4_NL / IQ4_XS: random codes over all 16 levels and every scale decode through gguf-py's dequantize as the
     quantizer decodes them; fitted on Gaussian weights, the non-uniform levels round closer than Q4_0's grid."""
-    from quantkit.checkpoint.gguf_types import TYPES
+    from quantkit.gguf.types import TYPES
 
     quantizer = quantizer_for(quantizer_name, 4, True, 32)
     kind = TYPES[quantizer.ggml_type]
@@ -266,6 +266,6 @@ def test_gguf_type_iq4_xs_from_the_cli(wide):
     assert "| model.layers.0.mlp.down_proj | 4 | 32 |" in result.output
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "model.gguf").tensors}
     assert types["blk.0.attn_q.weight"] == "IQ4_XS" and types["blk.0.ffn_down.weight"] == "IQ4_NL"
-    ours = api.load_quantized(out)
+    ours = api.load_quantized(out, device="cpu", dtype=torch.float32)  # as theirs
     theirs = AutoModelForCausalLM.from_pretrained(out, gguf_file="model.gguf", dtype=torch.float32)
     torch.testing.assert_close(ours(ids[:1, :16]).logits, theirs(ids[:1, :16]).logits, rtol=0, atol=1e-5)

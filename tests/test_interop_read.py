@@ -20,7 +20,7 @@ IDS = torch.tensor([[1, 5, 9, 200, 31, 7, 64, 3]])
 
 def _logits(folder):
     with torch.no_grad():
-        return load_quantized(folder)(IDS).logits
+        return load_quantized(folder, device="cpu")(IDS).logits
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_dynamic_keys_without_sign_are_positive_matches(gptq_folder, tmp_path):
     _edit_json(folder / "config.json", strip_plus)
     keys = json.loads((folder / "config.json").read_text())["quantization_config"]["dynamic"]
     assert any(not k.startswith(("+:", "-:")) for k in keys)
-    model = load_quantized(folder)
+    model = load_quantized(folder, device="cpu")
     assert model.get_submodule("model.layers.1.mlp.down_proj").bits == 8
     assert isinstance(model.get_submodule("model.layers.0.mlp.down_proj"), torch.nn.Linear)
     assert torch.equal(_logits(folder), _logits(gptq_folder))
@@ -97,6 +97,6 @@ def test_foreign_formats_are_refused_by_name(gptq_folder, tmp_path, edit, words)
 
     _edit_json(folder / "config.json", apply)
     with pytest.raises(QuantkitError) as err:
-        load_quantized(folder)
+        load_quantized(folder, device="cpu")
     for w in words:
         assert w in str(err.value), str(err.value)

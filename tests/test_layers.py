@@ -1,19 +1,23 @@
 """The house rule: quantkit is a stack of layers and every import points down (or stays in its layer), with no
 cycle between modules and no private name used outside its module.
 
-    core < schemes < kernels < nn < models < algorithms < calibration < checkpoint < run < integrations < app
+    core < schemes < kernels < nn < models < algorithms < calibration < checkpoint < gguf < run < integrations < app
 
 core: errors, bit packing, group arithmetic, QuantResult, registries. schemes: one file per quantizer (its fit,
 round, dequantize and kernel decode). kernels: Triton GEMMs and their torch references. nn: the quantized linears.
 models: architecture tables, reading a source model. algorithms: rtn, gptq, awq. calibration: the block loop.
-checkpoint: one file per codec, files and shards. run: the quantize pipeline, resume, staging, convert, loading.
+checkpoint: one file per codec, files and shards. gguf: llama.cpp's format whole: its block types as quantizers and
+their bytes, its file, names and codec, above both registries it fills (schemes' quantizers, checkpoint's codecs).
+run: the quantize pipeline, resume, staging, convert, loading.
 integrations: quantkit's formats in other tools' loaders (transformers' quantizer registry). app: the public API, the CLI, evaluation.
 """
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["core", "schemes", "kernels", "nn", "models", "algorithms", "calibration", "checkpoint", "run", "integrations", "app"]
+LAYERS = ["core", "schemes", "kernels", "nn", "models", "algorithms", "calibration", "checkpoint", "gguf", "run",
+          "integrations", "app"]
 # Modules that may import lazily inside functions: the CLI keeps `quantkit --help` free of torch's import time,
 # and the package root loads the API on first use. Modules that import triton (optional: CPU-only platforms lack
 # it) may be imported lazily by anyone.
@@ -131,3 +135,46 @@ def test_the_check_sees_an_upward_import(tmp_path):
     assert layer_of("quantkit.kernels.codebook") == LAYERS.index("kernels")
     assert layer_of("quantkit.api") == layer_of("quantkit.cli") == LAYERS.index("app")
     assert "quantkit.kernels.codebook" in MODULES and "quantkit.core.registry" in MODULES
+    # llama.cpp's quantizers and codec sit above the registries they fill, so neither registry's layer imports them
+    assert layer_of("quantkit.gguf.kquants") > layer_of("quantkit.checkpoint.codecs") > layer_of("quantkit.schemes.base")
+    assert layer_of("quantkit.gguf.codec") < layer_of("quantkit.run.config") and "quantkit.gguf.codec" in MODULES
+
+
+def _layout_rows() -> dict:
+    """{layer: the module names README.md's Layout block lists for it}. A row is a layer's name then its modules,
+    continued on indented lines; items are split by '·' and ';', a '+' joins two modules, parentheses are notes and
+    a 'label:' before a module is prose."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    rows, layer = {}, None
+    for line in block.splitlines():
+        head = line.split(maxsplit=1)[0].rstrip("/") if line and not line[0].isspace() else None
+        if head is not None:
+            layer = head if head in LAYERS else None
+            rows[layer] = line.split(maxsplit=1)[1] if layer else ""
+        elif layer:
+            rows[layer] += " " + line.strip()
+    names = {}
+    for layer, row in rows.items():
+        if layer is None:
+            continue
+        plain = re.sub(r"\([^()]*\)", " ", row)
+        items = [item.rsplit(":", 1)[-1] for item in re.split(r"[·;]", plain)]
+        names[layer] = {part.split()[0] for item in items for part in item.split("+") if part.split()}
+    return names
+
+
+def test_readme_layout_lists_every_module_where_it_is():
+    """README's Layout block names each module of a layer, and nothing that is not one: it cannot fall behind."""
+    listed = _layout_rows()
+    actual = {layer: set() for layer in LAYERS}
+    for module in MODULES:
+        parts = module.split(".")
+        if len(parts) > 2:
+            actual[parts[1]].add(parts[-1])
+        elif len(parts) == 2 and parts[1] not in LAYERS:
+            actual["app"].add(parts[1])
+    problems = [f"{layer}: README names {sorted(listed.get(layer, set()) - actual[layer])}, which are no modules of "
+                f"it, and misses {sorted(actual[layer] - listed.get(layer, set()))}"
+                for layer in LAYERS if listed.get(layer, set()) != actual[layer]]
+    assert not problems, "README.md's Layout block is not the code's:\n" + "\n".join(problems)

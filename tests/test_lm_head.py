@@ -64,11 +64,12 @@ def test_lm_head_is_written_packed_beside_the_float_embedding(model_factory, tmp
     assert report["coverage"]["quantized_share"] == 1.0 and "lm_head" in report["layers"]
     assert "lm_head" not in report["coverage"]["summary"]  # nothing named lm_head is left in float
 
-    loaded, reference = load_quantized(tmp_path / "q"), decoded_reference(src, tensors)
+    loaded, reference = load_quantized(tmp_path / "q", device="cpu"), decoded_reference(src, tensors)
     assert type(loaded.lm_head).__name__ != "Linear"
     with torch.inference_mode():
         torch.testing.assert_close(loaded(IDS).logits, reference(IDS).logits, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(load_quantized(tmp_path / "q", stream=True)(IDS).logits, loaded(IDS).logits)
+        streamed = load_quantized(tmp_path / "q", device="cpu", stream=True)
+        torch.testing.assert_close(streamed(IDS).logits, loaded(IDS).logits)
 
 
 def test_gptq_calibrates_lm_head_on_the_final_norm_of_the_quantized_blocks(model_factory, tmp_path, calib):
@@ -79,7 +80,7 @@ def test_gptq_calibrates_lm_head_on_the_final_norm_of_the_quantized_blocks(model
 
     # lm_head's inputs in the quantized model on the run's own calibration windows: its Hessian must be theirs
     ids = calibration_ids(AutoTokenizer.from_pretrained(src), str(calib), NSAMPLES, SEQLEN, 0)
-    loaded, inputs = load_quantized(tmp_path / "q"), []
+    loaded, inputs = load_quantized(tmp_path / "q", device="cpu"), []
     loaded.lm_head.register_forward_pre_hook(lambda m, args: inputs.append(args[0].reshape(-1, args[0].shape[-1])))
     with torch.inference_mode():
         for row in ids:
@@ -100,7 +101,7 @@ def test_a_recipe_can_skip_lm_head_or_give_it_more_bits(model_factory, tmp_path,
     assert json.loads((tmp_path / "skip" / "config.json").read_text())["tie_word_embeddings"] is True
     report = quantize_with_head(src, tmp_path / "eight", calib, modules=[{"pattern": "^lm_head$", "bits": 8}])
     assert report["layers"]["lm_head"]["bits"] == 8
-    assert load_quantized(tmp_path / "eight")(IDS).logits.isfinite().all()
+    assert load_quantized(tmp_path / "eight", device="cpu")(IDS).logits.isfinite().all()
 
 
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "gptq_v2", "awq"])
@@ -110,4 +111,5 @@ def test_convert_keeps_lm_head_quantized_and_declared(model_factory, tmp_path, c
     config = json.loads((tmp_path / fmt / "config.json").read_text())
     assert config["tie_word_embeddings"] is False and config["quantization_config"]["lm_head"] is True
     with torch.inference_mode():
-        assert torch.equal(load_quantized(tmp_path / fmt)(IDS).logits, load_quantized(tmp_path / "q")(IDS).logits)
+        assert torch.equal(load_quantized(tmp_path / fmt, device="cpu")(IDS).logits,
+                           load_quantized(tmp_path / "q", device="cpu")(IDS).logits)

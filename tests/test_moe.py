@@ -124,7 +124,7 @@ def test_every_expert_is_quantized_and_loads_with_the_in_loop_logits(model_facto
     assert all(f"{e}.qweight" in stored for e in experts) and not any(".mlp." in n for n in stored)
     routers = ["model.layers.0.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.gate.weight"]
     assert report["coverage"]["router"] == routers and all(r in stored for r in routers)
-    model = quantkit.load_quantized(tmp_path / "q")
+    model = quantkit.load_quantized(tmp_path / "q", device="cpu")
     assert type(model.model.layers[1].mlp.experts[2].up_proj).__name__ in ("QuantLinear", "CpuInt4Linear")
     with torch.inference_mode():
         got = model(ids).logits
@@ -171,7 +171,7 @@ def test_an_expert_no_token_reaches_is_rounded_to_nearest_and_named(tmp_path, mo
     assert layer["tokens"] == 0 and "rounded to nearest" in layer["fallback"] and "damp" not in layer
     assert report["layers"]["model.layers.0.mlp.experts.2.down_proj"]["tokens"] > 0
     with torch.inference_mode():
-        got = quantkit.load_quantized(tmp_path / "q")(ids).logits
+        got = quantkit.load_quantized(tmp_path / "q", device="cpu")(ids).logits
     torch.testing.assert_close(got, in_loop_logits(src, results, ids), rtol=1e-4, atol=1e-4)
     saved_report = json.loads((tmp_path / "q" / "quantkit_report.json").read_text())
     assert saved_report["experts"]["uncalibrated"] == dead

@@ -39,7 +39,8 @@ def logits(model, ids=IDS):
 
 @pytest.mark.parametrize("kind", ["llama", "llama-tied-bias"])
 def test_streamed_quantized_model_equals_the_loaded_one_and_holds_no_block_after(quantized, kind):
-    whole, streamed = load_quantized(quantized[kind]), load_quantized(quantized[kind], stream=True)
+    whole = load_quantized(quantized[kind], device="cpu")
+    streamed = load_quantized(quantized[kind], device="cpu", stream=True)
     assert all(t.is_meta for _, t in block_tensors(streamed))
     assert torch.equal(logits(streamed), logits(whole))
     assert torch.equal(logits(streamed), logits(whole))  # again: the second read gives the same tensors
@@ -62,7 +63,7 @@ def test_streamed_fp_model_equals_the_loaded_one(model_factory, kind):
 
 
 def test_a_failing_forward_still_drops_the_block(quantized):
-    model = load_quantized(quantized["llama"], stream=True)
+    model = load_quantized(quantized["llama"], stream=True, device="cpu")
     attn = model.model.layers[1].self_attn
 
     def fail(module, args):
@@ -73,7 +74,7 @@ def test_a_failing_forward_still_drops_the_block(quantized):
         logits(model)
     assert all(t.is_meta for _, t in block_tensors(model))
     handle.remove()
-    assert torch.equal(logits(model), logits(load_quantized(quantized["llama"])))
+    assert torch.equal(logits(model), logits(load_quantized(quantized["llama"], device="cpu")))
 
 
 def test_a_tensor_missing_from_the_files_is_named(quantized, tmp_path):
@@ -85,7 +86,7 @@ def test_a_tensor_missing_from_the_files_is_named(quantized, tmp_path):
     del tensors["model.layers.1.post_attention_layernorm.weight"]
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(QuantkitError, match="model.layers.1.post_attention_layernorm.weight"):
-        load_quantized(folder, stream=True)
+        load_quantized(folder, stream=True, device="cpu")
 
 
 def test_cli_perplexity_stream_gives_the_same_numbers(quantized, model_factory, tmp_path):

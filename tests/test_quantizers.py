@@ -126,6 +126,16 @@ def in_loop_logits(src, results, ids, others=None):
         return model(ids).logits
 
 
+def loads_as_in_loop(folder, src, results, ids):
+    """The model load_quantized builds from `folder` (on the CPU), checked to give the logits of the fp model holding
+    the weights the quantization loop ended with (in_loop_logits)."""
+    model = load_quantized(folder, device="cpu")
+    with torch.inference_mode():
+        got = model(ids).logits
+    torch.testing.assert_close(got, in_loop_logits(src, results, ids), rtol=1e-4, atol=1e-4)
+    return model
+
+
 @pytest.mark.parametrize("method,quantizer,rotate", [
     ("rtn", "test-pair", "none"), ("gptq", "test-pair", "none"),
     ("rtn", "int", "hadamard"), ("gptq", "int", "hadamard"), ("gptq", "test-pair", "hadamard"),
@@ -140,13 +150,9 @@ def test_writes_loads_and_gives_the_in_loop_logits(model_factory, tmp_path, monk
     assert qc["quant_method"] == "quantkit"
     layer = qc["layers"]["model.layers.0.mlp.down_proj"]
     assert layer["quantizer"] == quantizer and (layer["rotation"] is not None) == (rotate == "hadamard")
-    model = load_quantized(tmp_path / "q")
+    model = loads_as_in_loop(tmp_path / "q", src, results, calibration()[:2])
     module = model.model.layers[0].mlp.down_proj
     assert isinstance(module, DecodedLinear if quantizer == "test-pair" else INTEGER_GRID_LINEARS)
-    ids = calibration()[:2]
-    with torch.inference_mode():
-        got = model(ids).logits
-    torch.testing.assert_close(got, in_loop_logits(src, results, ids), rtol=1e-4, atol=1e-4)
 
 
 def test_rotation_is_orthogonal_and_moves_the_hessian():
@@ -211,7 +217,7 @@ def test_tampered_quantkit_checkpoint_is_refused(model_factory, tmp_path, tamper
     (out / "config.json").write_text(json.dumps(config))
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(QuantkitError, match=words):
-        load_quantized(out)
+        load_quantized(out, device="cpu")
 
 
 @pytest.mark.parametrize("method,act_order,expected", [("rtn", True, False), ("awq", True, False),

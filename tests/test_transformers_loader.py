@@ -38,7 +38,7 @@ def folders(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_transformers_loads_the_quantkit_format_as_load_quantized_does(folders, name, tmp_path):
-    ours = quantkit.load_quantized(folders[name])
+    ours = quantkit.load_quantized(folders[name], device="cpu")
     theirs = AutoModelForCausalLM.from_pretrained(folders[name])
     quantized = {n for n, m in theirs.named_modules() if isinstance(m, (QuantLinear, DecodedLinear))}
     # load_quantized repacks integer layers for torch's CPU int4 GEMM (CpuInt4Linear); transformers keeps QuantLinear
@@ -59,7 +59,7 @@ def test_transformers_loads_the_quantkit_format_as_load_quantized_does(folders, 
 
 
 def test_bf16_through_transformers_matches_load_quantized_in_bf16(folders):
-    ours = quantkit.load_quantized(folders["turboquant"], dtype=torch.bfloat16)
+    ours = quantkit.load_quantized(folders["turboquant"], dtype=torch.bfloat16, device="cpu")
     theirs = AutoModelForCausalLM.from_pretrained(folders["turboquant"], dtype=torch.bfloat16)
     assert theirs.dtype == torch.bfloat16
     with torch.no_grad():

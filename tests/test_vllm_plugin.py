@@ -134,7 +134,7 @@ def _vllm_and_load_quantized_tokens(folder, enforce_eager=True):
     theirs = [list(o.outputs[0].token_ids) for o in outs]
     modules = llm.apply_model(_modules_of_layer_0)[0]
     del llm
-    ref = quantkit.load_quantized(folder)
+    ref = quantkit.load_quantized(folder, device="cpu")
     ours = [ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                          do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
     return theirs, ours, modules

@@ -62,7 +62,7 @@ def test_the_language_model_is_quantized_and_the_vision_tower_kept(tmp_path, mon
     assert len(report["layers"]) == linears and all(".layers." in n and "vis" not in n for n in report["layers"])
     outside = report["coverage"]["outside"]
     assert outside and all("vision" in n or "visual" in n or "multi_modal" in n for n in outside)
-    model = quantkit.load_quantized(tmp_path / "q")
+    model = quantkit.load_quantized(tmp_path / "q", device="cpu")
     fp, _ = load_fp_model(str(tmp_path / "src"), "float32")
     assert type(model) is type(fp) and type(model).__name__.endswith("ForConditionalGeneration")
     vision = {n: p for n, p in fp.named_parameters() if "vis" in n or "multi_modal" in n}

@@ -23,7 +23,6 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from quantkit.algorithms.registry import MethodSpec, register_method
 from quantkit.core import matmul
 from quantkit.core.groups import group_index, group_width, n_groups
 from quantkit.models.arch import get_weight, is_linear
@@ -247,8 +246,3 @@ def no_clip(name: str) -> bool:
     """Whether the linear `name` (relative or full) is a query/key projection that AWQ never clips."""
     leaf = name.rsplit(".", 1)[-1]
     return any(k in leaf for k in NO_CLIP)
-
-
-register_method(MethodSpec("awq", gptq=False, awq=True,
-                           summary="activation-aware scales folded into the model, then RTN"))
-register_method(MethodSpec("awq+gptq", gptq=True, awq=True, summary="AWQ scales, then GPTQ"))

@@ -1,4 +1,4 @@
-"""AWQ on one decoder block: the sequential loop's hook (awq_prepare_block) and its steps.
+"""AWQ on one decoder block: the registered preparation (its options, awq_prepare_block) and its steps.
 
 plan (which scale groups can be folded) -> one fp forward capturing the groups' inputs -> per group a
 trial fold, the scale search and the fold -> the clip search of the linears that allow it. The math
@@ -11,6 +11,8 @@ from torch import nn
 
 from quantkit.algorithms.awq import (CLIP_TOKENS, SEARCH_TOKENS, apply_clip, clip_search, fold_reason, fold_scales,
                                      group_bounds, in_features_of, no_clip, search_scales, subsample)
+from quantkit.algorithms.registry import MethodSpec, Preparation, register_algorithm, register_method
+from quantkit.core.options import Option, positive
 from quantkit.models.arch import first_tensor, for_block, get_weight, require_scale_groups
 from quantkit.schemes.grid import Grid
 
@@ -174,3 +176,26 @@ def _clip(module, x, spec, n_grid) -> dict:
     ratio = torch.where(span0 > 0, (bounds[..., 1] - bounds[..., 0]) / span0.clamp(min=1e-30),
                         torch.ones_like(span0))
     return {"error_noclip": e0.mean().item(), "error_clip": e1.mean().item(), "mean_ratio": ratio.mean().item()}
+
+
+class AWQPreparation(Preparation):
+    """AWQ's scale search (folded into the block's norms and linears) and clip search, before the rounding."""
+    name = "awq"
+    distributes = False  # the search needs every sample's activations in one place
+    unrotated_only = "AWQ's scales are searched in the unrotated basis"
+    options = (
+        Option("awq_grid", int, 20, "AWQ: number of alpha values tried on [0, 1).", check=positive),
+        Option("awq_clip", bool, True, "AWQ: search a per-group clipping range too."),
+    )
+
+    def check_model(self, arch, model_type: str) -> None:
+        require_scale_groups(arch, model_type)
+
+    def prepare_block(self, runner, block, prefix, arch, config, spec_of) -> dict:
+        return awq_prepare_block(runner, block, prefix, arch, config, spec_of)
+
+
+register_algorithm(AWQPreparation())
+register_method(MethodSpec("awq", "rtn", prepare=("awq",),
+                           summary="activation-aware scales folded into the model, then RTN"))
+register_method(MethodSpec("awq+gptq", "gptq", prepare=("awq",), summary="AWQ scales, then GPTQ"))

@@ -37,10 +37,11 @@ from typing import Optional
 import torch
 
 from quantkit.algorithms.hessian import HessianObserver
-from quantkit.algorithms.registry import MethodSpec, register_method
-from quantkit.algorithms.rtn import check_args
+from quantkit.algorithms.registry import MethodSpec, Rounding, register_algorithm, register_method
+from quantkit.algorithms.rtn import check_args, rtn
 from quantkit.core.errors import QuantkitError
 from quantkit.core.finite import all_finite
+from quantkit.core.options import Option, positive
 from quantkit.core.groups import group_index, group_width, n_groups
 from quantkit.core.result import QuantResult
 from quantkit.schemes.base import fit_all, fit_groups
@@ -284,4 +285,36 @@ def _inverse_cholesky(H: torch.Tensor, diag: torch.Tensor, perm: Optional[torch.
         f"(more samples, no degenerate inputs) or use --method rtn for this layer")
 
 
-register_method(MethodSpec("gptq", gptq=True, summary="Hessian-aware error feedback"))
+def _damp_problem(damp: float):
+    return None if 0 < damp <= 1 else "out of range: use a fraction in (0, 1], e.g. 0.01"
+
+
+class GPTQRounding(Rounding):
+    """GPTQ's rounding of each linear against the Hessian of its calibration inputs."""
+    name = "gptq"
+    needs_data = True
+    options = (
+        Option("damp", float, 0.01, "GPTQ damping, as a fraction of the mean Hessian diagonal (raised automatically "
+               "if the Cholesky fails).", check=_damp_problem),
+        Option("block_size", int, 128, "GPTQ columns per lazy-update block.", check=positive),
+        Option("act_order", bool, True,
+               "GPTQ: quantize columns by descending Hessian diagonal, with static groups so g_idx stays "
+               "i // group_size (no reordering cost at inference). Much better on models with outlier channels "
+               "(SmolLM2-135M, WikiText-2 ppl, fp 29.8: w4 g128 38.2 vs 44.0 without, w3 g128 77.7 vs 106.3)."),
+    )
+
+    def observer(self, weight) -> GPTQ:
+        return GPTQ(weight)
+
+    def round(self, weight, observer, quantizer, group_size, config, bias):
+        if observer is None:  # no data (a routed expert no token reached): nothing to feed the error back with
+            return rtn(weight, quantizer, group_size, bias=bias)
+        return observer.quantize(quantizer, group_size, block_size=config.block_size, damp=config.damp,
+                                 act_order=config.act_order, bias=bias)
+
+    def act_order(self, config) -> bool:
+        return config.act_order
+
+
+register_algorithm(GPTQRounding())
+register_method(MethodSpec("gptq", "gptq", summary="Hessian-aware error feedback"))

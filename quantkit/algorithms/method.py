@@ -1,38 +1,41 @@
 """Method: the one adapter between the model loops and the per-layer math of every method.
 
-The calibration loop (quantkit.calibration.sequential) asks it for: prepare_block (AWQ rescales here),
-names (which linears of a stage it quantizes), observer (accumulates the Hessian X Xᵀ used by GPTQ
-and by the error report of every method) and quantize (-> QuantResult). RTN needs no data: the API
-calls quantize with no observer for each linear. Rotation (config.rotate) is applied here, to the
-weight and the Hessian, before whichever rounding the method does; the quantizer comes from the
-layer's spec. None of the math below names a grid.
+The calibration loop (quantkit.calibration.sequential) asks it for: prepare_block (the method's preparations run
+here: AWQ rescales), names (which linears of a stage it quantizes), observer (accumulates the Hessian X Xᵀ used by
+GPTQ and by the error report of every method) and quantize (-> QuantResult). RTN needs no data: the API calls
+quantize with no observer for each linear. Rotation (config.rotate) is applied here, to the weight and the Hessian,
+before whichever rounding the method does; the quantizer comes from the layer's spec. None of the math below names
+an algorithm or a grid: the method's MethodSpec (quantkit.algorithms.registry) names them.
 """
 import time
 
 from tqdm.auto import tqdm
 
-from quantkit.algorithms.awq_block import awq_prepare_block
-from quantkit.algorithms.gptq import GPTQ
-from quantkit.algorithms.hessian import HessianObserver, fidelity
-from quantkit.algorithms.registry import method_spec
-from quantkit.algorithms.rtn import rtn
+from quantkit.algorithms.hessian import fidelity
+from quantkit.algorithms.registry import algorithm, method_spec
 from quantkit.models.arch import Arch, get_weight
 from quantkit.schemes.rotation import Rotation
 
 
 class Method:
-    """Every method is one class with two switches (AWQ scaling first; GPTQ or RTN rounding: the method's
-    MethodSpec), the quantizer and rotation coming from the config: turboquant and e8 are RTN, turboquant+gptq and
-    e8+gptq GPTQ, with their codebook behind a Hadamard rotation.
+    """A method's registered algorithms driven over one model: its preparations on each block, then its rounding
+    of each linear (turboquant and e8 are RTN, turboquant+gptq and e8+gptq GPTQ, with their codebook behind a
+    Hadamard rotation, the quantizer and rotation coming from the config).
 
     config: the run's options (quantkit.run.config.QuantConfig); specs: {linear: its LayerSpec, None when left in
     float} (quantkit.run.precheck.layer_specs), or None to read each linear's from the config alone."""
 
     def __init__(self, config, arch: Arch, specs: dict | None = None):
         self.config, self.arch, self.specs = config, arch, specs
-        spec = method_spec(config.method)
-        self.use_awq, self.use_gptq = spec.awq, spec.gptq
-        self.awq_report: dict = {}
+        method = method_spec(config.method)
+        self.preparations = [algorithm(n) for n in method.prepare]
+        self.rounding = algorithm(method.rounding)
+        self.prepare_report: dict = {}  # {preparation: {group label under its block's prefix: what it found}}
+
+    def check_model(self, model_type: str) -> None:
+        """Refuse, before any work, a model family one of the method's algorithms cannot handle."""
+        for algo in (*self.preparations, self.rounding):
+            algo.check_model(self.arch, model_type)
 
     def spec(self, full_name: str):
         """The LayerSpec of a linear, or None when it stays in floating point."""
@@ -41,20 +44,20 @@ class Method:
     @property
     def act_order(self) -> bool:
         """Whether the columns were really quantized out of order (what desc_act should say)."""
-        return self.use_gptq and self.config.act_order
+        return self.rounding.act_order(self.config)
 
     def prepare_block(self, runner, block, prefix):
-        if self.use_awq:
-            report = awq_prepare_block(runner, block, prefix, self.arch, self.config, self.spec)
-            self.awq_report.update({f"{prefix}.{k}": v for k, v in report.items()})
+        for preparation in self.preparations:
+            report = preparation.prepare_block(runner, block, prefix, self.arch, self.config, self.spec)
+            self.prepare_report.setdefault(preparation.name, {}).update({f"{prefix}.{k}": v for k, v in report.items()})
 
     def names(self, prefix, stage):
         return [n for n in stage if self.spec(f"{prefix}.{n}") is not None]
 
     def observer(self, full_name, weight):
-        """What the calibration loop feeds the layer's inputs: GPTQ's solver for GPTQ rounding, else the Hessian
-        alone (every method's error report reads it)."""
-        return GPTQ(weight) if self.use_gptq else HessianObserver(weight)
+        """What the calibration loop feeds the layer's inputs: the rounding's (GPTQ's solver), at least the Hessian
+        (every method's error report reads it)."""
+        return self.rounding.observer(weight)
 
     def quantize(self, full_name, observer, module):
         """QuantResult of one linear; observer None means no calibration data (RTN).
@@ -80,11 +83,7 @@ class Method:
                 weight = observer.weight
             else:
                 weight = rotation.rotate_weight(weight.float())
-        if self.use_gptq and observer is not None:
-            res = observer.quantize(quantizer, spec.group_size, block_size=self.config.block_size,
-                                    damp=self.config.damp, act_order=self.config.act_order, bias=bias)
-        else:
-            res = rtn(weight, quantizer, spec.group_size, bias=bias)
+        res = self.rounding.round(weight, observer, quantizer, spec.group_size, self.config, bias)
         res.rotation = rotation
         if res.stats.get("message"):  # e.g. damping raised after a failed Cholesky
             tqdm.write(f"{full_name}: {res.stats['message']}")

@@ -3,7 +3,7 @@ from typing import Optional
 
 import torch
 
-from quantkit.algorithms.registry import MethodSpec, register_method
+from quantkit.algorithms.registry import MethodSpec, Rounding, register_algorithm, register_method
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import check_shape, group_index, group_width
 from quantkit.core.result import QuantResult
@@ -39,4 +39,13 @@ def rtn(weight: torch.Tensor, quantizer, group_size: int = 128,
                        quantizer=quantizer, group_size=group_size, bias=bias)
 
 
-register_method(MethodSpec("rtn", gptq=False, summary="round to nearest"))
+class RoundToNearest(Rounding):
+    """Each group's parameters fit to its weights, each weight rounded to the nearest point: no data needed."""
+    name = "rtn"
+
+    def round(self, weight, observer, quantizer, group_size, config, bias):
+        return rtn(weight, quantizer, group_size, bias=bias)
+
+
+register_algorithm(RoundToNearest())
+register_method(MethodSpec("rtn", "rtn", summary="round to nearest"))

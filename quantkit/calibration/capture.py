@@ -23,21 +23,12 @@ from quantkit.calibration.runner import Carried, StopForward, check_activations
 from quantkit.core.errors import QuantkitError
 from quantkit.models.arch import get_submodule, vocabulary
 from quantkit.models.moe import set_all_tokens
+from quantkit.models.placement import move_loaded
 from quantkit.models.uses import META_OPS, BlockUses, UseTrace
 
 # keyword arguments of a block that hold a generation cache: calibration samples are independent forwards
 CACHE_ARGS = ("past_key_values", "past_key_value", "cache", "cache_params")
 TRACE_TOKENS = 16
-
-
-def move_loaded(module: nn.Module, device, recurse=True) -> None:
-    """module.to(device) for a partly meta module (streamed): moves the real tensors in place (tied ones once,
-    ties kept), leaves the meta placeholders."""
-    mods = module.modules() if recurse else [module]
-    for m in mods:
-        for key, t in list(m._parameters.items()) + list(m._buffers.items()):
-            if t is not None and not t.is_meta and t.device != torch.device(device):
-                t.data = t.data.to(device)
 
 
 @contextmanager

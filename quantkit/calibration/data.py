@@ -13,7 +13,8 @@ Token protocol (the one the GPTQ / AWQ reference scripts use):
 - documents are joined with ``"\\n\\n"`` into one stream and tokenized once with the tokenizer's
   defaults, so special tokens (BOS) appear only at the very start of the stream;
 - calibration = ``nsamples`` windows of exactly ``seqlen`` tokens at seeded random offsets;
-- evaluation = the whole stream as ``[1, T]``, optionally cut to its first ``max_tokens`` tokens.
+- evaluation = the whole stream as ``[1, T]``, optionally cut to its first ``max_tokens`` tokens
+  (``quantkit.eval.eval_ids``, from ``token_stream`` here).
 
 Hub datasets are large (a C4 shard holds ~356k documents), so only as many documents as the
 request needs are read and tokenized (see ``_bounded_token_stream``).
@@ -43,9 +44,9 @@ DOCUMENT_SEPARATOR = "\n\n"
 # Used only to decide how much text to read before tokenizing. English BPE averages ~4 chars per
 # token; when a tokenizer packs more, the stream is topped up (see _bounded_token_stream).
 _CHARS_PER_TOKEN = 4
-# Extra tokens read past an eval cut so the cut never lands on the last document, whose final
-# tokens could merge differently with a following separator than with the end of the text.
-_EVAL_CUT_MARGIN = 64
+# Extra tokens to read past a cut of the stream (quantkit.eval.eval_ids) so the cut never lands on the last
+# document, whose final tokens could merge differently with a following separator than with the end of the text.
+CUT_MARGIN = 64
 
 
 # --------------------------------------------------------------------------- hub sources
@@ -320,7 +321,18 @@ def _take_documents(texts: Iterator[str], documents: list[str], char_budget: int
     return True
 
 
-def _check_positive(value: int, option: str) -> None:
+def token_stream(tokenizer, dataset: str, purpose: str, min_tokens: int | None = None) -> torch.Tensor:
+    """The documents of `dataset` for `purpose` joined with "\\n\\n" and tokenized once, a 1-D LongTensor: the whole
+    stream, or with `min_tokens` only as many leading documents as give at least that many tokens (all when fewer).
+    A cut of it to n tokens equals the whole stream's first n when min_tokens >= n + CUT_MARGIN."""
+    texts = _iter_texts(dataset, purpose)
+    if min_tokens is None:
+        return _tokenize_stream(tokenizer, list(texts))
+    return _bounded_token_stream(tokenizer, texts, min_tokens)
+
+
+def check_positive(value: int, option: str) -> None:
+    """A QuantkitError naming `option` (--nsamples, ...) unless `value` is at least 1."""
     if int(value) < 1:
         raise QuantkitError(f"{option} must be at least 1, got {value}")
 
@@ -334,10 +346,10 @@ def calibration_ids(tokenizer, dataset: str, nsamples: int, seqlen: int, seed: i
     so the same arguments always give the same windows. Windows may overlap when the text is short.
     Only about 2 * nsamples * seqlen tokens' worth of documents is read, so big hub datasets stay cheap.
     """
-    _check_positive(nsamples, "--nsamples")
-    _check_positive(seqlen, "--seqlen")
+    check_positive(nsamples, "--nsamples")
+    check_positive(seqlen, "--seqlen")
     min_tokens = 2 * nsamples * seqlen + seqlen  # room for mostly distinct windows
-    stream = _bounded_token_stream(tokenizer, _iter_texts(dataset, "calibration"), min_tokens)
+    stream = token_stream(tokenizer, dataset, "calibration", min_tokens)
     if stream.numel() < seqlen:
         raise QuantkitError(
             f"dataset {dataset} has only {stream.numel()} tokens, fewer than --seqlen {seqlen}: "
@@ -357,27 +369,10 @@ def _window_starts(n_offsets: int, nsamples: int, seed: int) -> torch.Tensor:
     return torch.tensor([rng.randrange(n_offsets) for _ in range(nsamples)], dtype=torch.long)
 
 
-def eval_ids(tokenizer, dataset: str, max_tokens: int | None = None) -> torch.LongTensor:
-    """The evaluation stream of `dataset` as LongTensor [1, T].
-
-    Protocol (GPTQ eval scripts): tokenizer("\\n\\n".join(texts), return_tensors="pt") over the
-    eval split, cut to the first `max_tokens` tokens when given. With `max_tokens` only the leading
-    documents needed for that many tokens (plus a margin) are tokenized; the result is identical
-    to tokenizing everything and then cutting.
-    """
-    texts = _iter_texts(dataset, "eval")
-    if max_tokens is None:
-        stream = _tokenize_stream(tokenizer, list(texts))
-    else:
-        _check_positive(max_tokens, "--max-tokens")
-        stream = _bounded_token_stream(tokenizer, texts, max_tokens + _EVAL_CUT_MARGIN)[:max_tokens]
-    return stream.unsqueeze(0)
-
-
 def _one_line(message: str, limit: int = 200) -> str:
     line = " ".join(message.split())
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-__all__ = ["KNOWN_DATASETS", "HUB_SOURCES", "HubSource", "check_dataset", "load_texts", "calibration_ids",
-           "eval_ids"]
+__all__ = ["KNOWN_DATASETS", "HUB_SOURCES", "HubSource", "check_dataset", "load_texts", "token_stream",
+           "calibration_ids"]

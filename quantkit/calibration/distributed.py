@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from quantkit.algorithms.registry import method_spec
 from quantkit.core.errors import QuantkitError, StoppedFromOutside, first_line
 
 
@@ -163,8 +164,9 @@ def check_supported(config, resume: bool) -> None:
     --resume. Checked before any process starts."""
     if resume:
         raise QuantkitError("--resume is not supported over several processes: resume the run with a single process")
-    if config.needs_calibration and "awq" in config.method:
-        raise QuantkitError(f"--method {config.method} cannot be spread over processes (AWQ's scale search needs "
+    local = [a.name for a in method_spec(config.method).algorithms() if a.needs_data and not a.distributes]
+    if local:
+        raise QuantkitError(f"--method {config.method} cannot be spread over processes ({', '.join(local)} needs "
                             "every sample's activations in one place): run it as a single process")
 
 

@@ -33,6 +33,11 @@ compressed-tensors output (ct_problems):
                column shape must be divisble by the given group_size" (0.17 to 0.20) for a short last group; from
                transformers 5.23, every asymmetric folder fails ("size mismatch for weight_zero_point", issue 58's
                trial, quantkit's and llm-compressor's folders alike).
+Every pre-quantized output (transformers_renamed_floats, a warning: the reader loads it in the dtype it states):
+  transformers 5.17 to 5.20  core_model_loading.py convert_and_load_state_dict_in_model loads a float tensor whose
+               name conversion_mapping.py renames (Mixtral's block_sparse_moe.gate.weight, its mlp.gate.weight) in
+               the dtype it is stored in, whatever dtype from_pretrained asks for (5.21 on: quantizers/base.py
+               HfQuantizer.get_new_dtype casts it); issue 58's trial.
 AWQ output: every rule of vLLM's awq.py (4 bits; in_features % group_size; out_features % 8) is a refusal of
 AutoAWQCodec.precheck already, so no reader refuses what it writes.
 quant_method "quantkit" (rotated or codebook layers): read by quantkit.load_quantized and by transformers'
@@ -51,9 +56,12 @@ GPTQMODEL_GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)
 
 @dataclass(frozen=True)
 class Problem:
+    """fatal False: the reader loads the checkpoint, but only the way `fix` says; a warning even for the --compat
+    target (a refusal would turn away runs the reader serves: every Mixtral, which transformers 5.24 loads exactly)."""
     reader: str
     reason: str
     fix: str
+    fatal: bool = True
 
 
 def gptq_problems(config, specs: dict, shapes: dict, fused: dict, fused_experts=frozenset()) -> list[Problem]:
@@ -113,6 +121,33 @@ def _transformers_asym_ct(quantized: dict) -> list[Problem]:
     return [Problem("transformers", "transformers 5.23 and later refuse asymmetric compressed-tensors folders "
                                     "(a size mismatch for weight_zero_point)",
                     "--sym; or keep asymmetric weights and load them with quantkit.load_quantized or vLLM")]
+
+
+def renamed_floats(kinds: dict, of_tensor) -> list[str]:
+    """The files' names of the float weights a run writes unquantized (kinds: quantkit.run.coverage.Coverage.kinds,
+    every kind but "quantized") that the model names otherwise (of_tensor: quantkit.models.names.FileNames.of_tensor):
+    what transformers_renamed_floats is about. Norms and biases are left out: multiplied elementwise, a stored dtype
+    only promotes, where a matmul or lookup of a weight in another dtype than the activations raises."""
+    return sorted(of_tensor(n) for kind, names in kinds.items() if kind != "quantized" for n in names
+                  if of_tensor(n) != n)
+
+
+def transformers_renamed_floats(renamed: list[str]) -> list[Problem]:
+    """transformers 5.17 to 5.20 load a pre-quantized checkpoint's float tensor in the dtype it is stored in when
+    conversion_mapping.py renames it (core_model_loading.py convert_and_load_state_dict_in_model: `original_key !=
+    renamed_key` -> no cast), so any other dtype crashes the forward: issue 58's trial, a compressed-tensors Mixtral
+    written from fp16, dtype=torch.float32 or bfloat16 in 5.17.0 and 5.20.0, "expected m1 and m2 to have the same
+    dtype" in MixtralTopKRouter.forward (the router, block_sparse_moe.gate, stays fp16); the default dtype ("auto", the
+    config's) loads, and 5.21.0 and 5.24.0 load every dtype. No layout loads in all: a router stored in float32 fails
+    the default load instead, and one under the model's name (mlp.gate) is refused by vLLM's loader."""
+    if not renamed:
+        return []
+    more = f" and {len(renamed) - 1} more" if len(renamed) > 1 else ""
+    return [Problem("transformers", f"transformers 5.17 to 5.20 load {renamed[0]}{more} in the dtype the checkpoint "
+                                    "stores, as they rename it on load, so from_pretrained with another dtype fails "
+                                    "on the first forward",
+                    "load it with the dtype config.json states (from_pretrained's default dtype='auto'), or with "
+                    "transformers 5.21 or later", fatal=False)]
 
 
 def _gptqmodel_v1_asym(config, quantized: dict) -> list[Problem]:
@@ -194,16 +229,18 @@ def _lm_head(config) -> list[Problem]:
 
 
 def lines(problems: list[Problem]) -> list[str]:
-    """One line per reader: every reason with its fix."""
+    """One line per reader and severity: every reason with its fix."""
     by_reader = {}
     for p in problems:
-        by_reader.setdefault(p.reader, []).append(f"{p.reason} (fix: {p.fix})")
-    return [f"{reader} will refuse this checkpoint: {'; '.join(reasons)}" for reader, reasons in by_reader.items()]
+        by_reader.setdefault((p.reader, p.fatal), []).append(f"{p.reason} (fix: {p.fix})")
+    return [f"{reader} {'will refuse' if fatal else 'may fail on'} this checkpoint: {'; '.join(reasons)}"
+            for (reader, fatal), reasons in by_reader.items()]
 
 
 def enforce(problems: list[Problem], target: str) -> list[str]:
-    """QuantkitError when `target` (a reader, or "any") refuses; the warning lines of the rest."""
-    fatal = [p for p in problems if target == "any" or p.reader == target]
+    """QuantkitError when `target` (a reader, or "any") refuses (a fatal problem); the warning lines of the rest,
+    the target's non-fatal ones included."""
+    fatal = [p for p in problems if p.fatal and (target == "any" or p.reader == target)]
     if fatal:
         raise QuantkitError(f"--compat {target}: {' | '.join(lines(fatal))}")
     return lines(problems)

@@ -26,8 +26,9 @@ from quantkit.checkpoint.codecs import Codec, register_codec
 from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import n_groups
+from quantkit.core.options import is_int
 from quantkit.core.result import QuantResult
-from quantkit.schemes.grid import Grid, is_int
+from quantkit.schemes.grid import Grid
 
 FORMAT = "pack-quantized"
 BITS = (2, 3, 4, 8)

@@ -3,14 +3,16 @@
 Folder layout (readable by GPTQ-aware tools; an AutoGPTQ folder whose quantize_config.json is its only
 quantization config, and whose one shard may be named after model_file_base_name, is read too):
   config.json                 the model config + "quantization_config" (see quantization_config())
-  quantize_config.json        the same quantization_config alone (AutoGPTQ/GPTQModel convention)
+  quantize_config.json        the same quantization_config alone, GPTQ layout only (the AutoGPTQ/GPTQModel
+                              convention: Codec.writes_quantize_config)
   model.safetensors           or model-0000i-of-0000N.safetensors + model.safetensors.index.json
                               metadata {"format": "pt"}; quantized linears as their codec's tensors
                               (quantkit.checkpoint.codecs: the GPTQ layout by default)
   tokenizer files, generation_config.json
   quantkit_recipe.yaml        the effective options, to repeat the run (quantkit quantize --recipe)
   quantkit_report.json        per-layer method, bits, error, damping, time (quantkit inspect shows it)
-Where the folder may be written and how it is staged and renamed into place: quantkit.run.output.
+Which files a folder gets, for quantize and convert alike: quantkit.run.folder. Where the folder may be written
+and how it is staged and renamed into place: quantkit.run.output.
 """
 import json
 import os
@@ -20,7 +22,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from quantkit.checkpoint import codecs
+from quantkit.checkpoint import codecs, shards
 from quantkit.core.errors import QuantkitError
 from quantkit.core.folders import INDEX_NAME, SINGLE_NAME, index_map
 
@@ -46,29 +48,17 @@ def parse_size(text) -> int:
 
 
 def write_tensors(folder: Path, tensors: dict, max_shard_bytes: int) -> None:
-    """safetensors shards of at most max_shard_bytes (a single tensor may exceed it), with an index."""
+    """safetensors shards of at most max_shard_bytes (a single tensor may exceed it), with an index: cut and named
+    as a streamed run's (quantkit.checkpoint.shards.plan), tensors in the dict's order."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    shards, current, size = [], {}, 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = t
-        size += nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        _save(shards[0], folder / SINGLE_NAME)
-        return
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        _save(shard, folder / fname)
-        for name, t in shard.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2))
+
+    def nbytes(name):
+        return tensors[name].numel() * tensors[name].element_size()
+
+    planned = shards.plan(list(tensors), nbytes, max_shard_bytes)
+    for fname, shard in zip(shards.shard_names(len(planned)), planned):
+        _save({name: tensors[name] for name in shard}, folder / fname)
+    shards.write_index(folder, planned, nbytes)
 
 
 def _save(tensors: dict, path: Path) -> None:

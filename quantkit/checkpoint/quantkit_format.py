@@ -32,11 +32,12 @@ from quantkit.checkpoint.validate import LayerInfo, check_gptq_layer, check_sett
 from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import n_groups
+from quantkit.core.options import is_int
 from quantkit.core.result import QuantResult
 from quantkit.nn.decoded_linear import DecodedLinear
 from quantkit.nn.quant_linear import QuantLinear
 from quantkit.schemes.base import make_quantizer, param_dtype
-from quantkit.schemes.grid import check_group_size, is_int
+from quantkit.schemes.grid import check_group_size
 
 FORMAT_VERSION = 1
 INT_FORMAT = "gptq_v2"  # integer layers store true zeros

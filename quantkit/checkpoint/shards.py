@@ -124,6 +124,43 @@ class Parts:
         return self.where[name][4]
 
 
+def plan(order: list[str], nbytes, max_shard_bytes: int) -> list[list[str]]:
+    """The tensors in `order` cut into consecutive shards of at most max_shard_bytes (nbytes(name) -> size; a tensor
+    larger than that gets a shard of its own): the one plan of assemble and quantkit.checkpoint.files.write_tensors,
+    so a streamed checkpoint and one written from memory are cut the same way."""
+    shards, current, size = [], [], 0
+    for name in order:
+        n = nbytes(name)
+        if current and size + n > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += n
+    shards.append(current)
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    """model.safetensors alone, else model-0000i-of-0000N.safetensors (what transformers writes and reads)."""
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def write_index(folder: Path, planned: list[list[str]], nbytes, rename=str) -> None:
+    """model.safetensors.index.json of a sharded checkpoint (nothing for one shard): each tensor under
+    rename(name), in the plan's order, and their total size."""
+    if len(planned) == 1:
+        return
+    weight_map, total = {}, 0
+    for fname, shard in zip(shard_names(len(planned)), planned):
+        for tensor in shard:
+            weight_map[rename(tensor)] = fname
+            total += nbytes(tensor)
+    (folder / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=2))
+
+
 def assemble(folder: Path, order: list[str], max_shard_bytes: int, rename=str) -> None:
     """The checkpoint's shards (and index) from the part files, tensors planned in `order` and written under
     rename(tensor) (quantkit.models.names: the parts hold the model's names). The parts stay (a run killed while
@@ -132,27 +169,10 @@ def assemble(folder: Path, order: list[str], max_shard_bytes: int, rename=str) -
     missing = [n for n in order if n not in parts.where]
     if missing:
         raise RuntimeError(f"part files lack {missing[:3]}: the streamed run is inconsistent")
-    shards, current, size = [], [], 0
-    for name in order:  # the same plan as checkpoint.write_tensors
-        nbytes = parts.nbytes(name)
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        _copy_shard(folder / SINGLE_NAME, shards[0], parts, rename)
-    else:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            _copy_shard(folder / fname, shard, parts, rename)
-            for tensor in shard:
-                weight_map[rename(tensor)] = fname
-                total += parts.nbytes(tensor)
-        (folder / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                    indent=2))
+    planned = plan(order, parts.nbytes, max_shard_bytes)
+    for fname, shard in zip(shard_names(len(planned)), planned):
+        _copy_shard(folder / fname, shard, parts, rename)
+    write_index(folder, planned, parts.nbytes, rename)
 
 
 def delete_parts(folder: Path) -> None:

@@ -36,6 +36,16 @@ def is_plain(g_idx: torch.Tensor, cols: int, group_size: int) -> bool:
     return torch.equal(g_idx.long().cpu(), group_index(cols, group_size).long())
 
 
+def group_order(g_idx: torch.Tensor, cols: int, group_size: int):
+    """None when g_idx is the plain k // group_size; the permutation sorting the inputs by group when that makes every
+    group group_size consecutive inputs (act-order); False when it does not (groups of unequal sizes)."""
+    if is_plain(g_idx, cols, group_size):
+        return None
+    g_idx = g_idx.long().cpu()
+    perm = torch.argsort(g_idx, stable=True)
+    return perm if torch.equal(g_idx[perm], group_index(cols, group_size).long()) else False
+
+
 def check_shape(quantizer, cols: int, group_size: int) -> None:
     """Units never straddle a group or the end of the row; a span of groups fitted together is always whole."""
     w = quantizer.width

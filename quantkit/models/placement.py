@@ -1,11 +1,15 @@
-"""A loaded model's decoder blocks spread over several GPUs: load_quantized(device_map="auto") when the model does
-not fit on one GPU, device_map="balanced" always.
+"""Where a model's tensors go.
 
-The modules outside the blocks (embeddings, final norm, rotary tables, lm_head, tied to the embeddings in many
-models) go to the first GPU; the blocks follow in order, each GPU taking about an equal share of the bytes and
-never more than HEADROOM of its free memory. accelerate's dispatch_model (what transformers' own
-device_map="auto" uses) hooks every placed module to move its inputs to its GPU; the kernels launch on their
-tensors' GPU (quantkit.kernels.device). The map is kept as model.hf_device_map, as transformers does.
+move_loaded: the real tensors of a partly meta model (a streamed one, whose tensors load on first use) onto a device,
+as calibration, load_quantized and evaluation move them.
+
+place_on_gpus: a loaded model's decoder blocks spread over several GPUs, for load_quantized(device_map="auto") when
+the model does not fit on one GPU, device_map="balanced" always. The modules outside the blocks (embeddings, final
+norm, rotary tables, lm_head, tied to the embeddings in many models) go to the first GPU; the blocks follow in
+order, each GPU taking about an equal share of the bytes and never more than HEADROOM of its free memory.
+accelerate's dispatch_model (what transformers' own device_map="auto" uses) hooks every placed module to move its
+inputs to its GPU; the kernels launch on their tensors' GPU (quantkit.kernels.device). The map is kept as
+model.hf_device_map, as transformers does.
 """
 import torch
 from torch import nn
@@ -14,6 +18,16 @@ from quantkit.core.errors import QuantkitError
 
 HEADROOM = 0.85  # of a GPU's free memory for the weights: the rest for activations and the KV cache
 GiB = 1 << 30
+
+
+def move_loaded(module: nn.Module, device, recurse=True) -> None:
+    """module.to(device) for a partly meta module (streamed): moves the real tensors in place (tied ones once,
+    ties kept), leaves the meta placeholders."""
+    mods = module.modules() if recurse else [module]
+    for m in mods:
+        for t in [*m._parameters.values(), *m._buffers.values()]:
+            if t is not None and not t.is_meta and t.device != torch.device(device):
+                t.data = t.data.to(device)
 
 
 def tensor_bytes(module: nn.Module) -> int:

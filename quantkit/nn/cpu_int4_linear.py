@@ -11,7 +11,9 @@ What it holds, per layer of K inputs, N outputs and groups of g (the op's groups
                              (2- and 3-bit codes are held as 4-bit ones: faster, at 0.5 byte per weight), two for
                              8-bit codes (low and high nibble: W = W_low + 16 W_high, each plane an int4 GEMM);
   scales  [G, N] as stored (fp16), zeros uint8 [G, N] (the true zero point): the exact decode;
-  kernel_scales  bf16 [P, K'/g', N, 2]: the op's per-plane (scale, offset) with w = (q - 8) scale + offset, derived;
+  kernel_scales  bf16 [P, K'/g', N, 2]: the op's per-plane (scale, offset) with w = (q - 8) scale + offset, derived,
+                             and only for bf16 activations (the op's): built at the repack when the load is for bf16,
+                             else at the first bf16 call (a 2 B-weight model loaded for float16 saves 58 MB);
   perm    int64 [K] or None: an act-order layer's inputs sorted by group, so each group is g consecutive inputs.
 Forward: quantkit.kernels.cpu_int4.linear (under torch.compile, the custom op quantkit::cpu_int4_linear): bf16
 activations of a few rows go through torch's op (its precision is bf16's); any other call (float32 activations,
@@ -26,9 +28,10 @@ from torch import nn
 from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
 from quantkit.core.memory import return_freed_memory
-from quantkit.core.groups import group_index, group_width, is_plain
+from quantkit.core.groups import group_order, group_width
 from quantkit.kernels import cpu_int4
 from quantkit.kernels.cpu_int4 import PLANE_BITS
+from quantkit.kernels.dispatch import layer_backend
 from quantkit.nn.quant_linear import QuantLinear, add_rotation, rotate_input
 
 REPACK_CODES = 1 << 18  # codes unpacked at a time: 1 MB as int32, a few MB with their temporaries
@@ -36,7 +39,7 @@ REPACK_CODES = 1 << 18  # codes unpacked at a time: 1 MB as int32, a few MB with
 
 class CpuInt4Linear(nn.Module):
     def __init__(self, in_features, out_features, bits, group_size, planes, scales, zeros, perm, bias,
-                 rotation_block=None):
+                 rotation_block=None, for_bf16=True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = bits, group_width(in_features, group_size)
@@ -45,8 +48,9 @@ class CpuInt4Linear(nn.Module):
         self.register_buffer("zeros", zeros)
         self.register_buffer("perm", perm)
         self.register_buffer("bias", bias)
-        self.register_buffer("kernel_scales", cpu_int4.kernel_scales(scales, zeros, planes, in_features,
-                                                                     self.group_size), persistent=False)
+        self.register_buffer("kernel_scales", None, persistent=False)
+        if for_bf16:
+            self.kernel_scales = self._built_kernel_scales()
         add_rotation(self, in_features, rotation_block, planes.device)
 
     def extra_repr(self):
@@ -55,21 +59,21 @@ class CpuInt4Linear(nn.Module):
                 f"bias={self.bias is not None}, rotation_block={self.rotation_block}")
 
     @classmethod
-    def from_quant_linear(cls, m: QuantLinear):
-        """The repacked layer, or None where the op cannot take it (N % 16, group size, scattered groups)."""
+    def from_quant_linear(cls, m: QuantLinear, dtype: torch.dtype = torch.bfloat16):
+        """The repacked layer for `dtype` activations, or None where the op does not take it
+        (kernels.dispatch.layer_backend says why: N % 16, group size, scattered groups)."""
         k, n, bits = m.in_features, m.out_features, m.bits
         g = group_width(k, m.group_size)
-        if bits > 2 * PLANE_BITS or m.qweight.device.type != "cpu" or not cpu_int4.supports(n, k, g):
+        if layer_backend(m.facts(), m.qweight.device, torch.bfloat16).name != "cpu_int4":
             return None
-        perm = _group_order(m.g_idx, k, g)
-        if perm is False:
-            return None
+        perm = group_order(m.g_idx, k, g)
         zeros = (bitpack.unpack(m.qzeros, bits, n, dim=1) + m.zero_offset()) & (2**bits - 1)
         try:
             planes = _repack(m.qweight, bits, k, g, n, perm)
         except RuntimeError:
             return None  # a torch whose layout quantkit cannot read back: the layer stays a QuantLinear
-        new = cls(k, n, bits, m.group_size, planes, m.scales, zeros.to(torch.uint8), perm, m.bias, m.rotation_block)
+        new = cls(k, n, bits, m.group_size, planes, m.scales, zeros.to(torch.uint8), perm, m.bias, m.rotation_block,
+                  for_bf16=dtype == torch.bfloat16)
         if m.rotation_block is not None:
             new.rot_signs = m.rot_signs
         return new
@@ -79,7 +83,19 @@ class CpuInt4Linear(nn.Module):
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         op = cpu_int4.int4_linear if torch.compiler.is_compiling() else cpu_int4.linear
-        return op(x, self.planes, self.scales, self.zeros, self.kernel_scales, self.group_size, self.bias)
+        return op(x, self.planes, self.scales, self.zeros, self._kernel_scales(x), self.group_size, self.bias)
+
+    def _kernel_scales(self, x: torch.Tensor) -> torch.Tensor:
+        """The op's scales for x: built at the first bf16 call where the repack did not build them; other dtypes never
+        run the op (an empty tensor stands in)."""
+        if self.kernel_scales is None and x.dtype == torch.bfloat16:
+            if torch.compiler.is_compiling():  # no module state is set inside a traced graph
+                return self._built_kernel_scales()
+            self.kernel_scales = self._built_kernel_scales()
+        return self.kernel_scales if self.kernel_scales is not None else self.planes.new_empty(0, dtype=torch.bfloat16)
+
+    def _built_kernel_scales(self) -> torch.Tensor:
+        return cpu_int4.kernel_scales(self.scales, self.zeros, self.planes, self.in_features, self.group_size)
 
     def _apply(self, fn, *args, **kwargs):
         if fn(torch.empty(0)).device.type != "cpu":
@@ -105,20 +121,11 @@ def _repack(qweight: torch.Tensor, bits: int, k: int, g: int, n: int, perm) -> t
     return planes
 
 
-def _group_order(g_idx, k: int, g: int):
-    """None when g_idx is k // g; the permutation sorting the inputs by group when that makes every group g
-    consecutive inputs (act-order); False when it does not (groups of unequal sizes)."""
-    if is_plain(g_idx, k, g):
-        return None
-    g_idx = g_idx.long().cpu()
-    perm = torch.argsort(g_idx, stable=True)
-    return perm if torch.equal(g_idx[perm], group_index(k, g).long()) else False
-
-
-def repack_layer(model: nn.Module, name: str) -> bool:
-    """Swap the QuantLinear `name` for a CpuInt4Linear where the op takes it (its GPTQ tensors are then freed)."""
+def repack_layer(model: nn.Module, name: str, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Swap the QuantLinear `name` for a CpuInt4Linear (for `dtype` activations) where the op takes it (its GPTQ
+    tensors are then freed); load_quantized calls it where kernels.dispatch.layer_backend says "cpu_int4"."""
     module = model.get_submodule(name)
-    if type(module) is not QuantLinear or (new := CpuInt4Linear.from_quant_linear(module)) is None:
+    if type(module) is not QuantLinear or (new := CpuInt4Linear.from_quant_linear(module, dtype)) is None:
         return False
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent), leaf, new)

@@ -18,7 +18,7 @@ from torch import nn
 from quantkit.core import bitpack, strips
 from quantkit.core.matmul import linear
 from quantkit.kernels.codebook import codebook_linear, decode_table, decode_weight, lookup_columns, lookup_of
-from quantkit.kernels.dispatch import choose_backend, reserve_workspace
+from quantkit.kernels.dispatch import LayerFacts, layer_backend, reserve_workspace
 from quantkit.nn.quant_linear import add_rotation, buffers_key, plain_group_size, rotate_input
 from quantkit.schemes.base import param_dtype
 
@@ -68,12 +68,19 @@ class DecodedLinear(nn.Module):
             cache = self.__dict__["_weight_cache"] = (key, w)
         return cache[1]
 
+    def facts(self) -> LayerFacts:
+        """What kernels.dispatch.layer_backend reads of this layer."""
+        lookup = lookup_of(self.quantizer, self.in_features) is not None
+        return LayerFacts(self.in_features, self.out_features, self.quantizer.code_bits, self.group_size,
+                          codebook="lookup" if lookup else "quantizer", kernel=self.kernel is not None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = rotate_input(self, x)
-        if self.kernel is not None and choose_backend(x, self.quantizer.code_bits, None) == "triton":
+        backend = layer_backend(self.facts(), x.device.type, x.dtype, self.cache_dequantized).name
+        if backend == "triton":
             return codebook_linear(x, self.codes, self.scale, self.g_idx, self.codebook, self.quantizer,
                                    self.in_features, self.bias)
-        if self.cache_dequantized:
+        if backend == "dense":
             return linear(x, self.weight().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
         row_ranges = strips.ranges(self.out_features, self.in_features, align=1)
         return strips.strip_linear(x, self._strip_decoder(), row_ranges, self.bias)

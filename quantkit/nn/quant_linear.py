@@ -2,18 +2,19 @@
 
 Buffers mirror the checkpoint (see quantkit.checkpoint.gptq): qweight, qzeros, scales, g_idx, bias, and
 rot_signs for a rotated layer of the quantkit format (its forward computes Ŵ (Π x)).
-forward() calls the custom op torch.ops.quantkit.gptq_linear (kernels.dispatch), which picks the
-Triton kernels on CUDA and a pure-torch path elsewhere; on CPU it decodes strip by strip (quantkit.core.strips), or
-keeps the decoded weight when asked to (see below). load_quantized repacks the layers torch's CPU int4 GEMM can
-take into quantkit.nn.cpu_int4_linear on the CPU; this module's CPU forward serves the others and streamed models.
+forward() asks kernels.dispatch.layer_backend what runs it (the one place that decides): on CUDA the custom op
+torch.ops.quantkit.gptq_linear (the Triton kernels, or the torch reference); on the CPU a strip-by-strip decode
+(quantkit.core.strips), or the decoded weight kept when asked to (see below). load_quantized repacks the layers torch's
+CPU int4 GEMM can take into quantkit.nn.cpu_int4_linear on the CPU; this module's CPU forward serves the others and
+streamed models.
 """
 import torch
 from torch import nn
 
 from quantkit.core import bitpack, gptq_layout, strips
 from quantkit.core.gptq_layout import V1_ZERO_OFFSET
-from quantkit.core.groups import group_width, is_plain, n_groups
-from quantkit.kernels.dispatch import choose_backend, gptq_linear_op, reserve_workspace
+from quantkit.core.groups import group_order, group_width, is_plain, n_groups
+from quantkit.kernels.dispatch import LayerFacts, gptq_linear_op, layer_backend, reserve_workspace
 from quantkit.kernels.reference import dequantize_weight, linear_dequantized
 from quantkit.kernels.rotation import rotate_activations
 
@@ -42,6 +43,13 @@ def plain_group_size(module: nn.Module):
         size = group_width(module.in_features, module.group_size) if plain else None
         known = module.__dict__["_plain_groups"] = (key, size)
     return known[1]
+
+
+def grid_facts(in_features, out_features, bits, group_size, g_idx, scales_dtype) -> LayerFacts:
+    """A GPTQ-layout layer's LayerFacts (kernels.dispatch), its g_idx read for act-order groups."""
+    order = group_order(g_idx, in_features, group_size)
+    groups = "plain" if order is None else "scattered" if order is False else "sorted"
+    return LayerFacts(in_features, out_features, bits, group_size, groups, scales_dtype)
 
 
 def buffers_key(buffers) -> tuple:
@@ -83,14 +91,24 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = rotate_input(self, x)
-        if x.device.type == "cpu" and not torch.compiler.is_compiling():
-            if self.cache_dequantized:
+        if not torch.compiler.is_compiling():
+            backend = layer_backend(self.facts(), x.device.type, x.dtype, self.cache_dequantized).name
+            if backend == "dense":
                 return linear_dequantized(x, self._cached_weight(x.dtype), self.bias)
-            if choose_backend(x, self.bits, None) == "torch":
+            if backend in ("strips", "cpu_int4"):  # cpu_int4: a layer load_quantized did not repack (streamed)
                 row_ranges = strips.ranges(self.out_features, self.in_features, align=32)
                 return strips.strip_linear(x, self._decode_columns, row_ranges, self.bias)
         return gptq_linear_op(x, self.qweight, self.qzeros, self.scales, self.g_idx, self.bits,
                               self.in_features, self.bias, self.zero_offset())
+
+    def facts(self) -> LayerFacts:
+        """What kernels.dispatch.layer_backend reads of this layer; settled once per g_idx, as plain_group_size is."""
+        key = buffers_key((self.g_idx,)) + (self.scales.dtype,)
+        known = self.__dict__.get("_facts")
+        if known is None or known[0] != key:
+            known = self.__dict__["_facts"] = (key, grid_facts(self.in_features, self.out_features, self.bits,
+                                                               self.group_size, self.g_idx, self.scales.dtype))
+        return known[1]
 
     def _decode_columns(self, a: int, b: int) -> torch.Tensor:
         """W^T[:, a:b] [in_features, b - a] in float32; a and b - a multiples of 32 (or b the last output), the unit

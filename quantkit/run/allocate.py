@@ -39,7 +39,7 @@ def candidates(config, codec, specs: dict, shapes: dict, fused: dict) -> list[Se
     for setting in (Setting(b, g) for b in CANDIDATE_BITS for g in groups):
         uniform = {n: LayerSpec(setting.bits, setting.group_size, config.sym) for n, s in specs.items() if s is not None}
         refused = [p for p in codec.compat_problems(config, uniform, shapes, fused)
-                   if config.compat in ("any", p.reader)]
+                   if p.fatal and config.compat in ("any", p.reader)]
         if not refused:
             out.append(setting)
     if not out:

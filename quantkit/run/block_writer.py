@@ -70,8 +70,10 @@ class BlockWriter:
             tensors.update(layer_tensors)
             tensors.update(extra)
             packed += list(layer_tensors)
-        awq = {k: v for k, v in self.method.awq_report.items() if k.startswith(prefix + ".")}
-        shards.save_part(tmp, resume_state.block_key(i), tensors, {"packed": packed, "layers": layers, "awq": awq})
+        prepared = {name: {k: v for k, v in found.items() if k.startswith(prefix + ".")}
+                    for name, found in self.method.prepare_report.items()}
+        shards.save_part(tmp, resume_state.block_key(i), tensors, {"packed": packed, "layers": layers,
+                                                                   "prepared": prepared})
         self.packed += packed
         self.summaries.update(results)
 
@@ -89,7 +91,7 @@ class BlockWriter:
         return tensors
 
     def restore(self, tmp, start: int, device) -> int:
-        """Summaries, packed names and AWQ report of the blocks 0..start-1 an interrupted run finished; start."""
+        """Summaries, packed names and preparations' (AWQ's) report of the blocks 0..start-1 an interrupted run finished; start."""
         self.folder, self.device = tmp, device
         for i in range(start):
             info = shards.part_info(tmp, resume_state.block_key(i))
@@ -97,7 +99,8 @@ class BlockWriter:
             for module, layer in info["layers"].items():
                 self.summaries[module] = _restored_summary(layer, g_idx[f"{shards.RESUME_PREFIX}{module}.g_idx"])
             self.packed += info["packed"]
-            self.method.awq_report.update(info["awq"])
+            for name, found in info["prepared"].items():
+                self.method.prepare_report.setdefault(name, {}).update(found)
         return start
 
     def replay(self, i: int):

@@ -20,34 +20,31 @@ import dataclasses
 import os
 import re
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import yaml
 
-from quantkit.algorithms.registry import method_spec
-from quantkit.checkpoint import codecs, gguf_mix
+from quantkit.algorithms.registry import algorithm_options, method_help, method_names, method_spec
+from quantkit.checkpoint import codecs
 from quantkit.core.errors import QuantkitError
+from quantkit.core.options import Option, check_type, is_int
 from quantkit.core.textfile import read_user_text
-from quantkit.schemes.base import quantizer_for, quantizer_names
-from quantkit.schemes.grid import check_bits, check_group_size, is_int
+from quantkit.gguf import mix as gguf_mix
+from quantkit.schemes.base import quantizer_for, quantizer_help, quantizer_names
+from quantkit.schemes.grid import check_bits, check_group_size
 
 ROTATIONS = ("none", "hadamard")
 MOE_CALIBRATION = ("all", "routed")
 OVERRIDE_TYPES = {"pattern": str, "bits": int, "group_size": int, "sym": bool, "skip": bool, "split_fused": bool}
 COMPAT_TARGETS = ("none", "any", "vllm", "transformers", "gptqmodel")
-_TYPE_WORDS = {bool: "true or false, without quotes", int: "a whole number, without quotes",
-               float: "a number, without quotes", str: "a string (in quotes)", list: "a list of '- pattern: ...' items"}
 
-
-def check_type(value, expected, key: str, where: str = "recipe"):
-    """`value` as `expected` (an int is fine for a float), or a QuantkitError: a quoted 'false' is no boolean."""
-    if expected is float and is_int(value):
-        return float(value)
-    if not (is_int(value) if expected is int else isinstance(value, expected)):
-        raise QuantkitError(f"{where} {key} must be {_TYPE_WORDS[expected]}; got {value!r} ({type(value).__name__})")
-    return value
+def setting(default, help, choices=(), flag=None):
+    """A field of the run's own settings with what the CLI needs to offer it: help (a str, or a callable when it
+    names what registries hold), choices (a tuple or such a callable) and the flag when not --name."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
 
 
 MAX_SEED = 2**31 - 1  # seeds past it would give the same rotations as smaller ones (schemes/rotation.py)
@@ -66,33 +63,98 @@ class LayerSpec:
         return quantizer_for(self.quantizer_name, self.bits, self.sym, self.group_size)
 
 
-@dataclass
+@dataclass(init=False)
 class QuantConfig:
-    method: str = "rtn"
-    quantizer: Optional[str] = None  # None: the method's (int; turboquant or e8 for those methods)
-    bits: int = 4
-    group_size: int = 128
-    sym: bool = True
-    dataset: str = "wikitext2"
-    nsamples: int = 128
-    seqlen: int = 512
-    seed: int = 0
-    damp: float = 0.01
-    block_size: int = 128
-    act_order: bool = True
-    true_sequential: bool = True
-    awq_grid: int = 20
-    awq_clip: bool = True
-    checkpoint_format: Optional[str] = None  # None: gguf with --gguf-type, else gptq
-    gguf_type: Optional[str] = None  # a llama.cpp file type (Q4_K_M, ...): every layer's block type, llama.cpp's mix
-    rotate: Optional[str] = None     # None: the method's (none; hadamard for the turboquant and e8 methods)
-    max_shard_size: str = "4GB"
-    compat: str = "none"             # reader(s) whose refusal is an error before any work; none: warnings only
-    moe_calibration: str = "all"     # all: every expert's statistics from every token; routed: its routed ones
-    lm_head: bool = False            # quantize the output projection too (untied from the embeddings)
-    modules: list = field(default_factory=list)
-    target_bits: Optional[float] = None  # bits per weight of the quantized linears, each one's setting measured
-                                         # (quantkit.run.allocate); None: every layer the same settings
+    """The run's own fields below, plus the options its algorithms declare (GPTQ's damp, AWQ's awq_grid, ...:
+    quantkit.algorithms.registry), held in `options` and read as attributes (config.damp) like the fields.
+    QuantConfig(**values) takes both by name; an unknown name is refused with the known ones."""
+    method: str = setting("rtn", lambda: method_help() + ".", choices=method_names)
+    quantizer: Optional[str] = setting(  # None: the method's (int; turboquant or e8 for those methods)
+        None, lambda: "What rounds the weights. Default: the method's (int for rtn/gptq/awq; the method's own codebook "
+                      "for the others). " + quantizer_help() + ". Anything but unrotated int is written in the "
+                      "quantkit format.")
+    bits: int = setting(4, "Bits per weight code; which widths a quantizer takes: see --quantizer.")
+    group_size: int = setting(
+        128, "Input columns sharing one scale (and zero); -1 = one group per row. A last shorter group is fine. "
+             "turboquant: the block d, a power of two >= 8; e8: a multiple of 8 (both cost 16/group bits per weight "
+             "for the scale).")
+    target_bits: Optional[float] = setting(  # None: every layer the same settings
+        None, "Choose each linear's bits and group size for this average bits per weight of the quantized linears "
+              "(codes, scales, zeros and g_idx counted as the files store them), where its error costs least: each "
+              "layer's cost is its Fisher-weighted rounding error, measured on 8 calibration windows (one backward "
+              "each); an exact knapsack picks from 2/3/4/8 bits x group sizes 32/64/128/-1, q/k/v and gate/up "
+              "together, within --compat. Integer methods and the gptq, gptq_v2 and compressed-tensors formats; "
+              "OUT's recipe holds the allocation (--recipe reproduces it). Replaces --bits and --group-size.")
+    sym: bool = setting(True, "Symmetric grid (zero fixed at 2^(bits-1)) or asymmetric min/max grid.",
+                        flag="--sym/--asym")
+    dataset: str = setting(
+        "wikitext2", "Calibration data: wikitext2, c4, pileval (downloaded from the Hugging Face hub, cached), or a "
+                     "local UTF-8 .txt/.jsonl/.json/.parquet file (offline). Unused by rtn.")
+    nsamples: int = setting(128, "Calibration windows.")
+    seqlen: int = setting(512, "Tokens per calibration window, at most the model's context (max_position_embeddings).")
+    seed: int = setting(0, "Seed for choosing calibration windows (and rotation signs): an integer from 0 to "
+                           "2147483647.")
+    true_sequential: bool = setting(
+        True, "Calibrate each stage of a block (q/k/v, o, gate/up, down) on the outputs of the already quantized "
+              "stages before it (GPTQ rounding; with AWQ's round-to-nearest only the error report's inputs change). "
+              "Also the faster way: the stages cost one block forward in all.")
+    moe_calibration: str = setting(
+        "all", "Mixture-of-experts models: all: while a block is calibrated every expert also computes every token, "
+               "so each expert's statistics cover them all (the block's output keeps the true routing); routed: each "
+               "expert's statistics from the tokens routed to it (an expert none reaches is rounded to nearest). The "
+               "tokens routed to each expert are reported either way.", choices=MOE_CALIBRATION)
+    lm_head: bool = setting(
+        False, "Quantize lm_head too (after the last block, calibrated on the final norm's outputs; GPTQ methods "
+               "round it with GPTQ, the others to nearest). A tied lm_head is untied: the embeddings stay in float. "
+               "Saves vocab x hidden weights (SmolLM2: 57 MB of its 269 in bf16) and makes CPU decode read 4 bits "
+               "per weight there; a recipe override (pattern: lm_head) sets its bits. vLLM and GPTQModel load it, "
+               "transformers does not.")
+    checkpoint_format: Optional[str] = setting(  # None: gguf with --gguf-type, else gptq
+        None, lambda: codecs.format_help() + ". gptq and gptq_v2 write rotated and codebook layers in the quantkit "
+                      "format. Default: gptq (gguf with --gguf-type).", choices=codecs.write_formats)
+    gguf_type: Optional[str] = setting(  # a llama.cpp file type (Q4_K_M, ...): every layer's block type
+        None, "Write a llama.cpp file of this file type: every layer gets the block type llama-quantize gives it for "
+              "this type (Q4_K_M: Q4_K, with Q6_K on attn_v and ffn_down of half the layers; rows that are not whole "
+              "super-blocks of 256 fall back as llama.cpp's do, e.g. Q4_K to Q5_0), rounded by --method (rtn, gptq, "
+              "awq). Implies --checkpoint-format gguf; --bits, --group-size, --sym and --quantizer are not used. The "
+              "embeddings and output stay in float (llama-quantize --token-embedding-type/--output-tensor-type f16 "
+              "makes llama.cpp's file the same).", choices=lambda: gguf_mix.FILE_TYPES)
+    rotate: Optional[str] = setting(  # None: the method's (none; hadamard for the turboquant and e8 methods)
+        None, "hadamard: quantize each linear as W Πᵀ with a seeded randomized Hadamard rotation Π along its inputs "
+              "(GPTQ then rounds against Π H Πᵀ); the layer computes Ŵ (Π x). Default: hadamard for the turboquant "
+              "and e8 methods, none otherwise; not with awq; written in the quantkit format (quant_method "
+              "\"quantkit\"), which GPTQ readers cannot run. --seed picks the signs.", choices=ROTATIONS)
+    max_shard_size: str = setting(
+        "4GB", "Largest safetensors shard, in bytes or with a unit: KB, MB, GB (powers of 1000), KiB, MiB, GiB (of "
+               "1024), e.g. 500MB; bigger checkpoints get several shards and an index.")
+    compat: str = setting(  # reader(s) whose refusal is an error before any work
+        "none", "Before any work, quantize checks the settings against what vLLM, transformers and GPTQModel load "
+                "(bits/sym, group size, short last group, overrides of part of a fused q/k/v or gate/up group, "
+                "per-module overrides) and prints one warning line per reader that would refuse the checkpoint, "
+                "with the fix. none: warnings only; vllm/transformers/gptqmodel: that reader's refusal is an error; "
+                "any: every reader's is. docs/FORMAT.md has the rules and their sources.", choices=COMPAT_TARGETS)
+    modules: list = field(default_factory=list)  # the recipe's per-module overrides (no CLI option)
+    options: dict = field(default_factory=dict)  # the algorithms' options, every registered one: {name: value}
+
+    def __init__(self, **values):
+        declared = algorithm_options()
+        own = {f.name: f for f in dataclasses.fields(self)}
+        unknown = set(values) - set(own) - set(declared)
+        if unknown:
+            raise QuantkitError(f"unknown option(s) {sorted(unknown)}: known are {sorted({*own, *declared} - {'options'})}")
+        for name, f in own.items():
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            setattr(self, name, values.get(name, default))
+        given = {**self.options, **{k: v for k, v in values.items() if k in declared}}
+        self.options = {name: option.validate(given.get(name, option.default)) for name, option in declared.items()}
+        self.__post_init__()
+
+    def __getattr__(self, name):
+        """An algorithm's option as an attribute (only reached when `name` is not a field)."""
+        options = self.__dict__.get("options", {})
+        if name in options:
+            return options[name]
+        raise AttributeError(f"QuantConfig has no option {name!r}")
 
     def __post_init__(self):
         if isinstance(self.dataset, os.PathLike):
@@ -110,16 +172,14 @@ class QuantConfig:
             if f.name == "max_shard_size" and is_int(self.max_shard_size):
                 continue  # a byte count is as good as "4GB"
             expected = {"modules": list, "quantizer": str, "rotate": str, "checkpoint_format": str,
-                        "gguf_type": str, "target_bits": float}.get(f.name, f.type)
+                        "gguf_type": str, "target_bits": float, "options": dict}.get(f.name, f.type)
             setattr(self, f.name, check_type(getattr(self, f.name), expected, f.name, "option"))
         check_group_size(self.group_size)
-        for name in ("nsamples", "seqlen", "block_size", "awq_grid"):
+        for name in ("nsamples", "seqlen"):
             if getattr(self, name) < 1:
                 raise QuantkitError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
         if not 0 <= self.seed <= MAX_SEED:  # the rotations draw their signs from a 31-bit seed: larger ones alias
             raise QuantkitError(f"--seed {self.seed} is out of range: use an integer from 0 to {MAX_SEED}")
-        if not 0 < self.damp <= 1:
-            raise QuantkitError(f"--damp {self.damp} is out of range: use a fraction in (0, 1], e.g. 0.01")
         if self.quantizer not in quantizer_names():
             raise QuantkitError(f"unknown quantizer '{self.quantizer}': choose one of {', '.join(quantizer_names())}")
         implied = spec.quantizer
@@ -129,9 +189,9 @@ class QuantConfig:
                                 f"--quantizer {self.quantizer})")
         if self.rotate not in ROTATIONS:
             raise QuantkitError(f"unknown rotation '{self.rotate}': use {' or '.join(ROTATIONS)}")
-        if self.rotate != "none" and "awq" in self.method:
-            raise QuantkitError(f"--rotate {self.rotate} does not work with --method {self.method}: AWQ's "
-                                "scales are searched in the unrotated basis")
+        unrotated = [a.unrotated_only for a in spec.algorithms() if a.unrotated_only]
+        if self.rotate != "none" and unrotated:
+            raise QuantkitError(f"--rotate {self.rotate} does not work with --method {self.method}: {unrotated[0]}")
         if self.moe_calibration not in MOE_CALIBRATION:
             raise QuantkitError(f"unknown --moe-calibration '{self.moe_calibration}': use {' or '.join(MOE_CALIBRATION)}")
         if self.compat not in COMPAT_TARGETS:
@@ -229,7 +289,25 @@ class QuantConfig:
                 if not any(self._matches(o, n, siblings.get(n, ()), aliases.get(n, ())) for n in names)]
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every setting by name, the algorithms' options among the fields (as recipes and reports hold them)."""
+        settings = dataclasses.asdict(self)
+        return {**{k: v for k, v in settings.items() if k != "options"}, **settings["options"]}
+
+
+def config_options() -> list[Option]:
+    """Every setting a run takes as an Option (what the CLI offers): QuantConfig's own fields (not `modules`, which
+    only a recipe gives), then every registered algorithm's options. Read when asked, so a plugin's are there."""
+    own = []
+    for f in dataclasses.fields(QuantConfig):
+        if "help" in f.metadata:
+            meta = f.metadata
+            kind = next(t for t in typing.get_args(f.type) or (f.type,) if t is not type(None))
+            own.append(Option(f.name, kind, f.default, _now(meta["help"]), tuple(_now(meta["choices"])), meta["flag"]))
+    return own + list(algorithm_options().values())
+
+
+def _now(value):
+    return value() if callable(value) else value
 
 
 def read_recipe(path) -> dict:
@@ -248,7 +326,7 @@ def read_recipe(path) -> dict:
     if not isinstance(raw, dict):
         raise QuantkitError(f"recipe {path} must be a mapping of option names to values")
     data = {k.replace("-", "_"): v for k, v in raw.items()}
-    known = {f.name for f in dataclasses.fields(QuantConfig)}
+    known = ({f.name for f in dataclasses.fields(QuantConfig)} - {"options"}) | set(algorithm_options())
     unknown = set(data) - known
     if unknown:
         raise QuantkitError(f"recipe {path} has unknown keys {sorted(unknown)}: allowed are {sorted(known)}")

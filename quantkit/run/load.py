@@ -9,49 +9,101 @@ is ever made), and on the CPU each layer torch's int4 GEMM can take is repacked 
 """
 import dataclasses
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
 
-from quantkit.calibration.capture import move_loaded
 from quantkit.checkpoint import codecs
 from quantkit.checkpoint import files as checkpoint
 from quantkit.checkpoint.reads import TensorReader
 from quantkit.core.errors import QuantkitError
+from quantkit.kernels.dispatch import layer_backend
 from quantkit.models import offload, placement
 from quantkit.models.arch import arch_for, get_weight
-from quantkit.models.hub import model_class, parse_dtype, resolve_device
+from quantkit.models.hub import DTYPES, model_class, resolve_device
 from quantkit.models.moe import split_experts
 from quantkit.models.names import FileNames
+from quantkit.models.placement import move_loaded
 from quantkit.models.sliced import split_in_files, split_sliced
 from quantkit.nn.cpu_int4_linear import repack_layer
+from quantkit.nn.quant_linear import QuantLinear
+
+SPREADS = ("auto", "balanced")  # device_map values that spread the decoder blocks over the GPUs
 
 
-def _device(device_map):
+def _one_device(value, name: str) -> str:
+    """A single device as a string: "cpu", "cuda", "cuda:1", "auto", a torch.device, or an int as torch reads it
+    (1 is "cuda:1"); resolve_device then checks it against this machine."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, torch.device)):
+        raise QuantkitError(f"load_quantized({name}={value!r}): give a device such as 'cpu', 'cuda' or 'cuda:1' (a "
+                            "torch.device or a GPU index too), or 'auto'")
+    return f"cuda:{value}" if isinstance(value, int) else str(value)
+
+
+def _map_device(device_map) -> str:
+    """The one device a device_map names: a device, or a dict whose values all name the same device (transformers'
+    {"": 0}); a dict that spreads modules over devices is refused (the spread quantkit makes is "auto"/"balanced")."""
+    if not isinstance(device_map, dict):
+        return _one_device(device_map, "device_map")
+    devices = {_one_device(v, "device_map") for v in device_map.values()}
+    if len(devices) != 1:
+        raise QuantkitError(f"load_quantized(device_map={device_map!r}): a map over several devices is not supported: "
+                            "use device_map='auto' (the decoder blocks spread over the GPUs when the model does not "
+                            "fit one) or 'balanced' (spread in any case), or one device")
+    return devices.pop()
+
+
+def _same_device(a: str, b: str) -> bool:
+    """cuda and cuda:0 are the same device here (the loader's GPU is the first one unless an index says otherwise)."""
+    (kind_a, _, index_a), (kind_b, _, index_b) = a.partition(":"), b.partition(":")
+    return kind_a == kind_b and (index_a or "0") == (index_b or "0")
+
+
+def placement_of(device=None, device_map=None) -> tuple:
+    """(the device a model loads on, None or the spread over GPUs: "auto" or "balanced") for load_quantized's device
+    and device_map; both given must agree (device None or "auto" leaves the choice to device_map). Neither given:
+    the CPU, as transformers' from_pretrained."""
+    if device is None and device_map is None:
+        return "cpu", None
+    device = _one_device("auto" if device is None else device, "device")
     if device_map is None:
-        return "cpu"
-    if device_map == "balanced":
-        return resolve_device("cuda")
-    if isinstance(device_map, (str, torch.device)):
-        return resolve_device(str(device_map))
-    raise QuantkitError(f"device_map {device_map!r} is not supported: use None, 'auto', 'balanced', 'cpu' or a "
-                        "device like 'cuda:0'")
+        return resolve_device(device), None
+    spread = device_map if isinstance(device_map, str) and device_map in SPREADS else None
+    mapped = spread or _map_device(device_map)
+    if device != "auto" and (spread or not _same_device(device, mapped)):
+        raise QuantkitError(f"load_quantized got device={device!r} and device_map={device_map!r}, which disagree: give "
+                            "one of them (device: one device; device_map: 'auto' or 'balanced' to spread the decoder "
+                            "blocks over the GPUs, or one device)")
+    return resolve_device("cuda" if spread == "balanced" else mapped), spread
 
 
-def _one_of(name, value, alias, alias_value):
-    """The value given under `name` or under its alias `alias`: both given and different is a mistake."""
-    if alias_value is None:
-        return value
-    if value is not None and str(value) != str(alias_value):
-        raise QuantkitError(f"load_quantized got {name}={value!r} and {alias}={alias_value!r}: give one of them")
-    return alias_value
+def _dtype_arg(dtype):
+    """"auto" or the torch dtype that load_quantized's dtype names (a torch dtype, or a name: "bfloat16", "bf16",
+    "torch.float16" ...)."""
+    if dtype is None or isinstance(dtype, str) and dtype == "auto":
+        return "auto"
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and isinstance(DTYPES.get(dtype.removeprefix("torch.")), torch.dtype):
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise QuantkitError(f"load_quantized(dtype={dtype!r}): use 'auto' (the checkpoint's own dtype), a floating torch "
+                        f"dtype, or one of {', '.join(n for n in DTYPES if n != 'auto')}")
 
 
-def _default_dtype(config_dtype, device):
-    """fp32 on CPU (fast and exact there); on GPU the checkpoint's half type, fp16 otherwise."""
-    if device == "cpu":
-        return torch.float32
-    return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.float16
+def checkpoint_dtype(config: dict, tensors=None, layers=()) -> torch.dtype:
+    """The dtype a checkpoint's model is in (what dtype="auto" loads, as transformers does): config.json's `dtype`
+    (`torch_dtype` before transformers 5); else the dtype of most of the float tensors outside its quantized layers
+    (the embeddings, norms); else float32."""
+    declared = DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")))
+    if isinstance(declared, torch.dtype):
+        return declared
+    quantized = {layer.name for layer in layers}
+    sizes = Counter()
+    for name, t in (tensors or {}).items():
+        if t.is_floating_point() and name.rpartition(".")[0] not in quantized:
+            sizes[t.dtype] += t.numel()
+    return sizes.most_common(1)[0][0] if sizes else torch.float32
 
 
 def _skeleton(folder, dtype, qc):
@@ -87,41 +139,70 @@ def _swap_quantized(model, layers, codec, qc, dtype):
         setattr(model.get_submodule(parent), leaf, codec.build_module(layer, qc, dtype))
 
 
-def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequantized=False, device=None,
+def load_quantized(path, device=None, device_map=None, dtype="auto", stream=False, cache_dequantized=False,
                    torch_dtype=None):
     """Load a quantkit/GPTQ-layout checkpoint folder as a transformers model in eval mode.
 
-    device_map: None or "cpu" (CPU), "auto" (the GPU when there is one; the decoder blocks spread over all
-        visible GPUs when the model does not fit on one, quantkit.models.placement), "balanced" (spread over all
-        GPUs in any case) or a device string such as "cuda:1" (a torch.device too).
-    device: the same as device_map (what users pass to .to()); give one of the two.
-    torch_dtype: the same as dtype (transformers' older spelling); give one of the two.
-    dtype: activation/float-parameter dtype; default fp32 on CPU, fp16/bf16 on GPU.
+    device: the one device it runs on: "cpu", "cuda", "cuda:1", a torch.device (or a GPU index); "auto": the GPU
+        when there is one, else the CPU. Neither device nor device_map given: the CPU, as transformers loads.
+    device_map: as transformers': "auto" (the GPU when there is one; the decoder blocks spread over all visible GPUs
+        when the model does not fit one, quantkit.models.placement), "balanced" (spread over all GPUs in any case),
+        one device, or a dict naming one device ({"": 0}). Given with a device other than "auto", the two must agree.
+    dtype: the float parameters' and activations' dtype: "auto" (the default, as transformers 5 has it) is the
+        checkpoint's own (checkpoint_dtype: config.json's, else its float tensors'); a torch dtype or a name
+        ("bfloat16", "fp16", "float32" ...). On the CPU, bfloat16 runs torch's int4 GEMM for decode steps; float32 is
+        the exact one (what `quantkit eval` computes in there by default). torch_dtype: transformers' older spelling.
     stream: keep the decoder blocks (and an untied lm_head) in the files and read each one when its forward
         runs (quantkit.models.offload): memory ≈ the embedding + one block, for checkpoints larger than
         memory; every forward reads the blocks again, so it is slower (fine for evaluation, slow for generate).
     cache_dequantized: on the CPU, keep each quantized linear's decoded weight after its first forward (as fast as
-        the unquantized model at float32, and as big). By default the weights stay packed: the layers torch's CPU
-        int4 GEMM takes are repacked for it (fast token-by-token decode with dtype=torch.bfloat16), and every other
-        call decodes a bounded strip of the weight at a time (exact, float32's default).
+        the unquantized model at float32, and as big). By default the weights stay packed: what runs each layer is
+        kernels.dispatch.layer_backend's choice (`quantkit inspect` shows it): on the CPU, the layers torch's int4
+        GEMM takes are repacked for it, and every other call decodes a bounded strip of the weight at a time.
     """
     folder = Path(path)
-    device_map = _one_of("device_map", device_map, "device", device)
-    dtype = _one_of("dtype", dtype, "torch_dtype", torch_dtype)
-    device = _device(device_map)  # before the files are read: a mistyped device is named at once
+    device, spread = placement_of(device, device_map)  # before the files are read: a mistyped device is named at once
+    cache_dequantized = cache_dequantized and device == "cpu"  # on a GPU the kernels decode in registers
+    dtype = _dtype_arg(_one_of("dtype", dtype, "torch_dtype", torch_dtype))
     config = checkpoint.read_config(folder)
     codec = codecs.codec_named(config["quantization_config"], str(folder))
     if not codec.safetensors:  # one file of another tool's (GGUF): its weights decoded, a float model
         if stream:
             print(f"note: {folder} is a {codec.quant_method} checkpoint: it is loaded whole, dequantized (--stream "
                   "reads safetensors checkpoints)", file=sys.stderr)
-        return _load_dequantized(folder, config, codec, device, dtype)
+        return _load_dequantized(folder, config, codec, device, checkpoint_dtype(config) if dtype == "auto" else dtype)
     config, tensors, layers, codec, stored = checkpoint.read_checkpoint_as_stored(folder)
-    dtype = parse_dtype(dtype) or _default_dtype(parse_dtype(config.get("dtype") or config.get("torch_dtype")), device)
+    dtype = checkpoint_dtype(config, tensors, layers) if dtype == "auto" else dtype
+    model, blocks_path, units = _load_safetensors(folder, config, tensors, layers, codec, stored, device, dtype,
+                                                  stream, cache_dequantized)
+    if stream:
+        move_loaded(model, device)
+        return model.eval()
+    if spread and device == "cuda":
+        return placement.place_on_gpus(model.eval(), blocks_path, always=spread == "balanced")
+    if cache_dequantized:  # its layers stayed packed as read (layer_backend: "dense"); each keeps its decode
+        for module in model.modules():
+            if hasattr(module, "cache_dequantized"):
+                module.cache_dequantized = True
+    return model.to(device).eval()
+
+
+def _one_of(name, value, alias, alias_value):
+    """The value given under `name` or under its alias `alias`: both given and different is a mistake."""
+    if alias_value is None:
+        return value
+    if value not in (None, "auto") and str(value) != str(alias_value):
+        raise QuantkitError(f"load_quantized got {name}={value!r} and {alias}={alias_value!r}: give one of them")
+    return alias_value
+
+
+def _load_safetensors(folder, config, tensors, layers, codec, stored, device, dtype, stream, cache_dequantized):
+    """(model with every tensor in, or streamed; the blocks' path; the streamed units) of a safetensors checkpoint."""
     qc = config["quantization_config"]  # config.json's, or an AutoGPTQ folder's quantize_config.json
     model, qc = _skeleton(folder, dtype, qc)
     in_files = FileNames(model)  # the files name tensors as transformers saves them (quantkit.models.names)
-    tensors = {in_files.to_model(n): t for n, t in tensors.items()}
+    as_read, tensors = tensors, {in_files.to_model(n): t for n, t in tensors.items()}
+    as_read.clear()  # the caller's dict too: the views (and the pages validation read through them) go with `tensors`
     layers = [dataclasses.replace(layer, name=in_files.module_to_model(layer.name)) for layer in layers]
     split_sliced(model, split_in_files(model, tensors))  # as quantize split them (quantkit.models.sliced)
     blocks_path = arch_for(model).blocks  # before the swap: an unknown family's blocks are found by their linears
@@ -142,25 +223,19 @@ def load_quantized(path, device_map=None, dtype=None, stream=False, cache_dequan
         _assign(model, folder, {n: t.to(as_loaded(n, t.dtype)) for n, t in tensors.items()
                                 if not offload.under(n, units)})  # the streamed blocks' views (pages) go
     else:
+        def runs_on_int4(name):  # what runs the layer is the dispatcher's choice (kernels.dispatch)
+            module = model.get_submodule(name)
+            return isinstance(module, QuantLinear) and \
+                layer_backend(module.facts(), device, dtype, cache_dequantized).name == "cpu_int4"
         stored = {in_files.to_model(n) for n in stored}
         _read_layer_by_layer(model, folder, tensors, stored, stored & _kept_as_views(model, tensors, device, as_loaded),
-                             layers, in_files, as_loaded, repack=device == "cpu" and not cache_dequantized)
+                             layers, in_files, as_loaded, runs_on_int4, dtype)
     _check_complete(model, units)
-    if stream:
-        move_loaded(model, device)
-        return model.eval()
-    if device_map in ("auto", "balanced") and device == "cuda":
-        return placement.place_on_gpus(model.eval(), blocks_path, always=device_map == "balanced")
-    if device == "cpu" and cache_dequantized:
-        for module in model.modules():
-            if hasattr(module, "cache_dequantized"):
-                module.cache_dequantized = True
-    return model.to(device).eval()
+    return model, blocks_path, units
 
 
 def _load_dequantized(folder: Path, config: dict, codec, device: str, dtype) -> torch.nn.Module:
     """A checkpoint whose codec reads its weights back only as float tensors (GGUF), into a float model."""
-    dtype = parse_dtype(dtype) or _default_dtype(parse_dtype(config.get("dtype") or config.get("torch_dtype")), device)
     model, _ = _skeleton(folder, dtype, config["quantization_config"])
     del model.config.quantization_config  # the model is a float one now: save_pretrained must not call it quantized
     _assign(model, folder, codec.read_dequantized(folder, config, dtype))
@@ -185,13 +260,14 @@ def _kept_dtypes(model, layers, dtype) -> set:
 
 
 def _read_layer_by_layer(model, folder, tensors: dict, stored: set, mapped: set, layers, in_files, as_loaded,
-                         repack: bool):
-    """One quantized layer at a time, and on the CPU each layer repacked for the int4 GEMM as soon as its tensors are
-    in: the load's peak is the loaded model plus one layer, not the files' pages plus float copies plus every
-    layer's GPTQ tensors. `tensors` are views of the memory-mapped files, which validated them; the `stored` ones
-    (not rewritten by the codec) are read again into memory of their own (quantkit.checkpoint.reads), or mapped
-    alone (the `mapped` ones), so their views are dropped first: with them go the files' maps and every page the
-    check made resident (16 MB on SmolLM2), before the layers come in."""
+                         runs_on_int4, dtype):
+    """One quantized layer at a time, and each layer that `runs_on_int4` repacked for the CPU's int4 GEMM (for `dtype`
+    activations) as soon as its tensors are in: the load's peak is the loaded model plus one layer, not the files'
+    pages plus float copies plus every layer's GPTQ tensors. `tensors` are views of the memory-mapped files, which
+    validated them; the `stored` ones (not rewritten by the codec) are read again into memory of their own
+    (quantkit.checkpoint.reads), or mapped alone (the `mapped` ones), so their views are dropped first: with them go
+    the files' maps and every page the check made resident (16 MB on SmolLM2, 55 MB on a 2 B-weight Llama), before
+    the layers come in."""
     reader = TensorReader(checkpoint.shard_files(folder))
     dtypes = {name: view.dtype for name, view in tensors.items()}
     rewritten = {name: view for name, view in tensors.items() if name not in stored}
@@ -213,8 +289,8 @@ def _read_layer_by_layer(model, folder, tensors: dict, stored: set, mapped: set,
         by_module.setdefault(name.rpartition(".")[0], []).append(name)
     for layer in layers:
         _assign(model, folder, read(by_module.pop(layer.name, [])))
-        if repack:
-            repack_layer(model, layer.name)
+        if runs_on_int4(layer.name):
+            repack_layer(model, layer.name, dtype)
     _assign(model, folder, read([n for group in by_module.values() for n in group]))
 
 

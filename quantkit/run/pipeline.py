@@ -23,20 +23,20 @@ from quantkit.calibration.capture import trace_blocks
 from quantkit.calibration.data import calibration_ids as load_calibration
 from quantkit.calibration.data import check_dataset
 from quantkit.calibration.sequential import calibrated_blocks, check_activation_memory, data_free_blocks
-from quantkit.checkpoint import files
+from quantkit.checkpoint import compat, files
 from quantkit.core.errors import QuantkitError
 from quantkit.core.memory import return_freed_memory
 from quantkit.core.version import __version__
-from quantkit.models.arch import (arch_for, check_window, fused_groups, fused_siblings, get_submodule,
-                                  require_scale_groups, vocabulary)
+from quantkit.models.arch import arch_for, check_window, fused_groups, fused_siblings, get_submodule, vocabulary
 from quantkit.models.head import head_paths, untie
 from quantkit.models.hub import resolve_device
 from quantkit.models.names import FileNames
 from quantkit.models.stream import open_model
 from quantkit.run import allocate, output
+from quantkit.run import folder as checkpoint_folder
 from quantkit.run import resume as resume_state
 from quantkit.run.block_writer import BlockWriter
-from quantkit.run.config import QuantConfig, write_recipe
+from quantkit.run.config import QuantConfig
 from quantkit.run.coverage import expert_calibration, weight_coverage
 from quantkit.run.precheck import (check_compat, file_aliases, fused_expert_linears, kept_head, layer_specs,
                                    quantizable_linears, writer_codec)
@@ -154,11 +154,11 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
         specs, shapes = layer_specs(fp_model, names, config, siblings, in_files)
     codec = writer_codec(config, specs)
     codec.check_source(fp_model.config.to_dict(), tokenizer, [in_files.of_tensor(n) for n in source.names])
-    compat_lines = check_compat(config, arch, names, specs, shapes, fused_expert_linears(fp_model, arch, names))
+    compat_lines = check_compat(config, arch, names, specs, shapes, fused_expert_linears(fp_model, arch, names),
+                                compat.renamed_floats(coverage.kinds, in_files.of_tensor))
     method = Method(config, arch, specs)
+    method.check_model(fp_model.config.model_type)
     if config.needs_calibration:
-        if method.use_awq:
-            require_scale_groups(arch, fp_model.config.model_type)
         calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
     save_dtype = declared if dtype == "auto" else source.dtype
     return Plan(source, tokenizer, save_dtype, compute_dtype, arch, names, method, codec,
@@ -203,13 +203,12 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
         _quantize_parts(group, plan, config, writer, tmp, start, device)
         writer.save_outside(tmp)
         report = _report(model, config, device, plan, writer, start, time.perf_counter() - t_start)
-        written = SimpleNamespace(config=_model_config(plan, writer.summaries, config), tokenizer=plan.tokenizer,
-                                  name=Path(_source_name(model)).name)
+        spec = _folder_spec(model, plan, writer, config)
         carried = set(writer.carried)  # named as in the source's files already
-        plan.codec.write_files(tmp, writer.order(), files.parse_size(config.max_shard_size),
-                               lambda n: n if n in carried else plan.in_files.of_tensor(n), written)
-        resume_state.finish(tmp)
-        _write_configs(tmp, plan, written.config, config, report)
+        checkpoint_folder.write_weights(tmp, spec, writer.order(),
+                                        lambda n: n if n in carried else plan.in_files.of_tensor(n))
+        resume_state.finish(tmp)  # the parts are in the shards: nothing left to resume, nothing for the report's list
+        checkpoint_folder.write_rest(tmp, spec, report)
     return report
 
 
@@ -268,8 +267,8 @@ def _report(model, config, device, plan, writer, start, seconds) -> dict:
     experts = expert_calibration(layers, of_module)
     if experts:
         report["experts"] = experts
-    if plan.method.awq_report:
-        report["awq"] = {of_module(n): v for n, v in plan.method.awq_report.items()}
+    for name, found in plan.method.prepare_report.items():  # "awq": its search per scale group
+        report[name] = {of_module(n): v for n, v in found.items()}
     return report
 
 
@@ -352,10 +351,10 @@ def _model_config(plan, results, config) -> dict:
     of_module = plan.in_files.of_module
     names = [of_module(n) for n in plan.names]
     fused = {of_module(f): tuple(map(of_module, members)) for f, members in fused_groups(plan.arch, plan.names).items()}
-    qc = plan.codec.quantization_config(config, {of_module(n): r for n, r in results.items()}, names,
-                                        act_order=plan.method.act_order, extra={
-        "true_sequential": config.true_sequential, "damp_percent": config.damp, "lm_head": plan.head is not None,
-        "quantizer": [f"quantkit:{__version__}"], "meta": {"method": config.method}}, fused=fused)
+    made_with = {"true_sequential": config.true_sequential, "damp_percent": config.damp,
+                 "meta": {"method": config.method}}
+    qc = checkpoint_folder.quantization_config(plan.codec, config, {of_module(n): r for n, r in results.items()}, names,
+                                               plan.method.act_order, plan.head is not None, made_with, fused)
     model = plan.source.model
     model_config = model.config.to_dict()
     model_config["dtype"] = str(plan.save_dtype).removeprefix("torch.")
@@ -365,14 +364,9 @@ def _model_config(plan, results, config) -> dict:
     return model_config
 
 
-def _write_configs(tmp, plan, model_config, config, report):
-    model = plan.source.model
-    files.write_json(tmp / "config.json", model_config)
-    files.write_json(tmp / "quantize_config.json", model_config["quantization_config"])
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(tmp)
-    if plan.tokenizer is not None:
-        plan.tokenizer.save_pretrained(tmp)
-    write_recipe(config, tmp / files.RECIPE_NAME)
-    report["files"] = output.file_list(tmp)  # what lets a later --overwrite recognise the folder as ours
-    files.write_json(tmp / files.REPORT_NAME, report)
+def _folder_spec(model, plan, writer, config) -> checkpoint_folder.FolderSpec:
+    """What the checkpoint folder is written from (quantkit.run.folder, the writer convert uses too)."""
+    sidecars = checkpoint_folder.saved_sidecars(getattr(plan.source.model, "generation_config", None), plan.tokenizer)
+    return checkpoint_folder.FolderSpec(plan.codec, _model_config(plan, writer.summaries, config), plan.tokenizer,
+                                        Path(_source_name(model)).name, files.parse_size(config.max_shard_size),
+                                        sidecars, recipe=config)

@@ -3,9 +3,11 @@ quantizer, and the readers that would refuse the checkpoint (quantkit.checkpoint
 import re
 import sys
 
-from quantkit.checkpoint import codecs, compat, gguf_mix, gguf_types
+from quantkit.checkpoint import codecs, compat
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import check_shape
+from quantkit.gguf import mix as gguf_mix
+from quantkit.gguf import types as gguf_types
 from quantkit.models.arch import block_linears, fused_groups, get_submodule, get_weight, is_linear
 from quantkit.models.moe import is_routed
 from quantkit.models.names import FileNames
@@ -50,14 +52,16 @@ def kept_head(head, specs: dict):
     return head if head is not None and specs[head.lm_head] is not None else None
 
 
-def check_compat(config, arch, names, specs, shapes, fused_experts=frozenset()) -> list[str]:
+def check_compat(config, arch, names, specs, shapes, fused_experts=frozenset(), renamed=()) -> list[str]:
     """Before any calibration (specs and shapes from layer_specs; fused_experts: fused_expert_linears): each layer's shape against
-    its quantizer (an error), then the readers that would refuse the checkpoint (quantkit.checkpoint.compat):
+    its quantizer (an error), then the readers that would refuse the checkpoint (quantkit.checkpoint.compat; renamed:
+    compat.renamed_floats, the float weights the model names otherwise):
     a QuantkitError for the --compat target, a warning line on stderr for each other reader."""
     _check_units(specs, shapes)
     codec = writer_codec(config, specs)
     codec.precheck(config, specs, shapes)
     problems = codec.compat_problems(config, specs, shapes, fused_groups(arch, names), fused_experts)
+    problems += compat.transformers_renamed_floats(list(renamed))  # the loader's, whatever the layout
     found = compat.enforce(problems, config.compat)
     for line in found:
         print(f"warning: {line}", file=sys.stderr)
@@ -89,8 +93,8 @@ def layer_specs(model, names, config, siblings=None, in_files=None) -> tuple[dic
 
 
 def _gguf_specs(file_type: str, specs: dict, shapes: dict, model_config: dict, calibrated: bool) -> dict:
-    """The specs of --gguf-type: each kept layer gets the block type llama.cpp's mix gives it (quantkit.checkpoint.
-    gguf_mix), as the quantizer settings that make it."""
+    """The specs of --gguf-type: each kept layer gets the block type llama.cpp's mix gives it (quantkit.gguf.mix), as
+    the quantizer settings that make it."""
     kept = {n: shapes[n] for n, s in specs.items() if s is not None}
     types = gguf_mix.layer_types(file_type, kept, model_config, calibrated)
     out = {}

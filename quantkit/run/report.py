@@ -2,9 +2,15 @@
 import math
 import re
 import statistics
+from collections import Counter
 from pathlib import Path
 
 from quantkit.checkpoint import files as checkpoint
+from quantkit.core.groups import group_index
+from quantkit.kernels.dispatch import Backend, layer_backend
+from quantkit.models.hub import resolve_device
+from quantkit.nn.quant_linear import QuantLinear, grid_facts
+from quantkit.run.load import checkpoint_dtype
 
 
 def _fmt(v, spec):
@@ -58,11 +64,39 @@ def _layer_sizes(tensors: dict, layers) -> dict:
     return sizes
 
 
+def layer_backends(config: dict, tensors: dict, layers, codec) -> tuple:
+    """(device, dtype, {layer: Backend}): what would run each quantized layer of a checkpoint loaded with
+    load_quantized(device="auto") (this machine's GPU if it has one) and the default dtype, as kernels.dispatch.layer_backend decides it for the module each
+    layer's codec builds."""
+    device, dtype = resolve_device("auto"), checkpoint_dtype(config, tensors, layers)
+    backends = {}
+    for layer in layers:
+        module = codec.build_module(layer, config["quantization_config"], dtype)  # on the meta device
+        if isinstance(module, QuantLinear):  # its g_idx (act-order?) and scales' dtype are the files'
+            g_idx = tensors.get(f"{layer.name}.g_idx")
+            g_idx = group_index(layer.in_features, module.group_size) if g_idx is None else g_idx
+            facts = grid_facts(layer.in_features, layer.out_features, module.bits, module.group_size, g_idx,
+                               layer.scale_dtype)
+        elif hasattr(module, "facts"):
+            facts = module.facts()
+        else:
+            backends[layer.name] = Backend("-", f"{type(module).__name__} does not say what runs it")
+            continue
+        try:
+            backends[layer.name] = layer_backend(facts, device, dtype)
+        except ValueError as e:  # QUANTKIT_BACKEND names one that cannot run here
+            backends[layer.name] = Backend("error", str(e))
+    return device, dtype, backends
+
+
 def inspect_checkpoint(path) -> dict:
     folder = Path(path)
-    config, tensors, packed, _ = checkpoint.read_checkpoint(folder)
+    config, tensors, packed, codec = checkpoint.read_checkpoint(folder)
     qc = config["quantization_config"]
     layers = _layer_sizes(tensors, packed)
+    device, dtype, backends = layer_backends(config, tensors, packed, codec)
+    for name, backend in backends.items():
+        layers[name].update(backend=backend.name, backend_reason=backend.reason)
     report = checkpoint.read_report(folder)
     for name, info in layers.items():
         stats = report["layers"].get(name, {}) if isinstance(report.get("layers"), dict) else {}
@@ -75,19 +109,31 @@ def inspect_checkpoint(path) -> dict:
     return {"path": str(folder), "quantization_config": qc, "layers": layers,
             "total_bytes": sum(f.stat().st_size for f in files),
             "quantized_weights": sum(v["shape"][0] * v["shape"][1] for v in layers.values()),
+            "runs_on": {"device": device, "dtype": str(dtype).removeprefix("torch.")},
             "notes": [line for line in said if isinstance(line, str)]}
 
 
 def inspect_table(info: dict) -> str:
     rows = ["| layer | method | quantizer | bits | group | sym | rotation | bits/weight | rel. output error | cosine "
-            "| SQNR dB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| SQNR dB | backend |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in info["layers"].items():
         rotation = (r.get("rotation") or {}).get("type", "none")
         mark = " **worse than its kind**" if r.get("flagged") else ""
         rows.append(f"| {name}{mark} | {r['method']} | {r['quantizer']} | {r['bits']} | {r['group_size']} | "
                     f"{r.get('sym', '-')} | {rotation} | {r['bits_per_weight']:.3f} | {_fmt(r.get('error'), '.3e')} | "
-                    f"{_fmt(r.get('cosine'), '.6f')} | {_fmt(r.get('sqnr_db'), '.2f')} |")
+                    f"{_fmt(r.get('cosine'), '.6f')} | {_fmt(r.get('sqnr_db'), '.2f')} | {r.get('backend', '-')} |")
     rows.append(f"\n{len(info['layers'])} quantized linears, {info['quantized_weights']:,} weights; "
                 f"checkpoint size {info['total_bytes'] / 2**20:.2f} MiB")
+    rows += backend_lines(info)
     rows += info.get("notes", [])
     return "\n".join(rows)
+
+
+def backend_lines(info: dict) -> list:
+    """What runs the layers, by backend and reason (the JSON's per-layer backend and backend_reason, counted)."""
+    runs_on = info.get("runs_on")
+    counts = Counter((r["backend"], r["backend_reason"]) for r in info["layers"].values() if "backend" in r)
+    if not runs_on or not counts:
+        return []
+    lines = [f"loaded here with load_quantized(device='auto') ({runs_on['device']}, {runs_on['dtype']}), layers run on:"]
+    return lines + [f"  {name} ({n} layer{'s' * (n != 1)}): {reason}" for (name, reason), n in counts.most_common()]

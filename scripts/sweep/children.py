@@ -46,7 +46,7 @@ def child_check(out: str, reference_path: str) -> dict:
 
     reference = torch.load(reference_path)
     try:
-        model = quantkit.load_quantized(out)
+        model = quantkit.load_quantized(out, device="cpu", dtype=torch.float32)  # as the reference
     except Exception as e:  # noqa: BLE001 (any failure is the row's result)
         return {"stage": "load", "error": one_line(e)}
     try:

@@ -1,6 +1,6 @@
 """The token ids the fp model and each quantized model are compared on: held-out real text, WINDOWS windows of
 WINDOW tokens of WikiText-2's test split (the calibration reads the validation split), tokenized as quantkit
-tokenizes a local text file (quantkit.calibration.data.eval_ids) with the model folder's own tokenizer.
+tokenizes a local text file (quantkit.eval.eval_ids) with the model folder's own tokenizer.
 
 Fixed arithmetic ids would be an off-distribution input, on which GPTQ (fitted to its calibration text) loses to
 RTN for no reason a user would meet; on held-out text of the calibration's kind the comparison says how well each
@@ -29,7 +29,7 @@ def held_out_ids(folder, config, text: Path, from_end: bool = False):
 
 
 def _head_stream(tokenizer, text: Path, tokens: int):
-    from quantkit.calibration.data import eval_ids
+    from quantkit.eval import eval_ids
 
     return eval_ids(tokenizer, str(text), max_tokens=tokens)[0]
 

@@ -6,24 +6,25 @@ config.json, the tokenizer files and quantkit's report, with which quantkit read
     "quantization_config": {"quant_method": "gguf", "gguf_file": "model.gguf", "group_size": 32,
                             "types": {"model.layers.0.mlp.down_proj": "Q4_0", ...}, ... (the run's options)}
 
-A layer is stored as one of llama.cpp's block types (quantkit.checkpoint.gguf_types) when its codes are that
+A layer is stored as one of llama.cpp's block types (quantkit.gguf.types) when its codes are that
 type's codes exactly: an unrotated integer grid of groups of 32, symmetric 4- or 8-bit (Q4_0, Q8_0; GPTQ's
-groups, act-order with static groups included), the ggml quantizer (quantkit.schemes.ggml_legacy: Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0), the kquant quantizer (quantkit.schemes.ggml_kquants: Q2_K .. Q6_K) or one of the IQ quantizers
-(ggml_iq4: IQ4_NL, IQ4_XS; ggml_iq_lattice: IQ2_XXS, IQ3_XXS). While the run lasts each
+groups, act-order with static groups included), the ggml quantizer (quantkit.gguf.legacy: Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0), the kquant quantizer (quantkit.gguf.kquants: Q2_K .. Q6_K) or one of the IQ quantizers
+(quantkit.gguf.iq4: IQ4_NL, IQ4_XS; quantkit.gguf.iq_lattice: IQ2_XXS, IQ3_XXS). While the run lasts each
 layer's part holds its blocks as uint8 rows ([out, in / block * block bytes], under `<layer>.weight`); at the end
-quantkit.checkpoint.gguf_export writes model.gguf from the parts.
+quantkit.gguf.export writes model.gguf from the parts.
 """
 import torch
 
-from quantkit.checkpoint import gguf_export, gguf_read, gguf_types
 from quantkit.checkpoint.codecs import Codec, register_codec
-from quantkit.checkpoint.gguf_types import TYPES, type_of_settings
 from quantkit.checkpoint.quantkit_format import quantizer_of
 from quantkit.checkpoint.shards import dtype_name
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import group_index
 from quantkit.core.result import QuantResult
+from quantkit.gguf import export
+from quantkit.gguf.read import read_tensors
+from quantkit.gguf.types import TYPES, params_of_type, quantizer_params, type_of_settings
 
 GGUF_FILE = "model.gguf"
 FIX = ("use --group-size 32 with --bits 4 or 8 (Q4_0, Q8_0), --quantizer ggml for Q4_1 / Q5_0 / Q5_1, --quantizer "
@@ -46,9 +47,9 @@ def misfit(quantizer: str, bits: int, sym: bool, group_size: int, cols: int) -> 
     return None
 
 
-def _source(written) -> gguf_export.GGUFSource:
+def _source(written) -> export.GGUFSource:
     qc = written.config["quantization_config"]
-    return gguf_export.GGUFSource(written.config, written.tokenizer, written.name, qc["types"], qc.get("gguf_type"))
+    return export.GGUFSource(written.config, written.tokenizer, written.name, qc["types"], qc.get("gguf_type"))
 
 
 @register_codec
@@ -89,7 +90,7 @@ class GGUFCodec(Codec):
 
     @staticmethod
     def check_source(model_config: dict, tokenizer, names: list) -> None:
-        gguf_export.check_source(model_config, tokenizer, names)
+        export.check_source(model_config, tokenizer, names)
 
     @staticmethod
     def quantization_config(config, results: dict, all_linears, act_order: bool, extra=None, fused=None) -> dict:
@@ -101,7 +102,7 @@ class GGUFCodec(Codec):
 
     @staticmethod
     def layer_tensors(res: QuantResult, config, bias_dtype) -> dict:
-        params = gguf_types.quantizer_params(res.quantizer, res.params)
+        params = quantizer_params(res.quantizer, res.params)
         out = {"weight": TYPES[block_type(res)].encode(res.codes, params)}
         if res.bias is not None:
             out["bias"] = res.bias.detach().to(bias_dtype or torch.float16).contiguous()
@@ -113,19 +114,19 @@ class GGUFCodec(Codec):
         quantizer = quantizer_of(settings)
         kind = TYPES[type_of_settings(quantizer.name, settings.get("bits"), settings.get("sym"))]
         codes, params = kind.decode(tensors[f"{name}.weight"])
-        return QuantResult(codes=codes, params=gguf_types.params_of_type(quantizer, params),
+        return QuantResult(codes=codes, params=params_of_type(quantizer, params),
                            g_idx=group_index(codes.shape[1], kind.group_size), quantizer=quantizer,
                            group_size=kind.group_size, bias=tensors.get(f"{name}.bias"))
 
     @staticmethod
     def write_files(folder, order, max_shard_bytes, rename, written) -> None:
-        gguf_export.write_from_parts(folder / GGUF_FILE, folder, order, rename, _source(written))
+        export.write_from_parts(folder / GGUF_FILE, folder, order, rename, _source(written))
 
     @staticmethod
     def write_tensors(folder, tensors: dict, written) -> None:
         """model.gguf from tensors in memory, named as in the files (convert)."""
         entries = {n: (dtype_name(t.dtype), list(t.shape)) for n, t in tensors.items()}
-        gguf_export.write_gguf(folder / GGUF_FILE, list(tensors), entries, tensors.__getitem__, _source(written))
+        export.write_gguf(folder / GGUF_FILE, list(tensors), entries, tensors.__getitem__, _source(written))
 
     @staticmethod
     def check_config(qc: dict, where: str) -> None:
@@ -140,4 +141,4 @@ class GGUFCodec(Codec):
     @staticmethod
     def read_dequantized(folder, config: dict, dtype) -> dict:
         """{transformers name: float tensor} of model.gguf, decoded as llama.cpp decodes it."""
-        return gguf_read.read_tensors(folder / GGUF_FILE, config, dtype)
+        return read_tensors(folder / GGUF_FILE, config, dtype)

@@ -4,7 +4,7 @@ A super-block is cut into sub-blocks of 16 or 32 weights, each with its own smal
 the super-block stores one fp16 step for the scales (and one for the minimums):
     with a minimum (Q2_K, Q4_K, Q5_K)  w = (d sc) q - (dmin m)      q in 0 .. 2^bits - 1, sc and m in 0 .. 2^k - 1
     symmetric (Q3_K, Q6_K)             w = (d sc) (q - 2^(bits-1))  sc signed (6 bits in Q3_K, 8 in Q6_K)
-(quantkit.checkpoint.gguf_kquants lays them out byte for byte). To the methods a sub-block is a group (--group-size
+(quantkit.gguf.kquants_blocks lays them out byte for byte). To the methods a sub-block is a group (--group-size
 16 or 32, the type's sub-block) and a super-block is `span` groups fitted together: fit() sees all 256 columns,
 because the sub-blocks' scales share the super-block's step; round() then rounds column by column with the
 quantized scales, so inside GPTQ the codes get the error feedback llama.cpp's quantizer lacks.

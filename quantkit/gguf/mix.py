@@ -10,10 +10,10 @@ keeps them (in float unless --lm-head; a quantized lm_head gets llama.cpp's outp
 import re
 from collections import Counter
 
-from quantkit.checkpoint.gguf_types import TYPES
 from quantkit.core.errors import QuantkitError
-from quantkit.models import gguf_arch
-from quantkit.schemes.ggml_kquants import SUPER
+from quantkit.gguf.arch import gguf_name
+from quantkit.gguf.kquants import SUPER
+from quantkit.gguf.types import TYPES
 
 DEFAULT = {"Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K",
            "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
@@ -98,7 +98,7 @@ def layer_types(file_type: str, shapes: dict, model_config: dict, calibrated: bo
 def _role(name: str) -> tuple[str, int]:
     """(role, layer index) from the tensor's GGUF name: blk.3.attn_v.weight -> ("attn_v", 3); output.weight ->
     ("output", 0)."""
-    gguf = gguf_arch.gguf_name(name + ".weight") or ""
+    gguf = gguf_name(name + ".weight") or ""
     match = re.match(r"blk\.(\d+)\.(\w+)\.weight$", gguf)
     if match:
         return match.group(2), int(match.group(1))

@@ -4,7 +4,7 @@ Each code indexes a fixed table of 16 levels (kvalues_iq4nl, denser near zero, a
     IQ4_NL  w = d kvalue[q]                          d fp16 per block of 32              4.5 bits per weight
     IQ4_XS  w = (d (ls - 32)) kvalue[q]              ls 6 bits per sub-block of 32,       4.25 bits per weight
                                                      d fp16 per super-block of 256
-(quantkit.checkpoint.gguf_iq4 lays them out byte for byte). The fit follows llama.cpp's quantize_row_iq4_nl_impl:
+(quantkit.gguf.iq4_blocks lays them out byte for byte). The fit follows llama.cpp's quantize_row_iq4_nl_impl:
 per block of 32, the scales that put the largest-magnitude weight on either end of the table (+127, clipped to
 113, and -127) and 2 x 7 more around the second, each refitted by weighted least squares on its codes, the best
 kept; IQ4_XS then quantizes the sub-block scales to 6 bits against one fp16 step (searched the same way, not only
@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
+from quantkit.gguf.kquants import SUPER, BestRefit, fit_signed
 from quantkit.schemes.base import OneType, register_quantizer
-from quantkit.schemes.ggml_kquants import SUPER, BestRefit, fit_signed
 
 LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
 BLOCK = 32

@@ -1,11 +1,11 @@
 """llama.cpp's 2- and 3-bit lattice types as quantizers: IQ2_XXS and IQ3_XXS, super-blocks of 256 weights of a row.
 
-Eight consecutive weights are rounded together, to a signed point of a fixed list (quantkit.schemes.ggml_iq_grids):
+Eight consecutive weights are rounded together, to a signed point of a fixed list (quantkit.gguf.iq_grids):
     IQ2_XXS  one point of 8 magnitudes in {8, 25, 43}        8-bit index + 7 sign bits       2.0625 bits per weight
     IQ3_XXS  two points of 4 magnitudes in {4, 12, ..., 62}  2 x 8-bit index + 7 sign bits   3.0625 bits per weight
 The eighth sign is implied: the number of minus signs is even, the parity rule of the E8 lattice whose points the
 lists are drawn from. w = step * sign * magnitude, step = d (2 l + 1) / 8 (IQ2_XXS) or d (2 l + 1) / 4 (IQ3_XXS), l a
-4-bit scale per sub-block of 32, d one fp16 per super-block (quantkit.checkpoint.gguf_iq_lattice lays them out).
+4-bit scale per sub-block of 32, d one fp16 per super-block (quantkit.gguf.iq_lattice_blocks lays them out).
 
 Rounding is an exact nearest-point search: every point of the list with the weights' own signs and, where an odd
 number of them is negative, the one flip that costs least (llama.cpp rounds each coordinate and, off the list,
@@ -25,9 +25,9 @@ from typing import Optional
 
 import torch
 
+from quantkit.gguf.iq_grids import DIMS, MAGNITUDES, WORDS
+from quantkit.gguf.kquants import SUPER, BestRefit
 from quantkit.schemes.base import OneType, register_quantizer
-from quantkit.schemes.ggml_iq_grids import DIMS, MAGNITUDES, WORDS
-from quantkit.schemes.ggml_kquants import SUPER, BestRefit
 
 UNIT = 8          # weights rounded together: one sign word
 BLOCK = 32        # a sub-block: one 4-bit scale

@@ -2,7 +2,7 @@
 
     symmetric ("_0")    w = d (q - 2^(bits-1))    q in 0 .. 2^bits - 1, d fp16
     with a minimum ("_1")  w = d q + m            q in 0 .. 2^bits - 1, d and m fp16
-(quantkit.checkpoint.gguf_blocks lays the codes out byte for byte). A symmetric block is the integer grid with a
+(quantkit.gguf.legacy_blocks lays the codes out byte for byte). A symmetric block is the integer grid with a
 group of 32 and 5 bits allowed: its scale is the best of the grid's two fits (max-abs and range, quantkit.schemes.grid)
 and llama.cpp's two (its plain signed one, which may be negative, and, with an importance, its imatrix search). A
 block with a minimum stores m itself, not a zero point, so it is fitted here: the better of the range fit (m the
@@ -16,9 +16,9 @@ from typing import Optional
 import torch
 
 from quantkit.core.errors import QuantkitError
+from quantkit.gguf.kquants import fit_signed, fit_with_min
 from quantkit.schemes import grid
 from quantkit.schemes.base import register_quantizer
-from quantkit.schemes.ggml_kquants import fit_signed, fit_with_min
 
 BLOCK = 32
 TYPES = {(4, True): "Q4_0", (4, False): "Q4_1", (5, True): "Q5_0", (5, False): "Q5_1", (8, True): "Q8_0"}

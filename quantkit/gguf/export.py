@@ -1,7 +1,7 @@
 """model.gguf from a run's part files (or a convert's tensors): llama.cpp's metadata, names and tensor layout.
 
 What llama.cpp's converter writes for the same model, quantkit writes: general.* and the architecture's
-hyperparameters (quantkit.models.gguf_arch), the tokenizer (quantkit.checkpoint.gguf_vocab), and each tensor under
+hyperparameters (quantkit.gguf.arch), the tokenizer (quantkit.gguf.vocab), and each tensor under
 its GGUF name; q_proj / k_proj rows reordered for llama's interleaved rotary; 1-D tensors (norms, biases) as F32,
 2-D float tensors in the checkpoint's float type (F16, BF16 or F32), quantized layers as their block type.
 Tensors are read and written one at a time.
@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
-from quantkit.checkpoint import gguf_file, shards
-from quantkit.checkpoint.gguf_file import BF16, F16, F32, FLOAT32, STRING, UINT32, TensorInfo
-from quantkit.checkpoint.gguf_types import TYPES
-from quantkit.checkpoint.gguf_vocab import vocab_metadata
+from quantkit.checkpoint import shards
 from quantkit.core.errors import QuantkitError
-from quantkit.models import gguf_arch
+from quantkit.gguf import file
+from quantkit.gguf.arch import HPARAMS, arch_of, gguf_name, head_dim, rope_settings, rotary_heads, rotary_rows
+from quantkit.gguf.file import BF16, F16, F32, FLOAT32, STRING, UINT32, TensorInfo
+from quantkit.gguf.types import TYPES
+from quantkit.gguf.vocab import vocab_metadata
 
 FLOAT_TYPES = {"F32": F32, "F16": F16, "BF16": BF16}  # a float tensor's safetensors dtype name -> ggml type
 TORCH_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
@@ -43,8 +44,8 @@ class GGUFSource:
 def check_source(config: dict, tokenizer, names) -> None:
     """Refuse, before any work, a model llama.cpp's layout or tokenizer metadata cannot describe (names: its
     tensors, as transformers saves them)."""
-    arch = gguf_arch.arch_of(config)
-    unplaced = [n for n in names if gguf_arch.gguf_name(n) is None]
+    arch = arch_of(config)
+    unplaced = [n for n in names if gguf_name(n) is None]
     if unplaced:
         raise QuantkitError(_no_place(unplaced[0], arch))
     if tokenizer is None:
@@ -60,17 +61,17 @@ def _no_place(name: str, arch) -> str:
 
 def model_metadata(source: GGUFSource) -> list:
     """[(key, type, value)]: general.*, the architecture's hyperparameters, rotary settings, tokenizer."""
-    config, arch = source.config, gguf_arch.arch_of(source.config)
+    config, arch = source.config, arch_of(source.config)
     commonest = max(set(source.types.values()), key=list(source.types.values()).count) if source.types else "F16"
     file_type = source.file_type or SMALL_MIX.get(commonest, commonest)
     meta = [("general.architecture", STRING, arch.name), ("general.name", STRING, source.name),
             ("general.file_type", UINT32, FILE_TYPES.get(file_type, 1)), ("general.quantization_version", UINT32, 2)]
-    for key, (fields, kind) in gguf_arch.HPARAMS.items():
+    for key, (fields, kind) in HPARAMS.items():
         value = next((config[f] for f in fields if config.get(f) is not None), None)
         if value is not None:
             meta.append((f"{arch.name}.{key}", UINT32 if kind == "u32" else FLOAT32, value))
-    rope = gguf_arch.rope_settings(config)
-    meta.append((f"{arch.name}.rope.dimension_count", UINT32, gguf_arch.head_dim(config)))
+    rope = rope_settings(config)
+    meta.append((f"{arch.name}.rope.dimension_count", UINT32, head_dim(config)))
     if "rope_theta" in rope:
         meta.append((f"{arch.name}.rope.freq_base", FLOAT32, float(rope["rope_theta"])))
     if rope.get("rope_type") == "linear":
@@ -84,9 +85,9 @@ def model_metadata(source: GGUFSource) -> list:
 
 def _layout(name: str, dtype: str, shape: list, source: GGUFSource) -> TensorInfo:
     """The GGUF entry of a checkpoint tensor (its name as transformers saves it, its stored dtype and shape)."""
-    target = gguf_arch.gguf_name(name)
+    target = gguf_name(name)
     if target is None:
-        raise QuantkitError(_no_place(name, gguf_arch.arch_of(source.config)))
+        raise QuantkitError(_no_place(name, arch_of(source.config)))
     module, _, leaf = name.rpartition(".")
     if module in source.types and leaf == "weight":
         kind = TYPES[source.types[module]]
@@ -102,9 +103,9 @@ def _gguf_bytes(name: str, t: torch.Tensor, info: TensorInfo, config: dict) -> t
     """A checkpoint tensor as the bytes of its GGUF entry: converted (1-D to F32), q/k rows reordered."""
     if info.ggml_type in TORCH_TYPES:
         t = t.to(TORCH_TYPES[info.ggml_type])
-    heads = gguf_arch.rotary_heads(name, config)
+    heads = rotary_heads(name, config)
     if heads is not None:
-        t = t[gguf_arch.rotary_rows(t.shape[0], heads)]
+        t = t[rotary_rows(t.shape[0], heads)]
     return t.contiguous().view(-1).view(torch.uint8)
 
 
@@ -119,7 +120,7 @@ def write_gguf(path: Path, names: list, entries: dict, read, source: GGUFSource)
         out.write(memoryview(_gguf_bytes(name, read(name), info, source.config).numpy()))
 
     tmp = path.with_suffix(".partial")
-    gguf_file.write_gguf(tmp, model_metadata(source), list(infos.values()), write_tensor)
+    file.write_gguf(tmp, model_metadata(source), list(infos.values()), write_tensor)
     tmp.replace(path)
 
 

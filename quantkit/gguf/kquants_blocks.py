@@ -1,6 +1,6 @@
 """llama.cpp's k-quant super-blocks, byte for byte (ggml-common.h): codes and parameters <-> GGUF bytes.
 
-Each super-block covers 256 consecutive weights of a row (quantkit.schemes.ggml_kquants fits them):
+Each super-block covers 256 consecutive weights of a row (quantkit.gguf.kquants fits them):
     Q2_K  scales[16] (sc | m << 4), qs[64], d, dmin                   16 sub-blocks of 16, 2-bit codes
     Q3_K  hmask[32], qs[64], scales[12] (6-bit sc + 32), d             16 sub-blocks of 16, 3-bit codes (zero at 4)
     Q4_K  d, dmin, scales[12] (6-bit sc and m), qs[128]                8 sub-blocks of 32, 4-bit codes
@@ -18,9 +18,9 @@ over their super-block; sc signed for the symmetric types.
 """
 import torch
 
-from quantkit.checkpoint.gguf_blocks import fp16_bytes
 from quantkit.core.errors import QuantkitError
-from quantkit.schemes.ggml_kquants import KTYPES, SUPER
+from quantkit.gguf.kquants import KTYPES, SUPER
+from quantkit.gguf.legacy_blocks import fp16_bytes
 
 TYPES = {k.name: k for k in KTYPES.values()}
 GGML_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}

@@ -4,14 +4,14 @@
     IQ4_XS  d, scales_h (u16), scales_l[4], qs[128]   per 256 weights: 136 bytes
 qs: per block of 32, weight j in the low nibble of byte j and weight j + 16 in its high nibble (as Q4_0). IQ4_XS's
 6-bit sub-block scales ls = sc + 32: the low nibble of sub-block j in scales_l[j / 2] (low nibble for even j), its
-top two bits at bits 2j of the little-endian scales_h. Parameters as quantkit.schemes.ggml_iq4 keeps them: {"d"}
+top two bits at bits 2j of the little-endian scales_h. Parameters as quantkit.gguf.iq4 keeps them: {"d"}
 per block (IQ4_NL), {"d" repeated over the super-block, "sc"} per sub-block (IQ4_XS).
 """
 import torch
 
-from quantkit.checkpoint.gguf_blocks import fp16_bytes
 from quantkit.core.errors import QuantkitError
-from quantkit.schemes.ggml_iq4 import BLOCK, LEVELS
+from quantkit.gguf.iq4 import BLOCK, LEVELS
+from quantkit.gguf.legacy_blocks import fp16_bytes
 
 BYTES = {"IQ4_NL": 18, "IQ4_XS": 136}
 WEIGHTS = {"IQ4_NL": 32, "IQ4_XS": 256}

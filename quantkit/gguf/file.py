@@ -26,7 +26,7 @@ UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64,
 _SCALARS = {UINT8: "B", INT8: "b", UINT16: "H", INT16: "h", UINT32: "I", INT32: "i", FLOAT32: "f", BOOL: "?",
             UINT64: "Q", INT64: "q", FLOAT64: "d"}
 
-# ggml tensor types quantkit writes or reads besides the block types (quantkit.checkpoint.gguf_blocks)
+# ggml tensor types quantkit writes or reads besides the block types (quantkit.gguf.legacy_blocks)
 F32, F16, BF16 = 0, 1, 30
 
 

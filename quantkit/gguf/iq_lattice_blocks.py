@@ -4,18 +4,18 @@
     IQ3_XXS  d, 64 point indices (one byte per 4 weights), then the 8 sub-blocks' words             98 bytes / 256
 A sub-block's word is a little-endian uint32: the 7 sign bits of its k-th 8 weights at bit 7 k (bit j: weight j is
 negative; weight 7's sign makes the count even), its 4-bit scale l at bits 28..31. Codes and parameters as
-quantkit.schemes.ggml_iq_lattice keeps them: per weight its level | sign << level bits; {"d" repeated over the
+quantkit.gguf.iq_lattice keeps them: per weight its level | sign << level bits; {"d" repeated over the
 super-block, "sc" = l} per sub-block.
 """
 from functools import cache
 
 import torch
 
-from quantkit.checkpoint.gguf_blocks import fp16_bytes, le_bytes, le_words
 from quantkit.core.errors import QuantkitError
-from quantkit.schemes.ggml_iq_grids import DIMS, WORDS
-from quantkit.schemes.ggml_iq_lattice import BLOCK, IQ2XXS, IQ3XXS, UNIT, level_bits, step_of, tables, values
-from quantkit.schemes.ggml_kquants import SUPER
+from quantkit.gguf.iq_grids import DIMS, WORDS
+from quantkit.gguf.iq_lattice import BLOCK, IQ2XXS, IQ3XXS, UNIT, level_bits, step_of, tables, values
+from quantkit.gguf.kquants import SUPER
+from quantkit.gguf.legacy_blocks import fp16_bytes, le_bytes, le_words
 
 BYTES = {q.ggml_type: q.block_bytes for q in (IQ2XXS, IQ3XXS)}
 SUBS = SUPER // BLOCK

@@ -14,8 +14,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from quantkit.checkpoint.gguf_file import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32
 from quantkit.core.errors import QuantkitError
+from quantkit.gguf.file import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 

@@ -1,7 +1,7 @@
 """model.gguf back to transformers tensors, dequantized: what load_quantized and eval read of a GGUF checkpoint.
 
-The inverse of quantkit.checkpoint.gguf_export, tensor by tensor: GGUF name -> transformers name, block types
-decoded as llama.cpp decodes them (quantkit.checkpoint.gguf_types), F16 / BF16 / F32 as stored, q/k rows put back
+The inverse of quantkit.gguf.export, tensor by tensor: GGUF name -> transformers name, block types
+decoded as llama.cpp decodes them (quantkit.gguf.types), F16 / BF16 / F32 as stored, q/k rows put back
 in transformers' order.
 """
 import math
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from quantkit.checkpoint import gguf_file
-from quantkit.checkpoint.gguf_export import TORCH_TYPES
-from quantkit.checkpoint.gguf_types import BY_GGML_TYPE
 from quantkit.core.errors import QuantkitError
-from quantkit.models import gguf_arch
+from quantkit.gguf.arch import hf_name, rotary_heads, rotary_rows
+from quantkit.gguf.export import TORCH_TYPES
+from quantkit.gguf.file import read_gguf
+from quantkit.gguf.types import BY_GGML_TYPE
 
 
 def _nbytes(ggml_type: int, shape: tuple) -> int | None:
@@ -27,7 +27,7 @@ def _nbytes(ggml_type: int, shape: tuple) -> int | None:
 
 def read_tensors(path: Path, config: dict, dtype: torch.dtype) -> dict:
     """{transformers name: tensor in `dtype`} of every tensor of a GGUF file written for `config` (config.json)."""
-    _, infos, data_start = gguf_file.read_gguf(path, _nbytes)
+    _, infos, data_start = read_gguf(path, _nbytes)
     tensors = {}
     with open(path, "rb") as f:
         for info in infos:
@@ -40,9 +40,9 @@ def read_tensors(path: Path, config: dict, dtype: torch.dtype) -> dict:
                 t = raw.view(TORCH_TYPES[info.ggml_type]).reshape(info.shape)
             else:
                 t = BY_GGML_TYPE[info.ggml_type].dequantize(raw.reshape(info.shape[0], -1))
-            name = gguf_arch.hf_name(info.name)
-            heads = gguf_arch.rotary_heads(name, config)
+            name = hf_name(info.name)
+            heads = rotary_heads(name, config)
             if heads is not None:
-                t = t[gguf_arch.rotary_rows(t.shape[0], heads, inverse=True)]
+                t = t[rotary_rows(t.shape[0], heads, inverse=True)]
             tensors[name] = t.to(dtype)
     return tensors
