@@ -146,7 +146,7 @@ def test_code_definitions():
 
 
 @pytest.mark.parametrize("settings", [
-    dict(bits=2), dict(bits=3, step=1, code="1mad"), dict(bits=1, state_bits=8, step=2, code="3inst", length=32),
+    dict(bits=2), dict(bits=3, step=1, code="1mad"), dict(bits=1, state_bits=8, step=2, code="3inst", length=32, tile_rows=1),
     dict(bits=4, state_bits=10, step=1), dict(bits=2, state_bits=10, code="hyb"), dict(bits=3, scale="refit"),
     dict(bits=2, state_bits=10, length=64, tile_rows=4)])
 def test_decode_of_the_codes_is_the_search_reconstruction_and_the_rate_is_exact(settings):
@@ -208,7 +208,7 @@ def test_settings_are_checked():
         with pytest.raises(QuantkitError, match="pairs"):
             Trellis(2, code="hyb", table=bad)
     with pytest.raises(QuantkitError, match="sequence"):
-        Trellis(2, state_bits=12, length=4)
+        Trellis(2, state_bits=12, length=4, tile_rows=1)
     with pytest.raises(QuantkitError, match="unknown"):
         Trellis(2, code="lut")
     # the bit width's step and code by default, recorded in the settings
@@ -229,3 +229,12 @@ def test_writes_loads_and_gives_the_in_loop_logits(tmp_path, monkeypatch, method
     assert layer["quantizer"] == "trellis" and layer["state_bits"] == 12 and layer["rotation"]["type"] == "hadamard"
     model = loads_as_in_loop(tmp_path / "q", src, results, calibration()[:2])
     assert isinstance(model.model.layers[0].mlp.down_proj, DecodedLinear)
+
+
+def test_tiles_of_rows_are_checked_before_any_work():
+    """The default tiles are 8 rows: a layer of 12 outputs is refused by the shape check the pipeline runs first."""
+    from quantkit.core.groups import check_shape
+
+    check_shape(Trellis(2), 128, 128, rows=16)
+    with pytest.raises(QuantkitError, match="tiles of 8 rows"):
+        check_shape(Trellis(2), 128, 128, rows=12)

@@ -16,7 +16,7 @@ def check_args(quantizer, group_size: int, weight: torch.Tensor) -> None:
     if weight.dim() != 2:
         raise QuantkitError(f"expected a 2-D weight [out, in], got shape {tuple(weight.shape)}")
     check_group_size(group_size, "group_size")
-    check_shape(quantizer, weight.shape[1], group_size)
+    check_shape(quantizer, weight.shape[1], group_size, rows=weight.shape[0])
 
 
 def rtn(weight: torch.Tensor, quantizer, group_size: int = 128,

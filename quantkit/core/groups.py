@@ -46,8 +46,13 @@ def group_order(g_idx: torch.Tensor, cols: int, group_size: int):
     return perm if torch.equal(g_idx[perm], group_index(cols, group_size).long()) else False
 
 
-def check_shape(quantizer, cols: int, group_size: int) -> None:
-    """Units never straddle a group or the end of the row; a span of groups fitted together is always whole."""
+def check_shape(quantizer, cols: int, group_size: int, rows: int | None = None) -> None:
+    """Units never straddle a group or the end of the row; a span of groups fitted together is always whole; a
+    quantizer whose units span several rows (a trellis's tiles: its row_multiple) gets whole tiles of rows."""
+    tile = getattr(quantizer, "row_multiple", 1)
+    if rows is not None and rows % tile:
+        raise QuantkitError(f"the {quantizer.name} quantizer rounds tiles of {tile} rows: it needs the output width "
+                            f"({rows}) to be a multiple of {tile}")
     w = quantizer.width
     size = group_width(cols, group_size)
     if cols % w or size % w:

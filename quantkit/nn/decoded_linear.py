@@ -82,7 +82,8 @@ class DecodedLinear(nn.Module):
                                    self.in_features, self.bias)
         if backend == "dense":
             return linear(x, self.weight().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
-        row_ranges = strips.ranges(self.out_features, self.in_features, align=1)
+        # strips of whole tiles of rows (a trellis decodes a tile's rows together)
+        row_ranges = strips.ranges(self.out_features, self.in_features, align=getattr(self.quantizer, "row_multiple", 1))
         return strips.strip_linear(x, self._strip_decoder(), row_ranges, self.bias)
 
     def _strip_decoder(self):

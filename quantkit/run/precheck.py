@@ -113,7 +113,7 @@ def unit_misfits(specs: dict, shapes: dict) -> dict:
         if spec is None:
             continue
         try:
-            check_shape(spec.quantizer(), shapes[name][0], spec.group_size)
+            check_shape(spec.quantizer(), shapes[name][0], spec.group_size, rows=shapes[name][1])
         except QuantkitError as e:
             refused[name] = e
     return refused
