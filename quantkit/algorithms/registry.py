@@ -12,6 +12,7 @@ A method is a rounding, the preparations before it, and the quantizer and rotati
 offers a method of its own (quantkit.schemes.base.offer_method: turboquant, e8) gets NAME (rotated round to nearest,
 data-free) and NAME+gptq (rotated GPTQ) from that quantizer file alone.
 """
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,7 +26,7 @@ ALGORITHMS = Registry("algorithm")
 METHODS = Registry("method")
 
 
-class Algorithm:
+class Algorithm(ABC):
     """The base of every algorithm: its name, its options, and what it needs from the run.
 
     needs_data: it reads calibration activations (the run then loads calibration text); distributes: its work can
@@ -49,8 +50,9 @@ class Rounding(Algorithm):
     def observer(self, weight) -> HessianObserver:
         return HessianObserver(weight)
 
+    @abstractmethod
     def round(self, weight, observer: Optional[HessianObserver], quantizer, group_size: int, config, bias):
-        raise NotImplementedError
+        """The layer's QuantResult (on the weight's device)."""
 
     def act_order(self, config) -> bool:
         """Whether the columns were quantized out of order (what a checkpoint's desc_act says)."""
@@ -61,8 +63,9 @@ class Preparation(Algorithm):
     """Changes a block's weights in place before its linears are rounded; returns a report per group of layers."""
     needs_data = True
 
+    @abstractmethod
     def prepare_block(self, runner, block, prefix: str, arch, config, spec_of) -> dict:
-        raise NotImplementedError
+        """Change `block`'s weights in place; {group label: what was found}."""
 
 
 def register_algorithm(algorithm: Algorithm) -> Algorithm:
