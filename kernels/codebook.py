@@ -1,8 +1,10 @@
-"""Codebook dequant-GEMM (TurboQuant and E8 layers): y = x Ŵᵀ + bias with Ŵ[n, k] = scales[g, n] * value(code).
+"""Codebook dequant-GEMM (TurboQuant, E8 and trellis layers): y = x Ŵᵀ + bias with Ŵ[n, k] = scales[g, n] * value.
 
-How a code becomes a value is the quantizer's KernelDecode (quantkit.schemes.base): a lookup in a table of
+How codes become values is the quantizer's KernelDecode (quantkit.schemes.base): a lookup in a table of
 levels (turboquant), the coordinate of a box-truncated E8 point (e8: 8 codes along K per point) or of an E8P point
-(e8p: the 8 codes of a point are one 8b-bit word, decoded through int32 tables). This module never names a scheme.
+(e8p: the 8 codes of a point are one 8b-bit word, decoded through int32 tables), or a trellis state's value
+(trellis: the state gathered from its sequence's codes; not unit_local, so no fused kernel and no CPU lookup: the
+weight is decoded by kernels/triton_trellis.py, then multiplied). This module never names a scheme.
 
 Layout (quantkit.checkpoint.quantkit_format, generic layers): codes int32 [packed_len(K, bits), N], the
 b-bit codes of each output column packed along K as one LSB-first bit stream (quantkit.core.bitpack:
@@ -63,7 +65,8 @@ def lookup_of(quantizer, in_features: int) -> Optional[Lookup]:
     as the packing lays them along K. A wider unit decodes through the quantizer's `lookup_stages` where it has
     them (E8P at 3 and 4 bits: the point of the low 16 bits, then the residual's)."""
     bits, width = quantizer.code_bits, quantizer.width
-    if getattr(quantizer, "kernel_decode", None) is None:
+    decode = getattr(quantizer, "kernel_decode", None)
+    if decode is None or not decode.unit_local:
         return None
     if bits * width > LOOKUP_BITS:
         return Lookup(width, _staged_tables(quantizer)) if hasattr(quantizer, "lookup_stages") else None
@@ -128,6 +131,10 @@ def codebook_linear(x, codes, scales, g_idx, table, quantizer, in_features, bias
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"x must be [..., in_features={in_features}], got {tuple(x.shape)}")
     decode = quantizer.kernel_decode
+    if not decode.unit_local:  # a trellis: no fused kernel, the weight decoded then multiplied at every M
+        y = trellis_matmul_op(x.reshape(-1, in_features).contiguous(), codes, scales, g_idx, table,
+                              quantizer.code_bits, *decode.trellis, bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     y = codebook_matmul_op(x.reshape(-1, in_features).contiguous(), codes, scales, g_idx, table, quantizer.code_bits,
                            decode.variant, float(decode.offset), float(decode.ratio), bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -155,4 +162,23 @@ def codebook_matmul_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
 
 @codebook_matmul_op.register_fake
 def _codebook_matmul_fake(x, codes, scales, g_idx, table, bits, variant, offset, ratio, bias):
+    return x.new_empty((x.shape[0], scales.shape[1]))
+
+
+@torch.library.custom_op("quantkit::trellis_matmul", mutates_args=())
+def trellis_matmul_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                      table: torch.Tensor, bits: int, state_bits: int, step: int, code: str, tile_rows: int,
+                      length: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] @ Ŵᵀ of a trellis layer (KernelDecode.trellis's fields): Ŵᵀ decoded by Triton
+    (kernels/triton_trellis.py) to a transient matrix in x's dtype, then one cuBLAS GEMM."""
+    from quantkit.kernels import triton_trellis  # triton imports only where it runs
+
+    shape = (bits, state_bits, step, code, tile_rows, length)
+    triton_trellis.check_layer(x, codes, scales, g_idx, table, *shape, bias)
+    w = triton_trellis.trellis_dequantize(codes, scales, g_idx, table, *shape, x.shape[1], x.dtype)
+    return prefill_gemm(x, w, bias)
+
+
+@trellis_matmul_op.register_fake
+def _trellis_matmul_fake(x, codes, scales, g_idx, table, bits, state_bits, step, code, tile_rows, length, bias):
     return x.new_empty((x.shape[0], scales.shape[1]))

@@ -11,8 +11,10 @@ INT4 kernel (tinygemm, scripts/tinygemm.py) on the same codes where it takes the
                        kernels.rotation.rotate_activations, then gptq_linear)
   turboquant4/3, e8p2  codebook layers (the quantkit format): kernels.codebook.codebook_linear with TurboQuant's
                        Lloyd-Max levels (block = the group size) or QuIP#'s E8P ball at 2 bits
-Codes are random words: every code of these layouts decodes to a valid weight, and the kernels' speed does not
-depend on the values.
+  trellis2/3           trellis layers (QTIP's bitshift trellis, the default L = 12 on 8 x 8 tiles): the same call, the
+                       weight decoded by kernels/triton_trellis.py, then cuBLAS
+Codes are random words: every code of these layouts decodes to a valid weight (any bit stream is a trellis path),
+and the kernels' speed does not depend on the values.
 """
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -21,7 +23,8 @@ import torch
 
 import tinygemm  # scripts/tinygemm.py, beside this file
 
-FORMATS = ("int4", "int4-asym", "int2", "int3", "int8", "int4-rotated", "turboquant4", "turboquant3", "e8p2")
+FORMATS = ("int4", "int4-asym", "int2", "int3", "int8", "int4-rotated", "turboquant4", "turboquant3", "e8p2", "trellis2",
+           "trellis3")
 
 
 @dataclass
@@ -47,9 +50,11 @@ def build(fmt: str, n: int, k: int, group_size: int, device, path: str = "auto")
         return _gptq(n, k, bits, group_size, device, path, sym=not fmt.endswith("asym"),
                      rotated=fmt.endswith("rotated"))
     from quantkit.schemes.e8p import E8P
+    from quantkit.schemes.trellis import Trellis
     from quantkit.schemes.turboquant import TurboQuant
 
-    quantizer = E8P(2) if fmt == "e8p2" else TurboQuant(int(fmt[-1]), group_size)
+    bits = int(fmt[-1])
+    quantizer = E8P(2) if fmt == "e8p2" else Trellis(bits) if fmt.startswith("trellis") else TurboQuant(bits, group_size)
     return _codebook(n, k, quantizer, group_size, device)
 
 

@@ -33,7 +33,7 @@ def test_the_dry_run_goes_through_every_part(tmp_path):
     assert all(r["tinygemm_us"] is not None for r in int4["rows"])
     formats = json.loads((tmp_path / "kernels_formats.json").read_text())
     assert {r["format"] for r in formats["rows"]} == {"int4-asym", "int3", "int8", "int4-rotated", "turboquant4",
-                                                      "turboquant3", "e8p2"}
+                                                      "turboquant3", "e8p2", "trellis2", "trellis3"}
     generate = json.loads((tmp_path / "generate.json").read_text())["rows"]
     assert [r["model"] for r in generate] == ["fp32", "int4 g128", "turboquant w4", "e8p w2"]
     calibration = json.loads((tmp_path / "calibration.json").read_text())["rows"]

@@ -5,8 +5,9 @@ along the input dim at its code_bits), one [n_groups, out] tensor per parameter 
 quantizer stores it in 16 bits, else float32), g_idx, bias, and rot_signs when rotated.
 
 Quantizers that describe a kernel decode (`kernel_decode`, quantkit.schemes.base.KernelDecode: TurboQuant's
-table, w = scale * codebook[code], E8's lattice offset, or E8P's int32 tables and residual ratio) run the codebook
-dequant-GEMM (quantkit.kernels.codebook): a Triton kernel that decodes in registers on CUDA. Everywhere else, forward
+table, w = scale * codebook[code], E8's lattice offset, E8P's int32 tables and residual ratio, or a trellis's
+settings) run the codebook dequant-GEMM (quantkit.kernels.codebook) on CUDA: a Triton kernel that decodes in registers
+(a trellis: one that decodes the weight, then cuBLAS). Everywhere else, forward
 decodes the weight a strip of outputs at a time (quantkit.core.strips), so the layer never holds a dense copy: by
 table lookups where the quantizer has them (`lookup_of`: TurboQuant, E8P, and E8 at 2 bits; 4x to 29x faster
 than its dequantize), through the quantizer for the others (E8 at 3 bits and more); `cache_dequantized = True` (as for
@@ -103,6 +104,6 @@ class DecodedLinear(nn.Module):
     def _apply(self, fn, *args, **kwargs):
         self.__dict__.pop("_weight_cache", None)
         moved = super()._apply(fn, *args, **kwargs)
-        if self.kernel is not None:
+        if self.kernel is not None and self.kernel.unit_local:  # the fused kernel's split-K scratch
             reserve_workspace(self.codes.device, self.out_features, self.in_features, codebook=True)
         return moved

@@ -68,11 +68,20 @@ class KernelDecode:
       "table"    value = table[code], `table` the 2^bits float levels (TurboQuant)
       "lattice"  every 8 consecutive codes along K are one box-truncated E8 point with this `offset`
       "e8p"      every 8 codes are one E8P word, `table` its int32 tables, the residual stage divided by `ratio`
+      "trellis"  a weight's value is computed from its state in a tail-biting sequence (quantkit.schemes.trellis):
+                 `trellis` = (state_bits, step, code, tile_rows, length), `table` hyb's (x, y) pairs flattened
     """
     variant: str
     table: tuple = ()
     offset: float = 0.0
     ratio: float = 1.0
+    trellis: tuple = ()
+
+    @property
+    def unit_local(self) -> bool:
+        """A unit's values depend on its own codes only: what the fused GEMM's tiles and the CPU's table lookups
+        assume. A trellis state spans its sequence (a tile of rows): decoded whole, then multiplied."""
+        return self.variant != "trellis"
 
 
 @dataclass(frozen=True)

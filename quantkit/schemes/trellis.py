@@ -36,7 +36,7 @@ import torch
 
 from quantkit.core.errors import QuantkitError
 from quantkit.core.options import is_int
-from quantkit.schemes.base import offer_method, register_quantizer
+from quantkit.schemes.base import KernelDecode, offer_method, register_quantizer
 from quantkit.schemes.grid import check_bits
 from quantkit.schemes.scales import fp16_scale
 from quantkit.schemes.trellis_codes import CODES, codes_of_symbols, states_of_codes, sunflower_table
@@ -80,7 +80,6 @@ class Trellis:
     name = "trellis"
     summary = ("QTIP's bitshift trellis (12 state bits; exact Viterbi over tail-biting sequences of 64 weights), one "
                "fp16 scale per group (a multiple of 64); bits 1-4")
-    kernel_decode = None  # no codebook kernel yet: a loaded layer decodes through dequantize
     weighted_round = True
 
     def __post_init__(self):
@@ -138,6 +137,13 @@ class Trellis:
         """The layer's output rows must be a multiple of this (a tile's height). quantkit.core.groups.check_shape does
         not read it yet: round and dequantize refuse other row counts."""
         return self.tile_rows
+
+    @property
+    def kernel_decode(self) -> KernelDecode:
+        """The Triton decode's settings (kernels/triton_trellis.py: the weight decoded, then one GEMM)."""
+        table = tuple(x for pair in self.table for x in pair) if self.table is not None else ()
+        return KernelDecode("trellis", table=table,
+                            trellis=(self.state_bits, self.step, self.code, self.tile_rows, self.length))
 
     @property
     def code_bits(self) -> int:
