@@ -21,6 +21,7 @@ from quantkit.nn.decoded_linear import DecodedLinear
 from quantkit.run.config import QuantConfig
 from quantkit.schemes.trellis import Trellis
 from test_quantizers import calibration, capture_results, loads_as_in_loop
+from test_resume import assert_same_checkpoint, cli, killed
 from tiny_models import CONFIGS, _llama, make_model_folder
 
 # (L, k, V, steps): short trellises whose every code sequence can be tried
@@ -238,3 +239,24 @@ def test_tiles_of_rows_are_checked_before_any_work():
     check_shape(Trellis(2), 128, 128, rows=16)
     with pytest.raises(QuantkitError, match="tiles of 8 rows"):
         check_shape(Trellis(2), 128, 128, rows=12)
+
+
+def test_a_killed_trellis_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
+    """SIGKILL after block 0 of a trellis+gptq run, then --resume: the checkpoint an uninterrupted run writes, byte
+    for byte (the search is deterministic, and resumed blocks see the replayed inputs bit for bit)."""
+    monkeypatch.setitem(CONFIGS, "llama-64x128", lambda: _llama(kv_heads=2, hidden=64, intermediate=128, layers=3))
+    src = make_model_folder("llama-64x128", tmp_path)
+    (tmp_path / "calib.txt").write_text("\n".join(f"A quiet river number {i} ran past the old mill and the green "
+                                                   "hills every morning." for i in range(20)))
+
+    def args(out, *extra):
+        return ["quantize", src, "-o", out, "--method", "trellis+gptq", "--bits", 2, "--group-size", 64,
+                "--dataset", tmp_path / "calib.txt", "--nsamples", 2, "--seqlen", 16, "--max-shard-size", "20KB",
+                *extra]
+
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert cli(*args(ref)).exit_code == 0
+    killed((tmp_path, src), out, "block-00000", [str(a) for a in args(out)])
+    resumed = cli(*args(out, "--resume"))
+    assert resumed.exit_code == 0 and "block 0 of 3 is done" in resumed.output, resumed.output
+    assert_same_checkpoint(ref, out)
