@@ -195,8 +195,10 @@ def test_gptq_rounds_whole_sequences_with_weighted_search(act_order, tiles):
 
 def test_settings_are_checked():
     assert "trellis" in quantizer_names() and {"trellis", "trellis+gptq"} <= set(method_names())
-    with pytest.raises(QuantkitError, match="multiple of 64"):
-        quantizer_for("trellis", 2, True, 96)
+    with pytest.raises(QuantkitError, match="multiple of 8"):
+        quantizer_for("trellis", 2, True, 36)
+    with pytest.raises(QuantkitError, match="multiple of 16"):
+        quantizer_for("trellis-l16", 2, True, 72)
     with pytest.raises(QuantkitError, match="bits"):
         Trellis(5)
     with pytest.raises(QuantkitError, match="state_bits"):
@@ -260,3 +262,20 @@ def test_a_killed_trellis_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     resumed = cli(*args(out, "--resume"))
     assert resumed.exit_code == 0 and "block 0 of 3 is done" in resumed.output, resumed.output
     assert_same_checkpoint(ref, out)
+
+
+def test_qtips_setting_is_a_quantizer_the_trellis_methods_take(tmp_path, monkeypatch):
+    """--quantizer trellis-l16: L = 16 on 16 x 16 tiles, recorded as trellis with its settings, loaded back as the
+    quantizer wrote it; the trellis methods take no other quantizer."""
+    # one small block: the search at L = 16 costs ~1 s per 10,000 weights here
+    monkeypatch.setitem(CONFIGS, "llama-32x64", lambda: _llama(kv_heads=2, hidden=32, intermediate=64, layers=1))
+    src = make_model_folder("llama-32x64", tmp_path)
+    results = capture_results(monkeypatch)
+    quantize(str(src), tmp_path / "q", QuantConfig(method="trellis", quantizer="trellis-l16", bits=2, group_size=64),
+             device="cpu")
+    layer = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["layers"][
+        "model.layers.0.self_attn.k_proj"]
+    assert (layer["quantizer"], layer["state_bits"], layer["length"], layer["tile_rows"]) == ("trellis", 16, 256, 16)
+    loads_as_in_loop(tmp_path / "q", src, results, calibration()[:2])
+    with pytest.raises(QuantkitError, match="rounds with the trellis quantizer, not e8"):
+        QuantConfig(method="trellis", quantizer="e8", bits=2)

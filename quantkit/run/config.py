@@ -33,7 +33,7 @@ from quantkit.core.errors import QuantkitError
 from quantkit.core.options import Option, check_type, is_int
 from quantkit.core.textfile import read_user_text
 from quantkit.gguf import mix as gguf_mix
-from quantkit.schemes.base import quantizer_for, quantizer_help, quantizer_names
+from quantkit.schemes.base import quantizer_for, quantizer_help, quantizer_names, serves_method
 from quantkit.schemes.grid import check_bits, check_group_size
 
 ROTATIONS = ("none", "hadamard")
@@ -183,7 +183,7 @@ class QuantConfig:
         if self.quantizer not in quantizer_names():
             raise QuantkitError(f"unknown quantizer '{self.quantizer}': choose one of {', '.join(quantizer_names())}")
         implied = spec.quantizer
-        if implied and self.quantizer != implied:
+        if implied and not serves_method(self.quantizer, implied):
             raise QuantkitError(f"--method {self.method} rounds with the {implied} quantizer, not {self.quantizer}: "
                                 f"drop --quantizer (or use --method {'gptq' if self.method.endswith('gptq') else 'rtn'} "
                                 f"--quantizer {self.quantizer})")

@@ -49,10 +49,22 @@ METHOD_QUANTIZERS = {}  # {name: what the method does, for --method's help}
 register_quantizer = QUANTIZERS.decorator("name")
 
 
-def register_spec_name(name: str, factory, summary: str):
-    """`--quantizer name` builds factory(bits, sym, group_size); summary: one line of help."""
+SPEC_METHODS = {}  # {spec name: the quantizer method whose --method NAME / NAME+gptq also takes it as --quantizer}
+
+
+def register_spec_name(name: str, factory, summary: str, method=None):
+    """`--quantizer name` builds factory(bits, sym, group_size); summary: one line of help; method: a quantizer
+    method (offer_method) whose runs may take this name instead of their own (another setting of the same
+    quantizer, e.g. trellis-l16 for --method trellis+gptq)."""
     SPEC_NAMES.add(name, factory)
     SPEC_SUMMARIES[name] = summary
+    if method is not None:
+        SPEC_METHODS[name] = method
+
+
+def serves_method(name: str, implied: str) -> bool:
+    """Whether --quantizer `name` may stand in a run whose method rounds with `implied`."""
+    return name == implied or SPEC_METHODS.get(name) == implied
 
 
 def offer_method(name: str, summary: str) -> None:

@@ -16,14 +16,15 @@ error costs differ by column). dequantize decodes states from codes with the tab
 weights are the search's bit for bit.
 
 Defaults, measured on unit Gaussians in blocks of 128 with an fp16 scale each, one core of the project's CPU
-(scripts/bench_distortion.py): L = 12 and sequences of 64 columns of a row (a width that divides SmolLM2's 576 and
-the 128-group); per bit width the step and code with the least MSE at that L: V = 2 with 3INST at 1 and 2 bits (V = 1
+(scripts/bench_distortion.py): L = 12 and sequences of 64 weights (tiles of 8 x 8: a width that divides every
+common layer width and group); per bit width the step and code with the least MSE at that L: V = 2 with 3INST at 1 and 2 bits (V = 1
 gains 1 % at 2 bits for 3.5x the time), V = 1 with 1MAD at 3 and 4 bits (V = 2 shares only L - 2k state bits between
 steps: 7 % / 26 % more MSE). MSE 0.0754 / 0.0194 / 0.0050 at 2 / 3 / 4 bits (1.21 / 1.24 / 1.29x the bound 4^-k;
 E8P: 0.0888 / 0.0277 / 0.0073) in 3.7 / 8.6-10 / 6.9-7.1 s per million weights. QTIP's L = 16 needs long sequences
 to pay (16 x 16 tiles: length 256, tile_rows 16): 0.0686 / 0.0175 / 0.0045 (1.10 / 1.12 / 1.16x) with V = 1 1MAD in
 179 / 130 / 95 s per million weights, or 0.0689 at 2 bits with V = 2 3INST in 51 s: a GPU's work (the search is
-plain torch and runs on the weight's device).
+plain torch and runs on the weight's device). `--quantizer trellis-l16` is that setting (QTIP's), for
+--method trellis / trellis+gptq too.
 
 The scale of a group (`scale`): "rms" is the group's rms over the value table's, times GAIN[bits] (measured the same
 way: a trellis at more bits wants a wider table); "refit" also searches the group at that scale and keeps the
@@ -36,7 +37,7 @@ import torch
 
 from quantkit.core.errors import QuantkitError
 from quantkit.core.options import is_int
-from quantkit.schemes.base import KernelDecode, offer_method, register_quantizer
+from quantkit.schemes.base import KernelDecode, offer_method, register_quantizer, register_spec_name
 from quantkit.schemes.grid import check_bits
 from quantkit.schemes.scales import fp16_scale
 from quantkit.schemes.trellis_codes import CODES, codes_of_symbols, states_of_codes, sunflower_table
@@ -78,8 +79,8 @@ class Trellis:
     tile_rows: int = DEFAULT_TILE_ROWS
 
     name = "trellis"
-    summary = ("QTIP's bitshift trellis (12 state bits; exact Viterbi over tail-biting sequences of 64 weights), one "
-               "fp16 scale per group (a multiple of 64); bits 1-4")
+    summary = ("QTIP's bitshift trellis (12 state bits; exact Viterbi over tail-biting tiles of 8 x 8 weights), one "
+               "fp16 scale per group (a multiple of 8); bits 1-4")
     weighted_round = True
 
     def __post_init__(self):
@@ -121,11 +122,12 @@ class Trellis:
         return tuple(tuple(p) for p in t.tolist())
 
     @classmethod
-    def from_spec(cls, bits: int, sym: bool, group_size: int) -> "Trellis":
-        if group_size != -1 and (not is_int(group_size) or group_size % DEFAULT_LENGTH):
-            raise QuantkitError(f"trellis rounds sequences of {DEFAULT_LENGTH} weights: --group-size must be a "
-                                f"multiple of {DEFAULT_LENGTH} (or -1), got {group_size}")
-        return cls(bits)
+    def from_spec(cls, bits: int, sym: bool, group_size: int, **settings) -> "Trellis":
+        quantizer = cls(bits, **settings)
+        if group_size != -1 and (not is_int(group_size) or group_size % quantizer.width):
+            raise QuantkitError(f"{quantizer.name} rounds tiles {quantizer.width} columns wide: --group-size must "
+                                f"be a multiple of {quantizer.width} (or -1), got {group_size}")
+        return quantizer
 
     @property
     def width(self) -> int:
@@ -134,8 +136,8 @@ class Trellis:
 
     @property
     def row_multiple(self) -> int:
-        """The layer's output rows must be a multiple of this (a tile's height). quantkit.core.groups.check_shape does
-        not read it yet: round and dequantize refuse other row counts."""
+        """The layer's output rows must be a multiple of this (a tile's height): quantkit.core.groups.check_shape
+        refuses other row counts before any work, and the runtime decodes strips of whole tiles."""
         return self.tile_rows
 
     @property
@@ -225,4 +227,13 @@ class Trellis:
         return params["scale"].float() * self.unsequence(points, codes.shape)
 
 
+def qtip_setting(bits: int, sym: bool, group_size: int) -> Trellis:
+    """QTIP's own setting: L = 16 over tiles of 16 x 16 (sequences of 256 weights)."""
+    return Trellis.from_spec(bits, sym, group_size, state_bits=16, length=256, tile_rows=16)
+
+
+register_spec_name("trellis-l16", qtip_setting,
+                   "the trellis at QTIP's setting, 16 state bits over tiles of 16 x 16 weights (1.10-1.16x the "
+                   "distortion bound against 1.21-1.29x, for 16-40x the search time: a GPU's work; recorded as "
+                   "trellis; --method trellis and trellis+gptq take it)", method="trellis")
 offer_method("trellis", "QTIP's trellis-coded quantization (bitshift trellis, exact Viterbi, tail-biting)")
