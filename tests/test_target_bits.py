@@ -1,5 +1,6 @@
-"""--target-bits (issue 59): each linear's bits and group size chosen from its measured sensitivity within a budget
-counted as the files store it; an exact knapsack; fused groups choose together; the recipe in OUT reproduces it."""
+"""--target-bits and --target-size (issue 59): each linear's bits and group size chosen from its measured sensitivity
+within a budget counted as the files store it; an exact knapsack; fused groups choose together; the recipe in OUT
+reproduces it."""
 import itertools
 import json
 
@@ -105,6 +106,9 @@ def test_a_budget_no_setting_meets_is_refused_before_any_work(model_factory, tmp
     (dict(method="turboquant", target_bits=3.0), "integer widths"),
     (dict(method="gptq", target_bits=3.0, modules=[{"pattern": "down", "bits": 8}]), "drop the recipe's per-module"),
     (dict(method="gptq", target_bits=0), "out of range"),
+    (dict(method="gptq", target_bits=3.0, target_size="1GB"), "give one of them"),
+    (dict(method="gptq", target_size="3.2 GB of disk"), "not understood"),
+    (dict(method="e8", target_size="1GB"), "integer widths"),
 ])
 def test_what_target_bits_cannot_do_is_named(settings, words):
     with pytest.raises(QuantkitError, match=words):
@@ -124,12 +128,14 @@ def test_the_report_holds_the_choice_and_every_layers_cost(model_factory, tmp_pa
     assert report["target"] == 4.0 and report["predicted_kld"] > 0 and len(report["costs"]) == 14
 
 
-def test_a_resumed_run_continues_the_allocation_it_recorded(model_factory, tmp_path, monkeypatch, stop_at_part):
+@pytest.mark.parametrize("target", [dict(target_bits=3.3), dict(target_size="310KB")])
+def test_a_resumed_run_continues_the_allocation_it_recorded(model_factory, tmp_path, monkeypatch, stop_at_part,
+                                                            target):
     """The interrupted run's allocation is read back from its fingerprint: no second sensitivity pass, same bytes."""
     from quantkit.run import allocate
 
     src, out = str(model_factory("llama-gqa")), tmp_path / "q"
-    config = quantkit.QuantConfig(method="rtn", target_bits=3.3, group_size=32)
+    config = quantkit.QuantConfig(method="rtn", group_size=32, **target)
     quantkit.quantize(src, tmp_path / "whole", config, calibration_ids=IDS)
     with stop_at_part("block-00001"), pytest.raises(KeyboardInterrupt):
         quantkit.quantize(src, out, config, calibration_ids=IDS)
@@ -137,3 +143,30 @@ def test_a_resumed_run_continues_the_allocation_it_recorded(model_factory, tmp_p
     quantkit.quantize(src, out, config, calibration_ids=IDS, resume=True)
     a, b = (next(p.glob("*.safetensors")).read_bytes() for p in (tmp_path / "whole", out))
     assert a == b
+
+
+def _files_bytes(folder) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
+def test_a_target_size_is_never_exceeded_by_the_files(model_factory, tmp_path, fmt):
+    """--target-size of a uniform 3-bit run's files: the mixed run's safetensors files (embeddings, head, norms and
+    headers counted before the linears get the rest) fit it, and the bound the summary prints holds."""
+    src = str(model_factory("llama-gqa"))
+    quantkit.quantize(src, tmp_path / "uniform", quantkit.QuantConfig(method="rtn", bits=3, group_size=32,
+                                                                      checkpoint_format=fmt))
+    size = _files_bytes(tmp_path / "uniform")
+    report = quantkit.quantize(src, tmp_path / "q", quantkit.QuantConfig(
+        method="rtn", target_size=size, group_size=32, checkpoint_format=fmt), calibration_ids=IDS)
+    got = _files_bytes(tmp_path / "q")
+    bound = float(report["target_bits"]["summary"][1].split("at most ")[1].split(" MB")[0]) * 1e6
+    assert report["target_bits"]["size"] == size and got <= size and got <= bound + 500
+
+
+def test_a_size_the_float_tensors_already_fill_is_refused_before_any_work(model_factory, tmp_path):
+    done = CliRunner().invoke(main, ["quantize", str(model_factory("llama-gqa")), "-o", str(tmp_path / "q"),
+                                     "--method", "rtn", "--target-size", "50KB", "--dataset", str(_text(tmp_path)),
+                                     "--nsamples", "2", "--seqlen", "32", "--device", "cpu"])
+    assert done.exit_code == 2 and "kept in float take" in done.output and "ask for at least" in done.output
+    assert "Traceback" not in done.output and not (tmp_path / "q").exists()

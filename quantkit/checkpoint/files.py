@@ -32,18 +32,18 @@ RECIPE_NAME = "quantkit_recipe.yaml"
 UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
 
-def parse_size(text) -> int:
-    """Bytes of a shard size: an int, or a number with a unit (500MB, 4GB, 2GiB)."""
+def parse_size(text, what: str = "shard size") -> int:
+    """Bytes of a size (`what` names it in errors): an int, or a number with a unit (500MB, 4GB, 2GiB)."""
     if isinstance(text, int):
         size = text
     else:
         m = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", str(text))
         unit = (m.group(2) or "B").upper() if m else None
         if not m or unit not in UNITS:
-            raise QuantkitError(f"shard size '{text}' is not understood: use a size like 500MB or 4GB")
+            raise QuantkitError(f"{what} '{text}' is not understood: use a size like 500MB or 4GB")
         size = int(float(m.group(1)) * UNITS[unit])
     if size < 1:
-        raise QuantkitError(f"shard size '{text}' is not a positive size: use a size like 500MB or 4GB")
+        raise QuantkitError(f"{what} '{text}' is not a positive size: use a size like 500MB or 4GB")
     return size
 
 

@@ -1,4 +1,5 @@
-"""--target-bits B: each quantized linear's bits and group size chosen from its measured sensitivity, within a budget.
+"""--target-bits B / --target-size S: each quantized linear's bits and group size chosen from its measured sensitivity,
+within a budget.
 
 1. Sensitivity: the Fisher diagonal of every linear on the calibration windows (quantkit.calibration.sensitivity);
    a layer's predicted cost at a setting is ½ Σ F (W − Ŵ)², Ŵ its round-to-nearest weight at that setting.
@@ -6,6 +7,9 @@
    target serves; a fused group (q/k/v, gate/up: vLLM runs it as one layer) takes one setting together.
 3. Budget: the bits the checkpoint stores per weight of the quantized linears, codes, scales, zeros and g_idx counted
    as the codec writes them (Codec.layer_bits); the least summed cost within it, exactly (quantkit.core.knapsack).
+   A size (--target-size) is the safetensors files' bytes: what the checkpoint stores besides those linears (every
+   other tensor at the saved dtype, tensors carried as stored, and a bound on the headers: other_bytes) comes off
+   first, the rest is the linears' budget.
 4. The allocation becomes the run's recipe: one `modules` override per linear, so that the recipe written to OUT
    reproduces it with --recipe, and a resumed run reads it back from its fingerprint instead of measuring again.
 """
@@ -17,11 +21,16 @@ import torch
 
 from quantkit.calibration.sensitivity import visit_fisher_diagonals
 from quantkit.core import knapsack
+from quantkit.checkpoint.files import parse_size
 from quantkit.core.errors import QuantkitError
 from quantkit.models.arch import get_weight
 from quantkit.run.config import LayerSpec
 
 CANDIDATE_BITS = (2, 3, 4, 8)
+# A bound on the safetensors header bytes per tensor beyond its name: {"dtype":"F16","shape":[a,b],"data_offsets":
+# [x,y]}, with up to 12 digits per number; per file, the 8-byte length, the metadata and the padding.
+HEADER_PER_TENSOR, HEADER_PER_FILE = 96, 128
+LAYER_TENSORS = 5  # the most tensors a codec writes per quantized linear (codes, scales, zeros, g_idx or shape, bias)
 CANDIDATE_GROUPS = (32, 64, 128, -1)
 SENSITIVITY_WINDOWS = 8  # calibration windows the Fisher pass reads (their first ones)
 
@@ -58,28 +67,71 @@ class Allocation:
         return sum(self.costs[n][s] for n, s in self.picked.items())
 
 
-def allocate(config, codec, source, specs: dict, shapes: dict, fused: dict, ids, device) -> Allocation:
-    """Each quantized linear's Setting: config.target_bits met at the least predicted cost."""
+def allocate(config, codec, source, specs: dict, shapes: dict, fused: dict, ids, device, other=0) -> Allocation:
+    """Each quantized linear's Setting: config's target met at the least predicted cost; other: the bytes the files
+    hold besides the quantized linears (other_bytes), what a --target-size leaves them."""
     names = [n for n, s in specs.items() if s is not None]
     settings = candidates(config, codec, specs, shapes, fused)
     groups = _groups(names, fused)
     sizes = [[sum(codec.layer_bits(s.bits, s.group_size, config.sym, *shapes[n]) for n in g) for s in settings]
              for g in groups]
     weights = sum(shapes[n][0] * shapes[n][1] for n in names)
-    budget = int(config.target_bits * weights)
+    budget = (8 * (parse_size(config.target_size) - other) if config.target_size is not None
+              else int(config.target_bits * weights))
     least = sum(min(row) for row in sizes)
     if least > budget:  # refused before the sensitivity pass
-        raise QuantkitError(f"--target-bits {config.target_bits}: the smallest candidate of every layer already "
-                            f"stores {least / weights:.3f} bits per weight (scales, zeros and g_idx counted): ask for "
-                            f"at least {math.ceil(least / weights * 1000) / 1000:.3f}")
+        raise QuantkitError(_too_small(config, least, weights, other))
     costs = predicted_costs(source, names, settings, config.sym, ids[:SENSITIVITY_WINDOWS], device)
     chosen = knapsack.solve([[sum(costs[n][j] for n in g) for j in range(len(settings))] for g in groups], sizes,
                             budget)
     if chosen is None:  # only the smallest settings fit, and the knapsack's units (sizes rounded up) do not
-        raise QuantkitError(f"--target-bits {config.target_bits} leaves no room above the smallest settings "
+        raise QuantkitError(f"{config.target} leaves no room above the smallest settings "
                             f"({least / weights:.3f} bits per weight): ask for a little more")
     return Allocation({n: settings[j] for g, j in zip(groups, chosen) for n in g},
                       {n: dict(zip(settings, row)) for n, row in costs.items()})
+
+
+def _too_small(config, least: int, weights: int, other: int) -> str:
+    if config.target_size is None:
+        return (f"{config.target}: the smallest candidate of every layer already stores {least / weights:.3f} bits per "
+                f"weight (scales, zeros and g_idx counted): ask for at least "
+                f"{math.ceil(least / weights * 1000) / 1000:.3f}")
+    need = other + math.ceil(least / 8)
+    return (f"{config.target}: the tensors kept in float take {other / 1e6:.3f} MB and the quantized linears at their "
+            f"smallest setting {least / 8e6:.3f} MB: ask for at least {math.ceil(need / 1e3) / 1e3:.3f}MB")
+
+
+def other_bytes(source, quantized: list, save_dtype) -> int:
+    """What the checkpoint's safetensors files hold besides the quantized linears' tensors, in bytes (an upper bound):
+    every other tensor of the model at save_dtype (floats; others as they are), each tensor carried unchanged as
+    stored (multi-token-prediction layers), and the header entries of all of them and of the linears' own tensors."""
+    weights = {f"{n}.weight" for n in quantized}
+    state = source.model.state_dict(keep_vars=True)
+    total = sum(len(n) + HEADER_PER_TENSOR + LAYER_TENSORS * (len(n) + 24 + HEADER_PER_TENSOR) for n in quantized)
+    for n in source.names:
+        if n not in weights:
+            t = state[n]
+            size = torch.empty((), dtype=save_dtype if t.is_floating_point() else t.dtype).element_size()
+            total += t.numel() * size + len(n) + HEADER_PER_TENSOR
+    total += sum(nbytes + len(n) + HEADER_PER_TENSOR for n, nbytes in stored_bytes(source, source.unloaded).items())
+    return total + HEADER_PER_FILE * (1 + len(set(source.files.values())))
+
+
+def stored_bytes(source, names) -> dict:
+    """{name: bytes} of tensors of the source's files, read off the safetensors headers."""
+    from safetensors import safe_open
+
+    out = {}
+    for fname in sorted({source.files[n] for n in names}):
+        with safe_open(source.folder / fname, framework="pt") as f:
+            for n in (n for n in names if source.files[n] == fname):
+                piece = f.get_slice(n)
+                out[n] = math.prod(piece.get_shape()) * DTYPE_BYTES[piece.get_dtype()]
+    return out
+
+
+DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+               "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def as_overrides(allocation: Allocation) -> list[dict]:
@@ -131,9 +183,10 @@ def _groups(names: list, fused: dict) -> list[tuple]:
     return out
 
 
-def summary(allocation: Allocation, shapes: dict, codec, sym: bool, target: float) -> list[str]:
-    """Lines that say what was chosen: the bits stored per weight, and per module kind the settings' histogram and
-    its share of the stored bits."""
+def summary(allocation: Allocation, shapes: dict, codec, config, other: int = 0) -> list[str]:
+    """Lines that say what was chosen: the bits stored per weight (and, for a size, the files' bytes at most), and
+    per module kind the settings' histogram and its share of the stored bits."""
+    sym, target = config.sym, config.target
     by_kind, total_bits, total_weights = {}, 0, 0
     for name, s in allocation.picked.items():
         stored, weights = codec.layer_bits(s.bits, s.group_size, sym, *shapes[name]), shapes[name][0] * shapes[name][1]
@@ -142,9 +195,12 @@ def summary(allocation: Allocation, shapes: dict, codec, sym: bool, target: floa
         entry["mix"][key] = entry["mix"].get(key, 0) + 1
         entry["stored"], entry["weights"] = entry["stored"] + stored, entry["weights"] + weights
         total_bits, total_weights = total_bits + stored, total_weights + weights
-    lines = [f"--target-bits {target}: {total_bits / total_weights:.3f} bits per weight stored in the quantized "
+    lines = [f"{target}: {total_bits / total_weights:.3f} bits per weight stored in the quantized "
              f"linears ({total_bits / 8 / 2**20:.2f} MiB), predicted KL divergence {allocation.predicted_kld:.4g} "
              "nats per token"]
+    if config.target_size is not None:
+        lines.append(f"  safetensors files of at most {(other + total_bits / 8) / 1e6:.3f} MB (asked: "
+                     f"{parse_size(config.target_size) / 1e6:.3f} MB), {other / 1e6:.3f} MB of them kept in float")
     for kind, e in sorted(by_kind.items()):
         mix = ", ".join(f"{k} x{v}" for k, v in sorted(e["mix"].items()))
         lines.append(f"  {kind:<16} {e['stored'] / e['weights']:.2f} bits per weight, {e['stored'] / total_bits:5.1%} "
@@ -152,10 +208,13 @@ def summary(allocation: Allocation, shapes: dict, codec, sym: bool, target: floa
     return lines
 
 
-def report(allocation: Allocation, lines: list, target: float, of_module) -> dict:
-    """The report's "target_bits" entry: the target, the lines, and every layer's predicted cost per setting (what
-    scripts/bench_target_bits.py checks the prediction with), under the layers' names in the files."""
-    return {"target": target, "predicted_kld": allocation.predicted_kld, "summary": lines,
+def report(allocation: Allocation, lines: list, config, of_module) -> dict:
+    """The report's "target_bits" entry: the target (bits per weight, or "size" in bytes), the lines, and every layer's
+    predicted cost per setting (what scripts/bench_target_bits.py checks the prediction with), under the layers'
+    names in the files."""
+    target = ({"size": parse_size(config.target_size)} if config.target_size is not None
+              else {"target": config.target_bits})
+    return {**target, "predicted_kld": allocation.predicted_kld, "summary": lines,
             "costs": {of_module(n): {setting_name(s): c for s, c in row.items()} for n, row in allocation.costs.items()}}
 
 

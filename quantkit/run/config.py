@@ -29,6 +29,7 @@ import yaml
 
 from quantkit.algorithms.registry import algorithm_options, method_help, method_names, method_spec
 from quantkit.checkpoint import codecs
+from quantkit.checkpoint.files import parse_size
 from quantkit.core.errors import QuantkitError
 from quantkit.core.options import Option, check_type, is_int
 from quantkit.core.textfile import read_user_text
@@ -85,6 +86,11 @@ class QuantConfig:
               "each); an exact knapsack picks from 2/3/4/8 bits x group sizes 32/64/128/-1, q/k/v and gate/up "
               "together, within --compat. Integer methods and the gptq, gptq_v2 and compressed-tensors formats; "
               "OUT's recipe holds the allocation (--recipe reproduces it). Replaces --bits and --group-size.")
+    target_size: Optional[str] = setting(  # None: no size target
+        None, "Like --target-bits, for the size of the checkpoint's safetensors files (every tensor, embeddings and "
+              "head included, and their headers): at most this many bytes, e.g. 80MB or 3.2GB (KB, MB, GB: powers "
+              "of 1000; KiB, MiB, GiB: of 1024). The rest of the checkpoint is counted first; the quantized linears "
+              "get what is left. Not with --target-bits.")
     sym: bool = setting(True, "Symmetric grid (zero fixed at 2^(bits-1)) or asymmetric min/max grid.",
                         flag="--sym/--asym")
     dataset: str = setting(
@@ -167,12 +173,13 @@ class QuantConfig:
         if self.checkpoint_format is None:
             self.checkpoint_format = "gptq" if self.gguf_type is None else "gguf"
         for f in dataclasses.fields(self):
-            if f.name in ("gguf_type", "target_bits") and getattr(self, f.name) is None:
+            if f.name in ("gguf_type", "target_bits", "target_size") and getattr(self, f.name) is None:
                 continue
-            if f.name == "max_shard_size" and is_int(self.max_shard_size):
+            if f.name in ("max_shard_size", "target_size") and is_int(getattr(self, f.name)):
                 continue  # a byte count is as good as "4GB"
             expected = {"modules": list, "quantizer": str, "rotate": str, "checkpoint_format": str,
-                        "gguf_type": str, "target_bits": float, "options": dict}.get(f.name, f.type)
+                        "gguf_type": str, "target_bits": float, "target_size": str,
+                        "options": dict}.get(f.name, f.type)
             setattr(self, f.name, check_type(getattr(self, f.name), expected, f.name, "option"))
         check_group_size(self.group_size)
         for name in ("nsamples", "seqlen"):
@@ -202,19 +209,36 @@ class QuantConfig:
         self._check_target_bits()
         self._check_quantizers()
 
+    @property
+    def target(self) -> Optional[str]:
+        """The budget an allocation meets, as the option that asked for it ("--target-bits 3.5", "--target-size
+        80MB"), or None: every layer the run's own settings."""
+        if self.target_size is not None:
+            return f"--target-size {self.target_size}"
+        return None if self.target_bits is None else f"--target-bits {self.target_bits}"
+
+    def without_target(self, modules: list) -> "QuantConfig":
+        """This run with its allocation as the recipe's `modules` instead of a target (what OUT's recipe holds)."""
+        return dataclasses.replace(self, target_bits=None, target_size=None, modules=modules)
+
     def _check_target_bits(self) -> None:
-        if self.target_bits is None:
+        if self.target is None:
             return
-        if not 0 < self.target_bits <= 16:
+        if self.target_bits is not None and self.target_size is not None:
+            raise QuantkitError("--target-bits and --target-size are two budgets for one choice: give one of them")
+        if self.target_size is not None:
+            parse_size(self.target_size, "--target-size")
+        elif not 0 < self.target_bits <= 16:
             raise QuantkitError(f"--target-bits {self.target_bits} is out of range: give the bits per weight of the "
                                 "quantized linears, e.g. 3.5")
+        option = self.target.split()[0]
         if self.quantizer != "int" or self.gguf_type is not None or codecs.codec_of_format(self.checkpoint_format) \
                 .layer_bits is None:
-            raise QuantkitError("--target-bits chooses integer widths and group sizes for the gptq, gptq_v2 and "
+            raise QuantkitError(f"{option} chooses integer widths and group sizes for the gptq, gptq_v2 and "
                                 "compressed-tensors formats: use it with --method rtn, gptq, awq or awq+gptq and one "
                                 "of those --checkpoint-format values (codebook rates and GGUF types are not chosen yet)")
         if any(k in o for o in self.modules for k in ("bits", "group_size")):
-            raise QuantkitError("--target-bits chooses every layer's bits and group size: drop the recipe's per-module "
+            raise QuantkitError(f"{option} chooses every layer's bits and group size: drop the recipe's per-module "
                                 "bits / group_size (skip: true still keeps a layer in float)")
 
     def _check_gguf_type(self) -> None:

@@ -11,7 +11,7 @@ import json
 import re
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -67,8 +67,9 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     with contextlib.closing(group):  # a process group started here ends here, on every rank
         if group.active:
             distributed.check_supported(config, resume)
-            if config.target_bits is not None:
-                raise QuantkitError("--target-bits under torchrun (--processes) is not supported yet: every process "
+            if config.target is not None:
+                raise QuantkitError(f"{config.target.split()[0]} under torchrun (--processes) is not supported yet: "
+                                    "every process "
                                     "would measure the allocation; run it once in one process, then quantize with "
                                     f"--recipe OUT/{files.RECIPE_NAME} and --processes")
         if not group.is_writer:
@@ -123,7 +124,7 @@ class Plan:
 def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) -> Plan:
     """Open the source and decide everything the settings decide: a refusal comes here, before any work."""
     compute_dtype = _compute_dtype(device, dtype)
-    needs_text = (config.needs_calibration or config.target_bits is not None) and calibration_ids is None
+    needs_text = (config.needs_calibration or config.target is not None) and calibration_ids is None
     source, tokenizer, declared = open_model(model, compute_dtype, trust_remote_code, tokenizer_required=needs_text)
     fp_model = source.model
     arch = arch_for(fp_model)
@@ -148,9 +149,11 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
         raise QuantkitError(f"the recipe's module overrides skip all {len(names)} quantizable linears: nothing to "
                             "quantize; remove a skip: true or narrow its pattern")
     allocation = None
-    if config.target_bits is not None:  # the run's recipe becomes the allocation (quantkit.run.allocate)
+    save_dtype = declared if dtype == "auto" else source.dtype
+    if config.target is not None:  # the run's recipe becomes the allocation (quantkit.run.allocate)
         calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
-        config, allocation = _allocated(config, source, arch, names, specs, shapes, in_files, calibration_ids, device)
+        config, allocation = _allocated(config, source, arch, names, specs, shapes, in_files, calibration_ids, device,
+                                        save_dtype)
         specs, shapes = layer_specs(fp_model, names, config, siblings, in_files)
     codec = writer_codec(config, specs)
     codec.check_source(fp_model.config.to_dict(), tokenizer, [in_files.of_tensor(n) for n in source.names])
@@ -160,24 +163,25 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
     method.check_model(fp_model.config.model_type)
     if config.needs_calibration:
         calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
-    save_dtype = declared if dtype == "auto" else source.dtype
     return Plan(source, tokenizer, save_dtype, compute_dtype, arch, names, method, codec,
                 compat_lines, coverage, in_files, calibration_ids if config.needs_calibration else None, traced, config,
                 allocation, head)
 
 
-def _allocated(config, source, arch, names, specs, shapes, in_files, ids, device):
-    """(the config whose recipe gives each linear the setting --target-bits chose, the report's entry saying what),
-    the choice printed; measured before block 0, so a resumed run's fingerprint holds it."""
+def _allocated(config, source, arch, names, specs, shapes, in_files, ids, device, save_dtype):
+    """(the config whose recipe gives each linear the setting --target-bits / --target-size chose, the report's entry
+    saying what), the choice printed; measured before block 0, so a resumed run's fingerprint holds it."""
     codec = writer_codec(config, specs)
     start = time.perf_counter()
-    chosen = allocate.allocate(config, codec, source, specs, shapes, fused_groups(arch, names), ids, device)
-    lines = allocate.summary(chosen, shapes, codec, config.sym, config.target_bits)
+    quantized = [n for n, s in specs.items() if s is not None]
+    other = allocate.other_bytes(source, quantized, save_dtype) if config.target_size is not None else 0
+    chosen = allocate.allocate(config, codec, source, specs, shapes, fused_groups(arch, names), ids, device, other)
+    lines = allocate.summary(chosen, shapes, codec, config, other)
     lines.append(f"  (sensitivity of {len(chosen.picked)} linears measured in {time.perf_counter() - start:.1f} s)")
     for line in lines:
         print(line, file=sys.stderr)
-    derived = replace(config, target_bits=None, modules=[*config.modules, *allocate.as_overrides(chosen)])
-    return derived, allocate.report(chosen, lines, config.target_bits, in_files.of_module)
+    derived = config.without_target([*config.modules, *allocate.as_overrides(chosen)])
+    return derived, allocate.report(chosen, lines, config, in_files.of_module)
 
 
 def _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable, trust_remote_code):
@@ -185,7 +189,7 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
     out_path = output.claim_output(out, overwrite, sources=[model], resume=resume)  # before any heavy work
     partial = (output.partial_runs(out_path) or [None])[0] if resume else None
     t_start = time.perf_counter()
-    target = config.target_bits
+    target = config.target
     if partial is not None and target is not None:  # the interrupted run's allocation, not a new measurement
         config = resume_state.allocated_config(partial, config)
     plan = prepare(model, config, device, dtype, trust_remote_code, calibration_ids)

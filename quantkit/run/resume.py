@@ -21,7 +21,6 @@ difference refuses the resume, naming what changed. Once the shards are assemble
 deleted first, then the parts: from then on (the last seconds of a run) the folder is an ordinary dead
 staging folder that the next run removes.
 """
-import dataclasses
 import hashlib
 import json
 import sys
@@ -42,9 +41,9 @@ def block_key(i: int) -> str:
 
 
 def fingerprint(model: str, config, device: str, dtype: str, n_blocks: int, calibration_ids=None,
-                target_bits=None) -> dict:
-    """What the finished blocks of a run depend on, as JSON (see the module docstring). target_bits: the --target-bits
-    whose allocation config's overrides hold (config.target_bits is cleared once it is allocated)."""
+                target=None) -> dict:
+    """What the finished blocks of a run depend on, as JSON (see the module docstring). target: the --target-bits or
+    --target-size (QuantConfig.target) whose allocation config's overrides hold (cleared once it is allocated)."""
     calibration = None
     if calibration_ids is not None:
         ids = calibration_ids.detach().to(torch.int64).cpu().contiguous()
@@ -55,13 +54,14 @@ def fingerprint(model: str, config, device: str, dtype: str, n_blocks: int, cali
     fp = {"version": VERSION, "quantkit": __version__, "torch": torch.__version__, "settings": settings,
           "device": device, "dtype": dtype, "blocks": n_blocks, "source": source_state(model),
           "calibration": calibration}
-    if target_bits is not None:
-        fp["target_bits"] = target_bits
+    if target is not None:
+        fp["target"] = target
     return json.loads(json.dumps(fp, default=str))  # as it reads back from the file
 
 
 def allocated_config(folder: Path, config):
-    """`config` (a --target-bits run's) with the allocation the interrupted run in `folder` made and recorded in its
+    """`config` (a --target-bits / --target-size run's) with the allocation the interrupted run in `folder` made and
+    recorded in its
     fingerprint, when it was made for the same target; else `config` as given (then it is measured again, and a
     different result is refused by check)."""
     try:
@@ -69,9 +69,10 @@ def allocated_config(folder: Path, config):
     except (OSError, ValueError):
         return config
     settings = old.get("settings") or {}
-    if old.get("target_bits") != config.target_bits or settings.get("target_bits") is not None:
+    if old.get("target") != config.target or settings.get("target_bits") is not None \
+            or settings.get("target_size") is not None:
         return config
-    return dataclasses.replace(config, target_bits=None, modules=settings.get("modules") or [])
+    return config.without_target(settings.get("modules") or [])
 
 
 def source_state(model: str) -> dict:
