@@ -23,8 +23,8 @@ import torch
 
 import tinygemm  # scripts/tinygemm.py, beside this file
 
-FORMATS = ("int4", "int4-asym", "int2", "int3", "int8", "int4-rotated", "turboquant4", "turboquant3", "e8p2", "trellis2",
-           "trellis3")
+FORMATS = ("int4", "int4-asym", "int2", "int3", "int8", "int4-rotated", "turboquant4", "turboquant3", "e8p2",
+           "trellis2", "trellis3")
 
 
 @dataclass
@@ -54,7 +54,9 @@ def build(fmt: str, n: int, k: int, group_size: int, device, path: str = "auto")
     from quantkit.schemes.turboquant import TurboQuant
 
     bits = int(fmt[-1])
-    quantizer = E8P(2) if fmt == "e8p2" else Trellis(bits) if fmt.startswith("trellis") else TurboQuant(bits, group_size)
+    if fmt.startswith("trellis"):
+        return _codebook(n, k, Trellis(bits), group_size, device)
+    quantizer = E8P(2) if fmt == "e8p2" else TurboQuant(bits, group_size)
     return _codebook(n, k, quantizer, group_size, device)
 
 

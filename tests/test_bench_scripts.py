@@ -260,7 +260,8 @@ def test_bench_cpu_codebook_checks_the_lookup_against_the_dequantize(capsys, mon
     assert bench.main(argv) == 1
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int4-asym", "int3", "int8", "int4-rotated", "turboquant4", "e8p2", "trellis3"])
+@pytest.mark.parametrize("fmt", ["int4", "int4-asym", "int3", "int8", "int4-rotated", "turboquant4", "e8p2",
+                                 "trellis3"])
 def test_kernel_formats_compute_with_the_weight_they_report(fmt):
     """scripts/kernel_formats.py: each format's op (here its torch path) computes x Wᵀ with the dense weight the
     benchmark's check and fp16 baseline use (W rounded to fp16: 2^-11), after the rotation where there is one."""

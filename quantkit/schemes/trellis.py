@@ -16,14 +16,14 @@ error costs differ by column). dequantize decodes states from codes with the tab
 weights are the search's bit for bit.
 
 Defaults, measured on unit Gaussians in blocks of 128 with an fp16 scale each, one core of the project's CPU
-(scripts/bench_distortion.py): L = 12 and sequences of 64 weights (tiles of 8 x 8: a width that divides every
-common layer width and group); per bit width the step and code with the least MSE at that L: V = 2 with 3INST at 1 and 2 bits (V = 1
-gains 1 % at 2 bits for 3.5x the time), V = 1 with 1MAD at 3 and 4 bits (V = 2 shares only L - 2k state bits between
-steps: 7 % / 26 % more MSE). MSE 0.0754 / 0.0194 / 0.0050 at 2 / 3 / 4 bits (1.21 / 1.24 / 1.29x the bound 4^-k;
-E8P: 0.0888 / 0.0277 / 0.0073) in 3.7 / 8.6-10 / 6.9-7.1 s per million weights. QTIP's L = 16 needs long sequences
-to pay (16 x 16 tiles: length 256, tile_rows 16): 0.0686 / 0.0175 / 0.0045 (1.10 / 1.12 / 1.16x) with V = 1 1MAD in
-179 / 130 / 95 s per million weights, or 0.0689 at 2 bits with V = 2 3INST in 51 s: a GPU's work (the search is
-plain torch and runs on the weight's device). `--quantizer trellis-l16` is that setting (QTIP's), for
+(scripts/bench_distortion.py): L = 12 and sequences of 64 weights (tiles of 8 x 8: a width that divides every common
+layer width and group); per bit width the step and code with the least MSE at that L: V = 2 with 3INST at 1 and 2
+bits (V = 1 gains 1 % at 2 bits for 3.5x the time), V = 1 with 1MAD at 3 and 4 bits (V = 2 shares only L - 2k state
+bits between steps: 7 % / 26 % more MSE). MSE 0.0754 / 0.0194 / 0.0050 at 2 / 3 / 4 bits (1.21 / 1.24 / 1.29x the
+bound 4^-k; E8P: 0.0888 / 0.0277 / 0.0073) in 3.7 / 8.6-10 / 6.9-7.1 s per million weights. QTIP's L = 16 needs long
+sequences to pay (16 x 16 tiles: length 256, tile_rows 16): 0.0686 / 0.0175 / 0.0045 (1.10 / 1.12 / 1.16x) with V =
+1 1MAD in 179 / 130 / 95 s per million weights, or 0.0689 at 2 bits with V = 2 3INST in 51 s: a GPU's work (the
+search is plain torch and runs on the weight's device). `--quantizer trellis-l16` is that setting (QTIP's), for
 --method trellis / trellis+gptq too.
 
 The scale of a group (`scale`): "rms" is the group's rms over the value table's, times GAIN[bits] (measured the same
