@@ -11,7 +11,7 @@ INT4 kernel (tinygemm, scripts/tinygemm.py) on the same codes where it takes the
                        kernels.rotation.rotate_activations, then gptq_linear)
   turboquant4/3, e8p2  codebook layers (the quantkit format): kernels.codebook.codebook_linear with TurboQuant's
                        Lloyd-Max levels (block = the group size) or QuIP#'s E8P ball at 2 bits
-  trellis2/3           trellis layers (QTIP's bitshift trellis, the default L = 12 on 8 x 8 tiles): the same call, the
+  trellis2/3           trellis layers (QTIP's bitshift trellis, the default L = 12 on 32 x 2 tiles): the same call, the
                        weight decoded by kernels/triton_trellis.py, then cuBLAS
 Codes are random words: every code of these layouts decodes to a valid weight (any bit stream is a trellis path),
 and the kernels' speed does not depend on the values.

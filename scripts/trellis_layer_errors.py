@@ -30,7 +30,8 @@ def quantizers(bits: int, group: int) -> dict:
     return {"turboquant": quantizer_for("turboquant", bits, True, group), "e8p": quantizer_for("e8", bits, True, group),
             "trellis, 64 columns of a row": Trellis(bits, tile_rows=1),
             "trellis, tiles of 4 x 16": Trellis(bits, tile_rows=4),
-            "trellis, tiles of 8 x 8": Trellis(bits, tile_rows=8)}
+            "trellis, tiles of 8 x 8": Trellis(bits, tile_rows=8),
+            "trellis, tiles of 32 x 2": Trellis(bits, tile_rows=32)}
 
 
 def main(argv=None):

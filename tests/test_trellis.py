@@ -153,7 +153,7 @@ def test_code_definitions():
 def test_decode_of_the_codes_is_the_search_reconstruction_and_the_rate_is_exact(settings):
     q = make_quantizer("trellis", **settings)
     gen = torch.Generator().manual_seed(5)
-    w = torch.randn(8, 4 * q.width, generator=gen)
+    w = torch.randn(q.tile_rows, 64, generator=gen)  # whole tiles, whole words of codes
     group = 2 * q.width
     res = rtn(w, q, group)
     codes, dequantized = q.round(w[:, :group], {"scale": res.params["scale"][:, 0]})
@@ -195,8 +195,8 @@ def test_gptq_rounds_whole_sequences_with_weighted_search(act_order, tiles):
 
 def test_settings_are_checked():
     assert "trellis" in quantizer_names() and {"trellis", "trellis+gptq"} <= set(method_names())
-    with pytest.raises(QuantkitError, match="multiple of 8"):
-        quantizer_for("trellis", 2, True, 36)
+    with pytest.raises(QuantkitError, match="multiple of 2"):
+        quantizer_for("trellis", 2, True, 35)
     with pytest.raises(QuantkitError, match="multiple of 16"):
         quantizer_for("trellis-l16", 2, True, 72)
     with pytest.raises(QuantkitError, match="bits"):
@@ -235,12 +235,12 @@ def test_writes_loads_and_gives_the_in_loop_logits(tmp_path, monkeypatch, method
 
 
 def test_tiles_of_rows_are_checked_before_any_work():
-    """The default tiles are 8 rows: a layer of 12 outputs is refused by the shape check the pipeline runs first."""
+    """The default tiles are 32 rows: a layer of 48 outputs is refused by the shape check the pipeline runs first."""
     from quantkit.core.groups import check_shape
 
-    check_shape(Trellis(2), 128, 128, rows=16)
-    with pytest.raises(QuantkitError, match="tiles of 8 rows"):
-        check_shape(Trellis(2), 128, 128, rows=12)
+    check_shape(Trellis(2), 128, 128, rows=64)
+    with pytest.raises(QuantkitError, match="tiles of 32 rows"):
+        check_shape(Trellis(2), 128, 128, rows=48)
 
 
 def test_a_killed_trellis_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):

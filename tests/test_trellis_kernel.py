@@ -43,7 +43,7 @@ def test_a_trellis_has_a_kernel_decode_but_no_unit_lookup():
     """Its state spans a tile of rows: no per-unit table (the CPU decodes through the quantizer), no fused tiles."""
     decode = Trellis(2, code="hyb").kernel_decode
     assert decode.variant == "trellis" and not decode.unit_local and len(decode.table) == 2 * 512
-    assert decode.trellis == (12, 2, "hyb", 8, 64)
+    assert decode.trellis == (12, 2, "hyb", 32, 64)
     assert lookup_of(Trellis(2), 128) is None and lookup_of(Trellis(3), 128) is None
 
 
@@ -66,9 +66,9 @@ def test_the_triton_decode_is_the_quantizers_bit_for_bit(device, quantizer):
 @pytest.mark.parametrize("m", [1, 17])
 def test_a_trellis_layer_multiplies_through_the_kernel(device, m):
     quantizer = Trellis(3)
-    t = layer(quantizer, 24, 192, 64, seed=m)
+    t = layer(quantizer, 64, 192, 64, seed=m)
     x = torch.randn(m, 192, generator=torch.Generator().manual_seed(m)).half()
-    bias = torch.randn(24).half()
+    bias = torch.randn(64).half()
     args = [t[key] for key in ("codes", "scales", "g_idx", "table")] + [quantizer, 192]
     y = codebook_linear(x.to(device), *[a.to(device) if torch.is_tensor(a) else a for a in args],
                         bias=bias.to(device), backend="triton").cpu()
@@ -80,8 +80,8 @@ def test_a_trellis_layer_multiplies_through_the_kernel(device, m):
 @pytest.mark.parametrize("device", DEVICES)
 def test_decoded_linear_runs_a_trellis_layer_on_the_kernel_path(device, monkeypatch):
     quantizer = Trellis(2)
-    t = layer(quantizer, 16, 128, 64, seed=5)
-    module = DecodedLinear(128, 16, quantizer, 64, 2, bias=False, dtype=torch.float32)
+    t = layer(quantizer, 32, 128, 64, seed=5)
+    module = DecodedLinear(128, 32, quantizer, 64, 2, bias=False, dtype=torch.float32)
     module.codes.copy_(t["codes"]), module.g_idx.copy_(t["g_idx"]), module.scale.copy_(t["scales"])
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(1))
     strips = module(x)  # the CPU's path: strips decoded through the quantizer
@@ -95,10 +95,10 @@ def test_decoded_linear_runs_a_trellis_layer_on_the_kernel_path(device, monkeypa
 def test_the_kernel_refuses_a_layer_that_is_not_whole_tiles():
     from quantkit.kernels.triton_trellis import check_layer
 
-    t = layer(Trellis(2), 16, 128, 64, seed=0)
-    with pytest.raises(ValueError, match="tiles of 8 outputs x 8 inputs"):
+    t = layer(Trellis(2), 32, 128, 64, seed=0)
+    with pytest.raises(ValueError, match="tiles of 32 outputs x 2 inputs"):
         check_layer(torch.zeros(1, 120), bitpack.pack(torch.zeros(120, 12, dtype=torch.int32), 2, dim=0),
-                    t["scales"][:, :12], t["g_idx"][:120], t["table"], 2, 12, 2, "3inst", 8, 64)
+                    t["scales"][:, :12], t["g_idx"][:120], t["table"], 2, 12, 2, "3inst", 32, 64)
 
 
 @pytest.mark.skipif(not PREIMPORTED or torch.cuda.is_available(),

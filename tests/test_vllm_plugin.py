@@ -29,7 +29,7 @@ FORMATS = {  # name: (settings, biases); the models' 172-wide MLP leaves short l
     "turboquant rotated": (dict(method="turboquant", bits=4, group_size=32), True),  # hadamard: signs per member
     "int rotated act-order asym": (dict(method="gptq", bits=4, group_size=32, rotate="hadamard", sym=False), True),
     "e8p": (dict(method="e8", bits=2, group_size=32, modules=[{"pattern": r"mlp\.down_proj", "skip": True}]), False),
-    "trellis": (dict(method="trellis", bits=2, group_size=32,  # tiles of 8 x 8: the 172-wide MLP stays in float
+    "trellis": (dict(method="trellis", bits=2, group_size=32,  # tiles of 32 x 2: the 172-wide MLP stays in float
                      modules=[{"pattern": r"mlp\.", "skip": True}]), True),
     "mixed": (dict(method="turboquant", bits=4, group_size=32,  # 3-bit down_proj, o_proj left in float
                    modules=[{"pattern": r"mlp\.down_proj", "bits": 3},

@@ -2,8 +2,8 @@
 methods trellis (rotated, data-free) and trellis+gptq (inside GPTQ's error feedback).
 
 A layer's weights are cut into sequences of `length` weights: tiles of `tile_rows` rows x length / tile_rows consecutive
-columns, read row by row (by default tiles of 8 x 8: see below). The tile's columns are
-the quantizer's width: GPTQ rounds one column block of tiles at a time, its error fed to the columns after it. Each
+columns, read row by row (by default tiles of 32 rows x 2 columns: see below). The tile's columns are the quantizer's
+width: GPTQ rounds one column block of tiles at a time, its error fed to the columns after it. Each
 sequence is one tail-biting walk through the bitshift trellis of quantkit.schemes.trellis_codes: `state_bits` L bits
 of state, `step` V weights per step, `bits` k bits per weight, state values from `code` (1mad, 3inst or hyb):
 
@@ -16,7 +16,7 @@ error costs differ by column). dequantize decodes states from codes with the tab
 weights are the search's bit for bit.
 
 Defaults, measured on unit Gaussians in blocks of 128 with an fp16 scale each, one core of the project's CPU
-(scripts/bench_distortion.py): L = 12 and sequences of 64 weights (tiles of 8 x 8: a width that divides every common
+(scripts/bench_distortion.py): L = 12 and sequences of 64 weights (tiles of 32 x 2: a width that divides every common
 layer width and group); per bit width the step and code with the least MSE at that L: V = 2 with 3INST at 1 and 2
 bits (V = 1 gains 1 % at 2 bits for 3.5x the time), V = 1 with 1MAD at 3 and 4 bits (V = 2 shares only L - 2k state
 bits between steps: 7 % / 26 % more MSE). MSE 0.0754 / 0.0194 / 0.0050 at 2 / 3 / 4 bits (1.21 / 1.24 / 1.29x the
@@ -49,12 +49,14 @@ SCALES = ("rms", "refit")
 GAIN = {1: 0.85, 2: 1.0, 3: 1.1, 4: 1.15}  # the rms scale's multiplier per bit width, measured (module docstring)
 DEFAULT_STEP_CODE = {1: (2, "3inst"), 2: (2, "3inst"), 3: (1, "1mad"), 4: (1, "1mad")}  # per bit width, measured
 DEFAULT_STATE_BITS, DEFAULT_LENGTH = 12, 64
-# Tiles of 8 rows x 8 columns, not 64 columns of a row: GPTQ feeds the error back once per unit of `width` columns, and
-# a unit of 64 lost more than the trellis gained. SmolLM2 layers.15.self_attn.o_proj, 3 bits, g128, rotated, GPTQ
-# with act-order (relative output error; data-free in brackets): 64 columns 0.00411 (0.01730), 8 x 8 tiles 0.00232
-# (0.01689), 4 x 16 tiles 0.00256; turboquant 0.00387 (0.02751), e8p 0.00361 (0.02466). The sequence is the same 64
-# weights, so the distortion per weight is unchanged.
-DEFAULT_TILE_ROWS = 8
+# Tiles of 32 rows x 2 columns, not 64 columns of a row: GPTQ feeds the error back once per unit of `width` columns,
+# and a unit of 64 lost more than the trellis gained. SmolLM2 layers.15.self_attn.o_proj, 3 bits, g128, rotated, GPTQ
+# with act-order (relative output error; data-free in brackets): 64 columns 0.00411 (0.01730), 4 x 16 tiles 0.00256,
+# 8 x 8 0.00232 (0.01689), 16 x 4 0.00225, 32 x 2 0.00223, 64 x 1 0.00221; turboquant 0.00387 (0.02751), e8p 0.00361
+# (0.02466). At 2 bits 8 x 8 0.00947, 32 x 2 0.00910 (v_proj of block 2: 0.02330, 0.02262; down_proj of block 15:
+# 0.02392, 0.02395), and the whole model 66.16 -> 62.33 ppl (docs/QUALITY.md). 32 x 2 is the narrowest tile that
+# takes two weights per step; the sequence is the same 64 weights, so the distortion per weight is unchanged.
+DEFAULT_TILE_ROWS = 32
 HYB_INDEX_BITS = 9
 
 
@@ -79,8 +81,8 @@ class Trellis:
     tile_rows: int = DEFAULT_TILE_ROWS
 
     name = "trellis"
-    summary = ("QTIP's bitshift trellis (12 state bits; exact Viterbi over tail-biting tiles of 8 x 8 weights), one "
-               "fp16 scale per group (a multiple of 8); bits 1-4")
+    summary = ("QTIP's bitshift trellis (12 state bits; exact Viterbi over tail-biting tiles of 32 rows x 2 columns; "
+               "output widths a multiple of 32), one fp16 scale per group; bits 1-4")
     weighted_round = True
 
     def __post_init__(self):
