@@ -64,7 +64,9 @@ def test_every_quantkit_command_in_the_readme_parses(words):
 
     command, args, ctx, name = main, words[1:], None, "quantkit"
     while isinstance(command, click.Group):
-        ctx = click.Context(command, info_name=name, parent=ctx)
+        # with the group's settings, as click builds it: a context without them would make click cache a help
+        # option of "--help" alone on the command (no -h), and later renderings of its help (CLI.md) would differ
+        ctx = click.Context(command, info_name=name, parent=ctx, **command.context_settings)
         name, args = args[0], args[1:]
         command = command.get_command(ctx, name)
         assert command is not None, f"no command {name!r}: {' '.join(words)}"
