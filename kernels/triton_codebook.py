@@ -243,12 +243,16 @@ def check_layer(x, codes, scales, g_idx, table, bits, decode, bias=None) -> int:
                          f"[{table.numel()}]")
     if tuple(g_idx.shape) != (k,) or (variant == TABLE and table.numel() != 1 << bits):
         raise ValueError(f"g_idx must be [{k}] and the codebook hold {1 << bits} levels")
+    check_together(x, [codes, scales, g_idx, table], bias)
+    return variant
+
+
+def check_together(x, tensors: list, bias=None) -> None:
+    """ValueError unless x's dtype is one the kernels take and x, the layer's tensors and bias share a device."""
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
-    tensors = [x, codes, scales, g_idx, table] + ([bias] if bias is not None else [])
-    if len({t.device for t in tensors}) != 1:
+    if len({t.device for t in [x, *tensors] + ([bias] if bias is not None else [])}) != 1:
         raise ValueError("x and the layer's tensors must be on one device")
-    return variant
 
 
 def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):

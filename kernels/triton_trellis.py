@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.device import on_device
+from quantkit.kernels.triton_codebook import check_together
 from quantkit.kernels.triton_decode import packed_codes, round_to
 from quantkit.schemes.trellis_codes import CODES, INST, INST_MASK, INST_XOR, MAD, MAD_CENTRE, MAD_STD, \
     THREE_INST_GAIN
@@ -116,11 +117,7 @@ def check_layer(x, codes, scales, g_idx, table, bits, state_bits, step, code, ti
         raise ValueError(f"a trellis layer is tiles of {tile_rows} outputs x {width} inputs, not [{n}, {k}]")
     if code not in CODES or (code == "hyb") != (table.numel() > 1) or tuple(g_idx.shape) != (k,):
         raise ValueError(f"code {code!r} with a table of {table.numel()} values and g_idx {tuple(g_idx.shape)}")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
-    tensors = [x, codes, scales, g_idx, table] + ([bias] if bias is not None else [])
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError("x and the layer's tensors must be on one device")
+    check_together(x, [codes, scales, g_idx, table], bias)
 
 
 def trellis_dequantize(codes, scales, g_idx, table, bits, state_bits, step, code, tile_rows, length, k, dtype):
