@@ -20,19 +20,19 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.calibration.sensitivity import visit_fisher_diagonals
-from quantkit.core import knapsack
 from quantkit.checkpoint.files import parse_size
+from quantkit.core import knapsack
 from quantkit.core.errors import QuantkitError
 from quantkit.models.arch import get_weight
 from quantkit.run.config import LayerSpec
 
 CANDIDATE_BITS = (2, 3, 4, 8)
+CANDIDATE_GROUPS = (32, 64, 128, -1)
+SENSITIVITY_WINDOWS = 8  # calibration windows the Fisher pass reads (their first ones)
 # A bound on the safetensors header bytes per tensor beyond its name: {"dtype":"F16","shape":[a,b],"data_offsets":
 # [x,y]}, with up to 12 digits per number; per file, the 8-byte length, the metadata and the padding.
 HEADER_PER_TENSOR, HEADER_PER_FILE = 96, 128
 LAYER_TENSORS = 5  # the most tensors a codec writes per quantized linear (codes, scales, zeros, g_idx or shape, bias)
-CANDIDATE_GROUPS = (32, 64, 128, -1)
-SENSITIVITY_WINDOWS = 8  # calibration windows the Fisher pass reads (their first ones)
 
 
 @dataclass(frozen=True)
