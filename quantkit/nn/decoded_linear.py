@@ -80,7 +80,7 @@ class DecodedLinear(nn.Module):
         backend = layer_backend(self.facts(), x.device.type, x.dtype, self.cache_dequantized).name
         if backend == "triton":
             return codebook_linear(x, self.codes, self.scale, self.g_idx, self.codebook, self.quantizer,
-                                   self.in_features, self.bias)
+                                   self.in_features, self.bias, backend="triton")  # decided above: not again
         if backend == "dense":
             return linear(x, self.weight().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
         # strips of whole tiles of rows (a trellis decodes a tile's rows together)

@@ -41,10 +41,10 @@ def searched_scale(quantizer, w: torch.Tensor, s0: torch.Tensor) -> torch.Tensor
 
 
 class OneScalePerGroup:
-    """What the codebook quantizers (turboquant, e8) share: b-bit codes and one fp16 "scale" per row and group.
+    """What the codebook quantizers (turboquant, e8, trellis) share: b-bit codes and one fp16 "scale" per row and group.
 
     `spread_by_bits` (a class attribute, bits -> the codebook's rms per unit scale) gives the default `fit`: the
-    scale search starts from the group's rms over that spread."""
+    scale search starts from the group's rms over that spread (trellis fits its own)."""
     bits: int
     spread_by_bits = {}  # set by each quantizer
 

@@ -39,7 +39,7 @@ from quantkit.core.errors import QuantkitError
 from quantkit.core.options import is_int
 from quantkit.schemes.base import KernelDecode, offer_method, register_quantizer, register_spec_name
 from quantkit.schemes.grid import check_bits
-from quantkit.schemes.scales import fp16_scale
+from quantkit.schemes.scales import OneScalePerGroup, fp16_scale
 from quantkit.schemes.trellis_codes import CODES, codes_of_symbols, states_of_codes, sunflower_table
 from quantkit.schemes.trellis_codes import values as state_values
 from quantkit.schemes.trellis_viterbi import tail_biting
@@ -67,7 +67,7 @@ def _check_int(value, what, lo, hi):
 
 @register_quantizer
 @dataclass(frozen=True)
-class Trellis:
+class Trellis(OneScalePerGroup):
     """Trellis-coded quantization (module docstring): k = `bits` bits per weight over sequences of `length` weights
     (tiles of `tile_rows` rows), L = `state_bits`, V = `step`, state values from `code` (step and code: the bit width's
     defaults when None); `table` the hyb lookup table (2^9 (x, y) pairs)."""
@@ -148,14 +148,6 @@ class Trellis:
         table = tuple(x for pair in self.table for x in pair) if self.table is not None else ()
         return KernelDecode("trellis", table=table,
                             trellis=(self.state_bits, self.step, self.code, self.tile_rows, self.length))
-
-    @property
-    def code_bits(self) -> int:
-        return self.bits
-
-    @property
-    def param_bits(self) -> dict:
-        return {"scale": 16}
 
     def settings(self) -> dict:
         out = {"bits": self.bits, "state_bits": self.state_bits, "step": self.step, "code": self.code,
