@@ -253,6 +253,20 @@ class _FeedbackLoop:
         Err1[u] = err.t()
 
 
+def feedback_gains(H: torch.Tensor, damp: float = 0.01, act_order: bool = True) -> torch.Tensor:
+    """[in]: for each input column, the share of its rounding error's cost that GPTQ's error feedback leaves. Rounding
+    alone costs a column's squared error times H_ii in the output; GPTQ's loss weighs it by the pivot 1 / U_ii² (U the
+    upper Cholesky factor of the damped H⁻¹ in quantization order), the part of the column the later ones cannot
+    express. --target-bits' estimate of what GPTQ makes of a setting (quantkit.run.allocate). Scalar units."""
+    diag = H.diagonal().clone()
+    diag_fixed = torch.where(diag == 0, torch.ones_like(diag), diag)
+    perm = _unit_order(diag_fixed, 1) if act_order else None
+    U, damp_used, _ = _inverse_cholesky(H.clone(), diag_fixed, perm, damp)
+    damped = diag_fixed + damp_used * diag_fixed.mean()
+    gains = U.diagonal().square().reciprocal() / (damped if perm is None else damped[perm])
+    return gains if perm is None else gains[torch.argsort(perm)]
+
+
 def _inverse_cholesky(H: torch.Tensor, diag: torch.Tensor, perm: Optional[torch.Tensor], damp: float):
     """Upper Cholesky factor of (H + lambda I)^-1, H's diagonal replaced by `diag` (then permuted).
 

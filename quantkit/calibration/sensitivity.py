@@ -9,9 +9,15 @@ per calibration window gives every layer's diagonal at once: the gradient of a w
 E[(Σ_t g_t)²] = Σ_t E[g_t²], since tokens' labels are drawn independently, so its square divided by the tokens is the
 mean per-token diagonal.
 
-The pass holds the whole model (a streamed source is loaded whole, then released): its cost is one forward
-and one backward per window, which is small next to a GPTQ run's (docs/QUALITY.md, --target-bits).
+With `hessians`, the same forwards also accumulate each linear's input Hessian Σ x xᵀ (one per distinct input:
+q/k/v read one tensor), what GPTQ's error feedback works with (quantkit.algorithms.gptq.feedback_gains).
+
+The pass holds the whole model (a streamed source is loaded whole, then released), the squared gradients (4 bytes
+per weight) and with `hessians` the Hessians (4 bytes per input feature squared, per distinct input): its cost is one
+forward and one backward per window, which is small next to a GPTQ run's (docs/QUALITY.md, --target-bits).
 """
+from functools import partial
+
 import torch
 
 from quantkit.core.errors import QuantkitError
@@ -19,10 +25,12 @@ from quantkit.models.arch import is_conv1d
 from quantkit.models.head import tied_head
 
 
-def visit_fisher_diagonals(source, names: list, ids: torch.Tensor, visit, device="cpu", seed: int = 0) -> None:
-    """visit(name, module, fisher) for each linear of `names`, fisher the mean per-token Fisher diagonal of its weight
-    ([out, in] float32) over the windows `ids` [n, seqlen], while the whole model is loaded (its weights real);
-    source: quantkit.models.stream's StreamedModel or InMemoryModel, released afterwards."""
+def visit_fisher_diagonals(source, names: list, ids: torch.Tensor, visit, device="cpu", seed: int = 0,
+                           hessians: bool = False) -> None:
+    """visit(name, module, fisher, hessian) for each linear of `names`, fisher the mean per-token Fisher diagonal of
+    its weight ([out, in] float32) over the windows `ids` [n, seqlen], hessian the mean x xᵀ of its inputs ([in, in]
+    float32; None without `hessians`, or when no token reached it), while the whole model is loaded (its weights
+    real); source: quantkit.models.stream's StreamedModel or InMemoryModel, released afterwards."""
     model = source.model
     tied = tied_head(model)
     source.load_names(source.names)
@@ -39,12 +47,18 @@ def visit_fisher_diagonals(source, names: list, ids: torch.Tensor, visit, device
         model.requires_grad_(False)
         for module in modules.values():
             module.weight.requires_grad_(True)
-        sums, tokens = _squared_gradients(model, modules, ids, device, seed)
+        inputs = _InputHessians(model, modules) if hessians else None
+        try:
+            sums, tokens = _squared_gradients(model, modules, ids, device, seed)
+        finally:
+            if inputs is not None:
+                inputs.remove()
         for p in model.parameters():
             p.requires_grad_(trainable.get(id(p), False))
         for name in names:
             fisher = sums.pop(name) / tokens
-            visit(name, modules[name], fisher.t() if is_conv1d(modules[name]) else fisher)
+            visit(name, modules[name], fisher.t() if is_conv1d(modules[name]) else fisher,
+                  None if inputs is None else inputs.hessian(name))
     finally:
         model.requires_grad_(False)
         source.release_names(source.names)
@@ -65,3 +79,41 @@ def _squared_gradients(model, modules: dict, ids, device, seed):
         for name, g in zip(sums, grads):
             sums[name] += g.float().square()
     return sums, ids.numel()
+
+
+class _InputHessians:
+    """Forward pre-hooks summing x xᵀ over each linear's input tokens; a linear fed the very tensor an earlier one of
+    the same forward was (k and v after q) reads that one's sum instead of keeping its own."""
+
+    def __init__(self, model, modules: dict):
+        self.sums, self.tokens, self.same_as = {}, {}, {}
+        self.seen = []  # (input tensor, the first linear fed it) of the current forward
+        self.handles = [m.register_forward_pre_hook(partial(self._observe, name)) for name, m in modules.items()]
+        self.handles.append(model.register_forward_pre_hook(lambda *_: self.seen.clear()))
+
+    def _observe(self, name, module, args):
+        if not args:
+            return
+        x = args[0]
+        first = next((n for t, n in self.seen if t is x), None)
+        if first is not None and first != name:
+            self.same_as[name] = first
+            return
+        if first is None:
+            self.seen.append((x, name))
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        if name not in self.sums:
+            self.sums[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+            self.tokens[name] = 0
+        self.sums[name].addmm_(x.t(), x)
+        self.tokens[name] += x.shape[0]
+
+    def hessian(self, name):
+        """The mean x xᵀ of `name`'s inputs (or of the linear whose input it shares), None when it saw none."""
+        name = self.same_as.get(name, name)
+        return self.sums[name] / self.tokens[name] if self.tokens.get(name) else None
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.seen.clear()

@@ -2,7 +2,10 @@
 within a budget.
 
 1. Sensitivity: the Fisher diagonal of every linear on the calibration windows (quantkit.calibration.sensitivity);
-   a layer's predicted cost at a setting is ½ Σ F (W − Ŵ)², Ŵ its round-to-nearest weight at that setting.
+   a layer's predicted cost at a setting is ½ Σ F (W − Ŵ)², Ŵ its round-to-nearest weight at that setting. A method
+   that rounds with GPTQ's error feedback gets each input column's cost scaled by the share the feedback leaves of
+   it (quantkit.algorithms.gptq.feedback_gains, from the same windows' input Hessians): a layer whose inputs are
+   correlated loses less to a coarse setting than its rounding error says.
 2. Candidates: integer widths CANDIDATE_BITS x group sizes CANDIDATE_GROUPS (and the run's own), those the --compat
    target serves; a fused group (q/k/v, gate/up: vLLM runs it as one layer) takes one setting together.
 3. Budget: the bits the checkpoint stores per weight of the quantized linears, codes, scales, zeros and g_idx counted
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit.algorithms.gptq import feedback_gains
+from quantkit.algorithms.registry import method_spec
 from quantkit.calibration.sensitivity import visit_fisher_diagonals
 from quantkit.checkpoint.files import parse_size
 from quantkit.core import knapsack
@@ -81,7 +86,7 @@ def allocate(config, codec, source, specs: dict, shapes: dict, fused: dict, ids,
     least = sum(min(row) for row in sizes)
     if least > budget:  # refused before the sensitivity pass
         raise QuantkitError(_too_small(config, least, weights, other))
-    costs = predicted_costs(source, names, settings, config.sym, ids[:SENSITIVITY_WINDOWS], device)
+    costs = predicted_costs(source, names, settings, config, ids[:SENSITIVITY_WINDOWS], device)
     chosen = knapsack.solve([[sum(costs[n][j] for n in g) for j in range(len(settings))] for g in groups], sizes,
                             budget)
     if chosen is None:  # only the smallest settings fit, and the knapsack's units (sizes rounded up) do not
@@ -140,14 +145,18 @@ def as_overrides(allocation: Allocation) -> list[dict]:
             for n, s in allocation.picked.items()]
 
 
-def predicted_costs(source, names, settings, sym, ids, device) -> dict:
-    """{linear: [predicted KL divergence per token at each setting]}: ½ Σ F (W − Ŵ)² with Ŵ rounded to nearest."""
+def predicted_costs(source, names, settings, config, ids, device) -> dict:
+    """{linear: [predicted KL divergence per token at each setting]}: ½ Σ F (W − Ŵ)² with Ŵ rounded to nearest, each
+    input column's share scaled by what GPTQ's feedback leaves of it when the method rounds with GPTQ."""
     out = {}
+    feedback = method_spec(config.method).rounding == "gptq"
 
-    def per_layer(name, module, fisher):
+    def per_layer(name, module, fisher, hessian):
         w = get_weight(module).detach().float()
-        out[name] = [0.5 * float((fisher * rounding_error(w, s, sym)).sum()) for s in settings]
-    visit_fisher_diagonals(source, names, ids, per_layer, device)
+        if hessian is not None:
+            fisher = fisher * feedback_gains(hessian, config.damp, config.act_order)
+        out[name] = [0.5 * float((fisher * rounding_error(w, s, config.sym)).sum()) for s in settings]
+    visit_fisher_diagonals(source, names, ids, per_layer, device, hessians=feedback)
     return out
 
 
