@@ -12,10 +12,11 @@ import numpy as np
 
 def solve(costs: list, sizes: list, budget: int, resolution: int = 20000) -> list[int] | None:
     """The chosen option of each item (costs[i][j], sizes[i][j] for item i, option j; sizes in whole units of the
-    budget, e.g. bytes), minimizing the summed cost with the summed size ≤ budget; None when no choice fits."""
+    budget, e.g. bytes; None: the item cannot take that option), minimizing the summed cost with the summed size ≤
+    budget; None when no choice fits."""
     unit = max(1, math.ceil(budget / resolution))
     cap = budget // unit
-    weights = [[math.ceil(s / unit) for s in row] for row in sizes]
+    weights = [[cap + 1 if s is None else math.ceil(s / unit) for s in row] for row in sizes]
     if sum(min(row) for row in weights) > cap:
         return None
     best = np.zeros(cap + 1)  # least cost of the items so far within each capacity

@@ -63,7 +63,7 @@ def model_metadata(source: GGUFSource) -> list:
     """[(key, type, value)]: general.*, the architecture's hyperparameters, rotary settings, tokenizer."""
     config, arch = source.config, arch_of(source.config)
     commonest = max(set(source.types.values()), key=list(source.types.values()).count) if source.types else "F16"
-    file_type = source.file_type or SMALL_MIX.get(commonest, commonest)
+    file_type = source.file_type if source.file_type in FILE_TYPES else SMALL_MIX.get(commonest, commonest)  # auto
     meta = [("general.architecture", STRING, arch.name), ("general.name", STRING, source.name),
             ("general.file_type", UINT32, FILE_TYPES.get(file_type, 1)), ("general.quantization_version", UINT32, 2)]
     for key, (fields, kind) in HPARAMS.items():

@@ -13,6 +13,9 @@ within a budget.
    A size (--target-size) is the safetensors files' bytes: what the checkpoint stores besides those linears (every
    other tensor at the saved dtype, tensors carried as stored, and a bound on the headers: other_bytes) comes off
    first, the rest is the linears' budget.
+   With --gguf-type auto the candidates are llama.cpp's block types instead, each layer those its rows hold whole
+   blocks of, their bits the blocks' bytes; each type's cost is its integer proxy's scaled by what the type's own
+   quantizer makes of sample rows (quantkit.gguf.auto); every linear chooses alone (llama.cpp runs q, k, v apart).
 4. The allocation becomes the run's recipe: one `modules` override per linear, so that the recipe written to OUT
    reproduces it with --recipe, and a resumed run reads it back from its fingerprint instead of measuring again.
 """
@@ -28,6 +31,7 @@ from quantkit.calibration.sensitivity import visit_fisher_diagonals
 from quantkit.checkpoint.files import parse_size
 from quantkit.core import knapsack
 from quantkit.core.errors import QuantkitError
+from quantkit.gguf import auto as gguf_auto
 from quantkit.models.arch import get_weight
 from quantkit.run.config import LayerSpec
 
@@ -44,13 +48,22 @@ LAYER_TENSORS = 5  # the most tensors a codec writes per quantized linear (codes
 class Setting:
     bits: int
     group_size: int
+    sym: bool = True
+    block_type: str | None = None  # a GGUF block type (--gguf-type auto); bits, group_size, sym: its integer proxy
+
+    @property
+    def name(self) -> str:
+        return self.block_type or f"{self.bits}-bit g{self.group_size}"
 
 
 def candidates(config, codec, specs: dict, shapes: dict, fused: dict) -> list[Setting]:
-    """The settings a layer may take: the codec stores them and the --compat target serves them on every layer."""
+    """The settings a layer may take: the codec stores them and the --compat target serves them on every layer; with
+    --gguf-type auto, llama.cpp's block types (quantkit.gguf.auto: each layer those its rows hold whole blocks of)."""
+    if config.gguf_type == "auto":
+        return [Setting(*gguf_auto.proxy(t), block_type=t) for t in gguf_auto.AUTO_TYPES]
     groups = sorted({*CANDIDATE_GROUPS, config.group_size}, key=lambda g: (g == -1, g))
     out = []
-    for setting in (Setting(b, g) for b in CANDIDATE_BITS for g in groups):
+    for setting in (Setting(b, g, config.sym) for b in CANDIDATE_BITS for g in groups):
         uniform = {n: LayerSpec(setting.bits, setting.group_size, config.sym) for n, s in specs.items() if s is not None}
         refused = [p for p in codec.compat_problems(config, uniform, shapes, fused)
                    if p.fatal and config.compat in ("any", p.reader)]
@@ -77,13 +90,16 @@ def allocate(config, codec, source, specs: dict, shapes: dict, fused: dict, ids,
     hold besides the quantized linears (other_bytes), what a --target-size leaves them."""
     names = [n for n, s in specs.items() if s is not None]
     settings = candidates(config, codec, specs, shapes, fused)
-    groups = _groups(names, fused)
-    sizes = [[sum(codec.layer_bits(s.bits, s.group_size, config.sym, *shapes[n]) for n in g) for s in settings]
-             for g in groups]
+    groups = _groups(names, {} if config.gguf_type else fused)  # llama.cpp runs q, k and v as three tensors
+    sizes = [[_sum_or_none(stored_bits(codec, s, shapes[n]) for n in g) for s in settings] for g in groups]
     weights = sum(shapes[n][0] * shapes[n][1] for n in names)
     budget = (8 * (parse_size(config.target_size) - other) if config.target_size is not None
               else int(config.target_bits * weights))
-    least = sum(min(row) for row in sizes)
+    unfit = next((g[0] for g, row in zip(groups, sizes) if all(x is None for x in row)), None)
+    if unfit is not None:
+        raise QuantkitError(f"{config.target}: the rows of {unfit} ({shapes[unfit][0]} inputs) are not whole blocks "
+                            "of any candidate type (32 inputs each): keep it in float with a recipe skip")
+    least = sum(min(x for x in row if x is not None) for row in sizes)
     if least > budget:  # refused before the sensitivity pass
         raise QuantkitError(_too_small(config, least, weights, other))
     costs = predicted_costs(source, names, settings, config, ids[:SENSITIVITY_WINDOWS], device)
@@ -94,6 +110,18 @@ def allocate(config, codec, source, specs: dict, shapes: dict, fused: dict, ids,
                             f"({least / weights:.3f} bits per weight): ask for a little more")
     return Allocation({n: settings[j] for g, j in zip(groups, chosen) for n in g},
                       {n: dict(zip(settings, row)) for n, row in costs.items()})
+
+
+def stored_bits(codec, setting: Setting, shape: tuple) -> int | None:
+    """The bits a layer of shape (in, out) stores at `setting` (scales, zeros, g_idx counted), None if it cannot."""
+    if setting.block_type is not None:
+        return gguf_auto.stored_bits(setting.block_type, *shape)
+    return codec.layer_bits(setting.bits, setting.group_size, setting.sym, *shape)
+
+
+def _sum_or_none(values):
+    values = list(values)
+    return None if None in values else sum(values)
 
 
 def _too_small(config, least: int, weights: int, other: int) -> str:
@@ -141,7 +169,8 @@ DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16"
 
 def as_overrides(allocation: Allocation) -> list[dict]:
     """The recipe `modules` entries that give each linear its Setting (exact names; a fused group's members each)."""
-    return [{"pattern": f"^{re.escape(n)}$", "bits": s.bits, "group_size": s.group_size, "split_fused": True}
+    return [{"pattern": f"^{re.escape(n)}$", **({"block_type": s.block_type} if s.block_type else
+                                                 {"bits": s.bits, "group_size": s.group_size}), "split_fused": True}
             for n, s in allocation.picked.items()]
 
 
@@ -150,13 +179,24 @@ def predicted_costs(source, names, settings, config, ids, device) -> dict:
     input column's share scaled by what GPTQ's feedback leaves of it when the method rounds with GPTQ."""
     out = {}
     feedback = method_spec(config.method).rounding == "gptq"
+    proxies = {s.block_type: s for s in settings}
+    factors = gguf_auto.TypeFactors(lambda w, t: rounding_error(w, proxies[t], proxies[t].sym))
+    gains = {}  # {input Hessian: its feedback gains}: q, k and v read one
 
     def per_layer(name, module, fisher, hessian):
         w = get_weight(module).detach().float()
         if hessian is not None:
-            fisher = fisher * feedback_gains(hessian, config.damp, config.act_order)
-        out[name] = [0.5 * float((fisher * rounding_error(w, s, config.sym)).sum()) for s in settings]
+            if hessian not in gains:
+                gains[hessian] = feedback_gains(hessian, config.damp, config.act_order)
+            fisher = fisher * gains[hessian]
+        out[name] = [0.5 * float((fisher * rounding_error(w, s, s.sym)).sum())
+                     if s.block_type is None or gguf_auto.fits(s.block_type, w.shape[1]) else math.inf
+                     for s in settings]
+        if config.gguf_type == "auto":
+            factors.add(w)
     visit_fisher_diagonals(source, names, ids, per_layer, device, hessians=feedback)
+    if config.gguf_type == "auto":  # each type's proxy error scaled to what its own quantizer makes
+        out = {n: [c * factors.factor(s.block_type) for c, s in zip(row, settings)] for n, row in out.items()}
     return out
 
 
@@ -195,10 +235,10 @@ def _groups(names: list, fused: dict) -> list[tuple]:
 def summary(allocation: Allocation, shapes: dict, codec, config, other: int = 0) -> list[str]:
     """Lines that say what was chosen: the bits stored per weight (and, for a size, the files' bytes at most), and
     per module kind the settings' histogram and its share of the stored bits."""
-    sym, target = config.sym, config.target
+    target = config.target
     by_kind, total_bits, total_weights = {}, 0, 0
     for name, s in allocation.picked.items():
-        stored, weights = codec.layer_bits(s.bits, s.group_size, sym, *shapes[name]), shapes[name][0] * shapes[name][1]
+        stored, weights = stored_bits(codec, s, shapes[name]), shapes[name][0] * shapes[name][1]
         entry = by_kind.setdefault(module_kind(name), {"mix": {}, "stored": 0, "weights": 0})
         key = setting_name(s)
         entry["mix"][key] = entry["mix"].get(key, 0) + 1
@@ -228,7 +268,7 @@ def report(allocation: Allocation, lines: list, config, of_module) -> dict:
 
 
 def setting_name(s: Setting) -> str:
-    return f"{s.bits}-bit g{s.group_size}"
+    return s.name
 
 
 def module_kind(name: str) -> str:

@@ -34,12 +34,14 @@ from quantkit.core.errors import QuantkitError
 from quantkit.core.options import Option, check_type, is_int
 from quantkit.core.textfile import read_user_text
 from quantkit.gguf import mix as gguf_mix
+from quantkit.gguf import types as gguf_types
 from quantkit.schemes.base import quantizer_for, quantizer_help, quantizer_names, serves_method
 from quantkit.schemes.grid import check_bits, check_group_size
 
 ROTATIONS = ("none", "hadamard")
 MOE_CALIBRATION = ("all", "routed")
-OVERRIDE_TYPES = {"pattern": str, "bits": int, "group_size": int, "sym": bool, "skip": bool, "split_fused": bool}
+OVERRIDE_TYPES = {"pattern": str, "bits": int, "group_size": int, "sym": bool, "skip": bool, "split_fused": bool,
+                  "block_type": str}
 COMPAT_TARGETS = ("none", "any", "vllm", "transformers", "gptqmodel")
 
 def setting(default, help, choices=(), flag=None):
@@ -59,6 +61,7 @@ class LayerSpec:
     sym: bool
 
     quantizer_name: str = "int"
+    block_type: Optional[str] = None  # a GGUF block type a recipe gives the layer (with --gguf-type), else None
 
     def quantizer(self):
         return quantizer_for(self.quantizer_name, self.bits, self.sym, self.group_size)
@@ -124,7 +127,9 @@ class QuantConfig:
               "super-blocks of 256 fall back as llama.cpp's do, e.g. Q4_K to Q5_0), rounded by --method (rtn, gptq, "
               "awq). Implies --checkpoint-format gguf; --bits, --group-size, --sym and --quantizer are not used. The "
               "embeddings and output stay in float (llama-quantize --token-embedding-type/--output-tensor-type f16 "
-              "makes llama.cpp's file the same).", choices=lambda: gguf_mix.FILE_TYPES)
+              "makes llama.cpp's file the same). auto: each tensor's block type chosen for --target-bits from its "
+              "measured sensitivity (a recipe's block_type: per module sets one by hand).",
+        choices=lambda: (*gguf_mix.FILE_TYPES, "auto"))
     rotate: Optional[str] = setting(  # None: the method's (none; hadamard for the turboquant and e8 methods)
         None, "hadamard: quantize each linear as W Πᵀ with a seeded randomized Hadamard rotation Π along its inputs "
               "(GPTQ then rounds against Π H Πᵀ); the layer computes Ŵ (Π x). Default: hadamard for the turboquant "
@@ -204,8 +209,8 @@ class QuantConfig:
         if self.compat not in COMPAT_TARGETS:
             raise QuantkitError(f"unknown --compat '{self.compat}': use one of {', '.join(COMPAT_TARGETS)}")
         codecs.codec_of_format(self.checkpoint_format)  # an unknown name is refused with the choices
-        self._check_gguf_type()
         self.modules = [self._check_override(o, i) for i, o in enumerate(self.modules)]
+        self._check_gguf_type()
         self._check_target_bits()
         self._check_quantizers()
 
@@ -232,19 +237,27 @@ class QuantConfig:
             raise QuantkitError(f"--target-bits {self.target_bits} is out of range: give the bits per weight of the "
                                 "quantized linears, e.g. 3.5")
         option = self.target.split()[0]
-        if self.quantizer != "int" or self.gguf_type is not None or codecs.codec_of_format(self.checkpoint_format) \
-                .layer_bits is None:
+        if self.gguf_type is not None:
+            if self.gguf_type != "auto" or self.target_size is not None:
+                raise QuantkitError(f"{option} with a GGUF file: use --gguf-type auto --target-bits B (each tensor's "
+                                    "block type chosen; bits per weight of the quantized linears' blocks), not "
+                                    f"--gguf-type {self.gguf_type}" + (" --target-size" if self.target_size else ""))
+        elif self.quantizer != "int" or codecs.codec_of_format(self.checkpoint_format).layer_bits is None:
             raise QuantkitError(f"{option} chooses integer widths and group sizes for the gptq, gptq_v2 and "
                                 "compressed-tensors formats: use it with --method rtn, gptq, awq or awq+gptq and one "
                                 "of those --checkpoint-format values (codebook rates and GGUF types are not chosen yet)")
-        if any(k in o for o in self.modules for k in ("bits", "group_size")):
+        if any(k in o for o in self.modules for k in ("bits", "group_size", "block_type")):
             raise QuantkitError(f"{option} chooses every layer's bits and group size: drop the recipe's per-module "
-                                "bits / group_size (skip: true still keeps a layer in float)")
+                                "bits / group_size / block_type (skip: true still keeps a layer in float)")
 
     def _check_gguf_type(self) -> None:
         if self.gguf_type is None:
+            if any("block_type" in o for o in self.modules):
+                raise QuantkitError("a recipe's block_type (a llama.cpp block type) needs a GGUF file: add --gguf-type "
+                                    "(a llama.cpp file type, or auto)")
             return
-        gguf_mix.check_file_type(self.gguf_type)
+        if self.gguf_type != "auto":
+            gguf_mix.check_file_type(self.gguf_type)
         if self.checkpoint_format != "gguf":
             raise QuantkitError(f"--gguf-type {self.gguf_type} makes a llama.cpp file: use it with --checkpoint-format "
                                 f"gguf (or leave --checkpoint-format out), not {self.checkpoint_format}")
@@ -252,7 +265,7 @@ class QuantConfig:
             raise QuantkitError(f"--gguf-type {self.gguf_type} sets every layer's block type (llama.cpp's mix), "
                                 "rounded by rtn, gptq or awq: drop --quantizer (and --method "
                                 f"{self.method} if it implies one) and the recipe's per-module bits / group_size / "
-                                "sym (skip: true still keeps a layer in float)")
+                                "sym (block_type: sets one module's type; skip: true keeps it in float)")
 
     def _check_quantizers(self) -> None:
         """Build the quantizer of the run's settings and of each override, so bad bits fail before any work."""
@@ -276,6 +289,9 @@ class QuantConfig:
             raise QuantkitError(f"{where} has unknown keys {sorted(unknown)}: allowed are {sorted(OVERRIDE_TYPES)}")
         for key, value in o.items():
             check_type(value, OVERRIDE_TYPES[key], key, where)
+        if o.get("block_type", "Q4_0") not in gguf_types.TYPES:
+            raise QuantkitError(f"{where} block_type {o['block_type']!r} is not a block type quantkit writes: choose one "
+                                f"of {', '.join(gguf_types.TYPES)}")
         try:
             re.compile(o["pattern"])
         except re.error as e:
@@ -302,7 +318,7 @@ class QuantConfig:
             if self._matches(o, name, siblings, aliases):
                 if o.get("skip"):
                     return None
-                spec.update({k: o[k] for k in ("bits", "group_size", "sym") if k in o})
+                spec.update({k: o[k] for k in ("bits", "group_size", "sym", "block_type") if k in o})
         return LayerSpec(**spec, quantizer_name=self.quantizer)
 
     def unmatched_overrides(self, names, siblings=None, aliases=None) -> list[str]:

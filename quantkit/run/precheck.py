@@ -87,16 +87,22 @@ def layer_specs(model, names, config, siblings=None, in_files=None) -> tuple[dic
     siblings, aliases = siblings or {}, file_aliases(in_files or FileNames(model), names)
     specs = {n: config.spec_for(n, siblings.get(n, ()), aliases.get(n, ())) for n in names}
     shapes = {n: tuple(reversed(get_weight(model.get_submodule(n)).shape)) for n in names}
-    if getattr(config, "gguf_type", None):
+    if getattr(config, "gguf_type", None) and not (config.gguf_type == "auto" and config.target is not None):
         specs = _gguf_specs(config.gguf_type, specs, shapes, model.config.to_dict(), config.needs_calibration)
     return specs, shapes
 
 
 def _gguf_specs(file_type: str, specs: dict, shapes: dict, model_config: dict, calibrated: bool) -> dict:
-    """The specs of --gguf-type: each kept layer gets the block type llama.cpp's mix gives it (quantkit.gguf.mix), as
-    the quantizer settings that make it."""
+    """The specs of --gguf-type: each kept layer gets the block type a recipe's block_type gives it, else the one
+    llama.cpp's mix gives it (quantkit.gguf.mix; auto has no mix: a --target-bits allocation gives every layer one),
+    as the quantizer settings that make it."""
     kept = {n: shapes[n] for n, s in specs.items() if s is not None}
-    types = gguf_mix.layer_types(file_type, kept, model_config, calibrated)
+    chosen = {n: specs[n].block_type for n in kept if specs[n].block_type is not None}
+    missing = [n for n in kept if n not in chosen]
+    if file_type == "auto" and missing:
+        raise QuantkitError(f"--gguf-type auto chooses each tensor's block type for a budget: give --target-bits (or a "
+                            f"recipe block_type for every quantized linear; {missing[0]} has none)")
+    types = {**(gguf_mix.layer_types(file_type, kept, model_config, calibrated) if missing else {}), **chosen}
     out = {}
     for name, spec in specs.items():
         settings = gguf_types.settings_of_type(types[name]) if spec is not None else None
