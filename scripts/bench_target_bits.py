@@ -4,8 +4,9 @@
 1. mixed: `quantize --method METHOD --target-bits T` for each T; its bits per weight counted from the files;
 2. uniform: the same method at each bits x group size; for each T the best uniform run whose bits per weight do not
    exceed the mixed one's is the baseline (KLD ratio);
-3. prediction: N random allocations (a random setting per fused group, rounded to nearest) measured against the
-   KL divergence the first mixed run's report predicts for them (its per-layer costs): Spearman's rho.
+3. prediction: N random allocations (a random setting per fused group, rounded by --random-method, by default
+   --method: the costs predict what that method makes) measured against the KL divergence the first mixed run's
+   report predicts for them (its per-layer costs): Spearman's rho.
 
     python scripts/bench_target_bits.py /tmp/smollm2 --calib ../shared/assets/text/wikitext2_tok_valid.txt \\
         --eval ../shared/assets/text/wikitext2_raw_test.txt --json /tmp/target_bits.json
@@ -88,6 +89,8 @@ def main(argv=None):
     p.add_argument("--random", type=int, default=10, help="random allocations that check the prediction")
     p.add_argument("--random-tokens", type=int, default=8192, help="eval tokens of each random allocation")
     p.add_argument("--random-bits", type=int, nargs="+", help="the widths random allocations draw from (default all)")
+    p.add_argument("--random-method", help="what rounds the random allocations (default --method; their predicted "
+                                          "cost is --method's)")
     p.add_argument("--nsamples", type=int, default=32)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=32768)
@@ -117,10 +120,13 @@ def main(argv=None):
         run(f"uniform {bits}-bit g{group}", QuantConfig(**base, bits=bits, group_size=group))
     costs = rows[f"mixed {args.targets[0]}"]["costs"]
     rng = random.Random(0)
+    method = args.random_method or args.method
     tag = "" if args.random_bits is None else f" ({'/'.join(map(str, args.random_bits))}-bit)"
+    tag += "" if method == "rtn" else f" {method}"  # the rtn rows keep the keys they had
     for i in range(args.random):
         overrides, predicted = random_recipe(costs, rng, args.random_bits)
-        row = run(f"random{tag} {i}", QuantConfig(method="rtn", modules=overrides), args.random_tokens)
+        config = QuantConfig(**{**base, "method": method}, modules=overrides)
+        row = run(f"random{tag} {i}", config, args.random_tokens)
         row["predicted_kld"] = predicted
     path.write_text(json.dumps(rows, indent=1))
     print(table(rows, args))
@@ -141,8 +147,8 @@ def table(rows: dict, args) -> str:
         randoms = [r for k, r in rows.items() if k.rpartition(" ")[0] == tag]
         if len(randoms) >= 3:
             rho = spearman([r["predicted_kld"] for r in randoms], [r["kld"] for r in randoms])
-            lines.append(f"\nSpearman rho of predicted against measured KLD over {len(randoms)} {tag} allocations "
-                         f"(rtn): {rho:.3f}")
+            lines.append(f"\nSpearman rho of predicted against measured KLD over {len(randoms)} {tag} "
+                         f"allocations: {rho:.3f}")
     passes = sorted(rows[f"mixed {t}"]["sensitivity_seconds"] for t in args.targets)
     gptq = [r["seconds"] for k, r in uniform.items() if k == "uniform 4-bit g128"]
     if gptq:
