@@ -64,7 +64,7 @@ def test_a_recipe_block_type_overrides_the_file_types_mix(model_factory, tmp_pat
 @pytest.mark.parametrize("settings,words", [
     (dict(gguf_type="auto"), "give --target-bits"),
     (dict(gguf_type="Q4_K_M", target_bits=4.0), "--gguf-type auto"),
-    (dict(gguf_type="auto", target_size="1MB"), "not --gguf-type auto --target-size"),
+    (dict(gguf_type="auto", target_size="0.5MB"), "ask for at least"),
     (dict(modules=[{"pattern": "q_proj", "block_type": "Q4_K"}]), "needs a GGUF file"),
     (dict(gguf_type="Q4_0", modules=[{"pattern": "q_proj", "block_type": "Q3_K_M"}]), "not a block type"),
     (dict(gguf_type="auto", target_bits=4.0, modules=[{"pattern": "q_proj", "block_type": "Q4_K"}]),
@@ -73,8 +73,22 @@ def test_a_recipe_block_type_overrides_the_file_types_mix(model_factory, tmp_pat
 def test_what_auto_cannot_do_is_refused_by_name(model_factory, tmp_path, settings, words):
     with pytest.raises(QuantkitError, match=words):
         quantkit.quantize(str(model_factory("llama-256")), tmp_path / "q", quantkit.QuantConfig(method="rtn",
-                                                                                                **settings))
+                                                                                                **settings),
+                          calibration_ids=IDS)
     assert not (tmp_path / "q" / "model.gguf").exists()
+
+
+@pytest.mark.parametrize("size", [1_450_000, 1_550_000])
+def test_a_target_size_bounds_the_gguf_file(model_factory, tmp_path, size):
+    """The whole model.gguf (metadata, tokenizer, float tensors, padding) within the size, and the summary's bound
+    no more than the unknown padding above the file."""
+    out = tmp_path / "q"
+    report = quantkit.quantize(str(model_factory("llama-256")), out, quantkit.QuantConfig(
+        method="rtn", gguf_type="auto", target_size=str(size)), calibration_ids=IDS)
+    actual = (out / "model.gguf").stat().st_size
+    bound = float(report["target_bits"]["summary"][1].split("at most ")[1].split(" MB")[0]) * 1e6
+    assert actual <= size and actual <= bound + 1e3 and bound - actual < 32 * 14 + 1e3
+    assert size - actual < 0.03 * size  # the budget is used
 
 
 def test_the_knapsack_skips_options_an_item_cannot_take():

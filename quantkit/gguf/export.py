@@ -99,6 +99,17 @@ def _layout(name: str, dtype: str, shape: list, source: GGUFSource) -> TensorInf
     return TensorInfo(target, tuple(shape), ggml_type, numel * TORCH_TYPES[ggml_type].itemsize)
 
 
+def bytes_besides(source: GGUFSource, floats: dict, linears: dict) -> int:
+    """model.gguf's bytes besides the quantized linears' blocks, at most: the header (metadata, tokenizer, every
+    tensor's entry), the float tensors' data and all alignment padding (after a linear's blocks, whose type is chosen
+    later, counted at its most). floats: {name as saved: (dtype name, shape)}, every tensor the file holds besides the
+    linears' weights; linears: {module name as saved: (out_features, in_features)}."""
+    infos = [_layout(n, *floats[n], source) for n in floats]
+    entries = infos + [TensorInfo(gguf_name(f"{m}.weight"), shape, F32, 0) for m, shape in linears.items()]
+    head = file.padded(len(file.header(model_metadata(source), entries)))
+    return head + sum(file.padded(i.nbytes) for i in infos) + (file.ALIGNMENT - 1) * len(linears)
+
+
 def _gguf_bytes(name: str, t: torch.Tensor, info: TensorInfo, config: dict) -> torch.Tensor:
     """A checkpoint tensor as the bytes of its GGUF entry: converted (1-D to F32), q/k rows reordered."""
     if info.ggml_type in TORCH_TYPES:

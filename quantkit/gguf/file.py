@@ -59,19 +59,29 @@ def _padding(size: int) -> bytes:
     return b"\0" * (-size % ALIGNMENT)
 
 
-def write_gguf(path: Path, metadata: list, tensors: list, write_tensor) -> None:
-    """A GGUF file at `path`. metadata: [(key, value type, value)], an ARRAY's value being (element type, items);
-    tensors: [TensorInfo] in file order; write_tensor(info, out) writes exactly info.nbytes bytes of that tensor."""
+def header(metadata: list, tensors: list) -> bytes:
+    """The bytes before the data section, unpadded: magic, counts, metadata, each tensor's entry and offset."""
     head = [MAGIC, struct.pack("<IQQ", VERSION, len(tensors), len(metadata))]
     head += [_string(key) + struct.pack("<I", kind) + _value(kind, value) for key, kind, value in metadata]
     offset = 0
     for t in tensors:
         dims = tuple(reversed(t.shape))
         head.append(_string(t.name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, t.ggml_type, offset))
-        offset += t.nbytes + len(_padding(t.nbytes))
-    header = b"".join(head)
+        offset += padded(t.nbytes)
+    return b"".join(head)
+
+
+def padded(size: int) -> int:
+    """A section or tensor of `size` bytes with the padding after it."""
+    return size + len(_padding(size))
+
+
+def write_gguf(path: Path, metadata: list, tensors: list, write_tensor) -> None:
+    """A GGUF file at `path`. metadata: [(key, value type, value)], an ARRAY's value being (element type, items);
+    tensors: [TensorInfo] in file order; write_tensor(info, out) writes exactly info.nbytes bytes of that tensor."""
+    header_bytes = header(metadata, tensors)
     with open(path, "wb") as out:
-        out.write(header + _padding(len(header)))
+        out.write(header_bytes + _padding(len(header_bytes)))
         for t in tensors:
             start = out.tell()
             write_tensor(t, out)

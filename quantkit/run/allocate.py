@@ -150,6 +150,20 @@ def other_bytes(source, quantized: list, save_dtype) -> int:
     return total + HEADER_PER_FILE * (1 + len(set(source.files.values())))
 
 
+def gguf_other_bytes(source, quantized: list, save_dtype, tokenizer, name: str, in_files) -> int:
+    """What model.gguf holds besides the quantized linears' blocks, in bytes (an upper bound; quantkit.gguf.export):
+    its metadata and tokenizer, every tensor's entry, every other tensor as the file stores it, the padding."""
+    from quantkit.checkpoint.shards import dtype_name
+    from quantkit.gguf.export import GGUFSource, bytes_besides
+
+    weights = {f"{n}.weight" for n in quantized}
+    state = source.model.state_dict(keep_vars=True)
+    floats = {in_files.of_tensor(n): (dtype_name(save_dtype if state[n].is_floating_point() else state[n].dtype),
+                                      list(state[n].shape)) for n in source.names if n not in weights}
+    linears = {in_files.of_module(n): tuple(state[f"{n}.weight"].shape) for n in quantized}
+    return bytes_besides(GGUFSource(source.model.config.to_dict(), tokenizer, name, {}, "auto"), floats, linears)
+
+
 def stored_bytes(source, names) -> dict:
     """{name: bytes} of tensors of the source's files, read off the safetensors headers."""
     from safetensors import safe_open
@@ -248,7 +262,8 @@ def summary(allocation: Allocation, shapes: dict, codec, config, other: int = 0)
              f"linears ({total_bits / 8 / 2**20:.2f} MiB), predicted KL divergence {allocation.predicted_kld:.4g} "
              "nats per token"]
     if config.target_size is not None:
-        lines.append(f"  safetensors files of at most {(other + total_bits / 8) / 1e6:.3f} MB (asked: "
+        files = "model.gguf" if config.gguf_type else "safetensors files"
+        lines.append(f"  {files} of at most {(other + total_bits / 8) / 1e6:.3f} MB (asked: "
                      f"{parse_size(config.target_size) / 1e6:.3f} MB), {other / 1e6:.3f} MB of them kept in float")
     for kind, e in sorted(by_kind.items()):
         mix = ", ".join(f"{k} x{v}" for k, v in sorted(e["mix"].items()))

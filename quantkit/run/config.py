@@ -238,10 +238,9 @@ class QuantConfig:
                                 "quantized linears, e.g. 3.5")
         option = self.target.split()[0]
         if self.gguf_type is not None:
-            if self.gguf_type != "auto" or self.target_size is not None:
-                raise QuantkitError(f"{option} with a GGUF file: use --gguf-type auto --target-bits B (each tensor's "
-                                    "block type chosen; bits per weight of the quantized linears' blocks), not "
-                                    f"--gguf-type {self.gguf_type}" + (" --target-size" if self.target_size else ""))
+            if self.gguf_type != "auto":
+                raise QuantkitError(f"{option} with a GGUF file: use --gguf-type auto (each tensor's block type "
+                                    f"chosen for the budget), not --gguf-type {self.gguf_type} (a fixed mix)")
         elif self.quantizer != "int" or codecs.codec_of_format(self.checkpoint_format).layer_bits is None:
             raise QuantkitError(f"{option} chooses integer widths and group sizes for the gptq, gptq_v2 and "
                                 "compressed-tensors formats: use it with --method rtn, gptq, awq or awq+gptq and one "

@@ -153,7 +153,7 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
     if config.target is not None:  # the run's recipe becomes the allocation (quantkit.run.allocate)
         calibration_ids = _calibration(config, tokenizer, calibration_ids, fp_model.config)
         config, allocation = _allocated(config, source, arch, names, specs, shapes, in_files, calibration_ids, device,
-                                        save_dtype)
+                                        save_dtype, tokenizer, Path(_source_name(model)).name)
         specs, shapes = layer_specs(fp_model, names, config, siblings, in_files)
     codec = writer_codec(config, specs)
     codec.check_source(fp_model.config.to_dict(), tokenizer, [in_files.of_tensor(n) for n in source.names])
@@ -168,13 +168,18 @@ def prepare(model, config, device, dtype, trust_remote_code, calibration_ids) ->
                 allocation, head)
 
 
-def _allocated(config, source, arch, names, specs, shapes, in_files, ids, device, save_dtype):
+def _allocated(config, source, arch, names, specs, shapes, in_files, ids, device, save_dtype, tokenizer, name):
     """(the config whose recipe gives each linear the setting --target-bits / --target-size chose, the report's entry
-    saying what), the choice printed; measured before block 0, so a resumed run's fingerprint holds it."""
+    saying what), the choice printed; measured before block 0, so a resumed run's fingerprint holds it. tokenizer and
+    name: what a GGUF file's metadata holds (its size counts them)."""
     codec = writer_codec(config, specs)
     start = time.perf_counter()
     quantized = [n for n, s in specs.items() if s is not None]
-    other = allocate.other_bytes(source, quantized, save_dtype) if config.target_size is not None else 0
+    other = 0
+    if config.target_size is not None and config.gguf_type:
+        other = allocate.gguf_other_bytes(source, quantized, save_dtype, tokenizer, name, in_files)
+    elif config.target_size is not None:
+        other = allocate.other_bytes(source, quantized, save_dtype)
     chosen = allocate.allocate(config, codec, source, specs, shapes, fused_groups(arch, names), ids, device, other)
     lines = allocate.summary(chosen, shapes, codec, config, other)
     lines.append(f"  (sensitivity of {len(chosen.picked)} linears measured in {time.perf_counter() - start:.1f} s)")
