@@ -9,6 +9,9 @@ types (token_embd / output kept in F16 on both sides, so the sizes are equal up 
   quantkit rtn        `quantkit quantize --method rtn --gguf-type TYPE` (llama.cpp's mix without imatrix)
   quantkit gptq       `quantkit quantize --method gptq --gguf-type TYPE` on --calib (the same text; the mix
                       llama.cpp makes with an imatrix)
+  quantkit auto       with --auto: `--method gptq --gguf-type auto --target-bits B`, B the bits per weight of the
+                      quantized linears in that mix (quantkit.gguf.mix, the types llama-quantize gives), so the file
+                      is the same size or a little smaller: each tensor's type chosen by measured sensitivity
 and scored on the first --chunks windows of 512 tokens of --eval: perplexity (llama-perplexity's, which scores the
 second half of each window), mean KL divergence from the F16 model's token distributions and the share of tokens
 whose top choice is the F16 model's (--kl-divergence against a base computed once from the F16 file).
@@ -23,12 +26,14 @@ where the OS does not grant AMX tiles: the build here names the x86 extensions a
         --calib ../shared/assets/text/wikitext2_tok_valid.txt --eval ../shared/assets/text/wikitext2_raw_test.txt
 """
 import argparse
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from quantkit.gguf.mix import FILE_TYPES
+from quantkit.gguf.auto import stored_bits
+from quantkit.gguf.mix import FILE_TYPES, layer_types
 
 X86 = ["AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX512_VBMI", "AVX_VNNI"]
 TARGETS = ["llama-perplexity", "llama-quantize", "llama-imatrix", "llama-bench"]
@@ -75,6 +80,22 @@ def scores(log: str) -> dict:
             "top": number(r"Same top p:\s*([\d.]+)")}
 
 
+def mix_bits(model: Path, file_type: str) -> float:
+    """The bits per weight of the quantized linears in llama.cpp's mix of `file_type` for this model (calibrated)."""
+    from safetensors import safe_open
+
+    config = json.loads((model / "config.json").read_text())
+    shapes = {}
+    for path in sorted(model.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                if re.match(r"model\.layers\.\d+\..*\.weight$", key) and len(f.get_slice(key).get_shape()) == 2:
+                    out_features, in_features = f.get_slice(key).get_shape()
+                    shapes[key[:-len(".weight")]] = (in_features, out_features)
+    types = layer_types(file_type, shapes, config, calibrated=True)
+    return sum(stored_bits(types[n], *shapes[n]) for n in shapes) / sum(a * b for a, b in shapes.values())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", type=Path)
@@ -88,6 +109,7 @@ def main():
     ap.add_argument("--chunks", type=int, default=64, help="512-token evaluation windows")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_gguf"))
+    ap.add_argument("--auto", action="store_true", help="also --gguf-type auto at each file type's bits per weight")
     args = ap.parse_args()
 
     src, work = llama_cpp_source(args.llama_cpp, args.build), args.workdir
@@ -119,6 +141,13 @@ def main():
                 run(["quantkit", "quantize", args.model, "-o", out, "--method", method, "--gguf-type", kind, *calib,
                      "--overwrite"])
             files[f"quantkit {method}"] = out / "model.gguf"
+        if args.auto:
+            out = work / f"quantkit-auto-{kind}"
+            if not (out / "model.gguf").is_file():
+                run(["quantkit", "quantize", args.model, "-o", out, "--method", "gptq", "--gguf-type", "auto",
+                     "--target-bits", f"{mix_bits(args.model, kind):.6f}", "--dataset", args.calib, "--nsamples",
+                     args.calib_chunks, "--seqlen", 512, "--overwrite"])
+            files["quantkit auto"] = out / "model.gguf"
         for name, path in files.items():
             log = run([bins / "llama-perplexity", "-m", path, "--kl-divergence-base", base, "--kl-divergence",
                        "-c", 512, "--chunks", args.chunks, *threads], work / f"{path.parent.name}-{path.stem}.log")

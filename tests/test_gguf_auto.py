@@ -41,6 +41,7 @@ def test_auto_types_stay_within_the_budget_counted_from_the_file(model_factory, 
     assert {t for t, _ in types.values()} <= set(AUTO_TYPES)
     downs = {t for name, (t, _) in types.items() if "ffn_down" in name}  # 288 inputs: blocks of 32 only
     assert downs and not downs & SUPER_BLOCK_TYPES
+    assert "Infinity" not in (out / "quantkit_report.json").read_text()  # strict JSON: types a layer cannot take left out
 
 
 def test_the_auto_recipe_in_out_reproduces_the_file_byte_for_byte(model_factory, tmp_path):

@@ -194,7 +194,8 @@ def predicted_costs(source, names, settings, config, ids, device) -> dict:
     out = {}
     feedback = method_spec(config.method).rounding == "gptq"
     proxies = {s.block_type: s for s in settings}
-    factors = gguf_auto.TypeFactors(lambda w, t: rounding_error(w, proxies[t], proxies[t].sym))
+    factors = (gguf_auto.TypeFactors(lambda w, t: rounding_error(w, proxies[t], proxies[t].sym))
+               if config.gguf_type == "auto" else None)
     gains = {}  # {input Hessian: its feedback gains}: q, k and v read one
 
     def per_layer(name, module, fisher, hessian):
@@ -206,10 +207,10 @@ def predicted_costs(source, names, settings, config, ids, device) -> dict:
         out[name] = [0.5 * float((fisher * rounding_error(w, s, s.sym)).sum())
                      if s.block_type is None or gguf_auto.fits(s.block_type, w.shape[1]) else math.inf
                      for s in settings]
-        if config.gguf_type == "auto":
+        if factors is not None:
             factors.add(w)
     visit_fisher_diagonals(source, names, ids, per_layer, device, hessians=feedback)
-    if config.gguf_type == "auto":  # each type's proxy error scaled to what its own quantizer makes
+    if factors is not None:  # each type's proxy error scaled to what its own quantizer makes
         out = {n: [c * factors.factor(s.block_type) for c, s in zip(row, settings)] for n, row in out.items()}
     return out
 
@@ -254,7 +255,7 @@ def summary(allocation: Allocation, shapes: dict, codec, config, other: int = 0)
     for name, s in allocation.picked.items():
         stored, weights = stored_bits(codec, s, shapes[name]), shapes[name][0] * shapes[name][1]
         entry = by_kind.setdefault(module_kind(name), {"mix": {}, "stored": 0, "weights": 0})
-        key = setting_name(s)
+        key = s.name
         entry["mix"][key] = entry["mix"].get(key, 0) + 1
         entry["stored"], entry["weights"] = entry["stored"] + stored, entry["weights"] + weights
         total_bits, total_weights = total_bits + stored, total_weights + weights
@@ -279,11 +280,8 @@ def report(allocation: Allocation, lines: list, config, of_module) -> dict:
     target = ({"size": parse_size(config.target_size)} if config.target_size is not None
               else {"target": config.target_bits})
     return {**target, "predicted_kld": allocation.predicted_kld, "summary": lines,
-            "costs": {of_module(n): {setting_name(s): c for s, c in row.items()} for n, row in allocation.costs.items()}}
-
-
-def setting_name(s: Setting) -> str:
-    return s.name
+            "costs": {of_module(n): {s.name: c for s, c in row.items() if math.isfinite(c)}
+                      for n, row in allocation.costs.items()}}
 
 
 def module_kind(name: str) -> str:

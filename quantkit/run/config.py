@@ -86,12 +86,14 @@ class QuantConfig:
         None, "Choose each linear's bits and group size for this average bits per weight of the quantized linears "
               "(codes, scales, zeros and g_idx counted as the files store them), where its error costs least: each "
               "layer's cost is its Fisher-weighted rounding error, measured on 8 calibration windows (one backward "
-              "each); an exact knapsack picks from 2/3/4/8 bits x group sizes 32/64/128/-1, q/k/v and gate/up "
-              "together, within --compat. Integer methods and the gptq, gptq_v2 and compressed-tensors formats; "
+              "each; with GPTQ, scaled by what its error feedback leaves); an exact knapsack picks from 2/3/4/8 bits x "
+              "group sizes 32/64/128/-1, q/k/v and gate/up together, within --compat. Integer methods and the gptq, "
+              "gptq_v2 and compressed-tensors formats; with --gguf-type auto, llama.cpp's block types per tensor. "
               "OUT's recipe holds the allocation (--recipe reproduces it). Replaces --bits and --group-size.")
     target_size: Optional[str] = setting(  # None: no size target
-        None, "Like --target-bits, for the size of the checkpoint's safetensors files (every tensor, embeddings and "
-              "head included, and their headers): at most this many bytes, e.g. 80MB or 3.2GB (KB, MB, GB: powers "
+        None, "Like --target-bits, for the size of the checkpoint's safetensors files, or of model.gguf with "
+              "--gguf-type auto (every tensor, embeddings and head included, and their headers): at most this many "
+              "bytes, e.g. 80MB or 3.2GB (KB, MB, GB: powers "
               "of 1000; KiB, MiB, GiB: of 1024). The rest of the checkpoint is counted first; the quantized linears "
               "get what is left. Not with --target-bits.")
     sym: bool = setting(True, "Symmetric grid (zero fixed at 2^(bits-1)) or asymmetric min/max grid.",
@@ -244,7 +246,8 @@ class QuantConfig:
         elif self.quantizer != "int" or codecs.codec_of_format(self.checkpoint_format).layer_bits is None:
             raise QuantkitError(f"{option} chooses integer widths and group sizes for the gptq, gptq_v2 and "
                                 "compressed-tensors formats: use it with --method rtn, gptq, awq or awq+gptq and one "
-                                "of those --checkpoint-format values (codebook rates and GGUF types are not chosen yet)")
+                                "of those --checkpoint-format values, or --gguf-type auto for a llama.cpp file "
+                                "(codebook rates are not chosen yet)")
         if any(k in o for o in self.modules for k in ("bits", "group_size", "block_type")):
             raise QuantkitError(f"{option} chooses every layer's bits and group size: drop the recipe's per-module "
                                 "bits / group_size / block_type (skip: true still keeps a layer in float)")
