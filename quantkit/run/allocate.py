@@ -29,9 +29,11 @@ from quantkit.algorithms.gptq import feedback_gains
 from quantkit.algorithms.registry import method_spec
 from quantkit.calibration.sensitivity import visit_fisher_diagonals
 from quantkit.checkpoint.files import parse_size
+from quantkit.checkpoint.shards import dtype_name
 from quantkit.core import knapsack
 from quantkit.core.errors import QuantkitError
 from quantkit.gguf import auto as gguf_auto
+from quantkit.gguf.export import GGUFSource, bytes_besides
 from quantkit.models.arch import get_weight
 from quantkit.run.config import LayerSpec
 
@@ -153,9 +155,6 @@ def other_bytes(source, quantized: list, save_dtype) -> int:
 def gguf_other_bytes(source, quantized: list, save_dtype, tokenizer, name: str, in_files) -> int:
     """What model.gguf holds besides the quantized linears' blocks, in bytes (an upper bound; quantkit.gguf.export):
     its metadata and tokenizer, every tensor's entry, every other tensor as the file stores it, the padding."""
-    from quantkit.checkpoint.shards import dtype_name
-    from quantkit.gguf.export import GGUFSource, bytes_besides
-
     weights = {f"{n}.weight" for n in quantized}
     state = source.model.state_dict(keep_vars=True)
     floats = {in_files.of_tensor(n): (dtype_name(save_dtype if state[n].is_floating_point() else state[n].dtype),
