@@ -96,3 +96,17 @@ def test_the_knapsack_skips_options_an_item_cannot_take():
     costs, sizes = [[0.0, 5.0], [0.0, 5.0]], [[None, 3], [4, 6]]
     assert knapsack.solve(costs, sizes, 10) == [1, 0]
     assert knapsack.solve([[0.0]], [[None]], 10) is None
+
+
+def test_a_resumed_auto_run_continues_the_types_it_chose(model_factory, tmp_path, monkeypatch, stop_at_part):
+    """The interrupted run's block types come back from its fingerprint: no second sensitivity pass, same file."""
+    from quantkit.run import allocate
+
+    src, out = str(model_factory("llama-256")), tmp_path / "q"
+    config = quantkit.QuantConfig(method="rtn", gguf_type="auto", target_bits=4.6)
+    quantkit.quantize(src, tmp_path / "whole", config, calibration_ids=IDS)
+    with stop_at_part("block-00001"), pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(src, out, config, calibration_ids=IDS)
+    monkeypatch.setattr(allocate, "predicted_costs", lambda *a, **k: pytest.fail("measured again"))
+    quantkit.quantize(src, out, config, calibration_ids=IDS, resume=True)
+    assert (tmp_path / "whole" / "model.gguf").read_bytes() == (out / "model.gguf").read_bytes()
