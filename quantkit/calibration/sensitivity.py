@@ -55,10 +55,10 @@ def visit_fisher_diagonals(source, names: list, ids: torch.Tensor, visit, device
                 inputs.remove()
         for p in model.parameters():
             p.requires_grad_(trainable.get(id(p), False))
+        hessians = inputs.means(names) if inputs is not None else {}
         for name in names:
             fisher = sums.pop(name) / tokens
-            visit(name, modules[name], fisher.t() if is_conv1d(modules[name]) else fisher,
-                  None if inputs is None else inputs.hessian(name))
+            visit(name, modules[name], fisher.t() if is_conv1d(modules[name]) else fisher, hessians.get(name))
     finally:
         model.requires_grad_(False)
         source.release_names(source.names)
@@ -116,16 +116,12 @@ class _InputHessians:
         self.sums[name].addmm_(x.t(), x)
         self.tokens[name] += x.shape[0]
 
-    def hessian(self, name):
-        """The mean x xᵀ of `name`'s inputs (or of the linear whose input it shares: the very same tensor), None when
-        it saw none."""
-        name = self.same_as.get(name, name)
-        if not self.tokens.get(name):
-            return None
-        if self.tokens[name] > 0:  # made the mean once
-            self.sums[name] /= self.tokens[name]
-            self.tokens[name] = -self.tokens[name]
-        return self.sums[name]
+    def means(self, names) -> dict:
+        """{name: the mean x xᵀ of its inputs (the very tensor of the linear whose input it shares), None when it saw
+        none}."""
+        for name, tokens in self.tokens.items():
+            self.sums[name] /= tokens
+        return {n: self.sums.get(self.same_as.get(n, n)) for n in names}
 
     def remove(self):
         for h in self.handles:
