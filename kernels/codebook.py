@@ -64,16 +64,24 @@ def lookup_of(quantizer, in_features: int) -> Optional[Lookup]:
     K's units: TurboQuant 4-bit reads 4 levels a lookup), row i the units whose codes are i's bit fields, low first,
     as the packing lays them along K. A wider unit decodes through the quantizer's `lookup_stages` where it has
     them (E8P at 3 and 4 bits: the point of the low 16 bits, then the residual's)."""
-    bits, width = quantizer.code_bits, quantizer.width
-    decode = getattr(quantizer, "kernel_decode", None)
-    if decode is None or not decode.unit_local:
+    if not has_lookup(quantizer):
         return None
+    bits, width = quantizer.code_bits, quantizer.width
     if bits * width > LOOKUP_BITS:
-        return Lookup(width, _staged_tables(quantizer)) if hasattr(quantizer, "lookup_stages") else None
+        return Lookup(width, _staged_tables(quantizer))
     m = 1
     while 2 * m * bits * width <= LOOKUP_BITS and (in_features // width) % (2 * m) == 0:
         m *= 2
     return Lookup(m * width, ((0, _dequantized_table(quantizer, m * width)),))
+
+
+def has_lookup(quantizer) -> bool:
+    """Whether lookup_of gives `quantizer` a Lookup, without building its tables: what a module's backend facts
+    read in every forward, also under torch.compile, which cannot trace the tables' functools caches."""
+    decode = getattr(quantizer, "kernel_decode", None)
+    if decode is None or not decode.unit_local:
+        return False
+    return quantizer.code_bits * quantizer.width <= LOOKUP_BITS or hasattr(quantizer, "lookup_stages")
 
 
 @cache

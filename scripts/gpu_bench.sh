@@ -71,8 +71,8 @@ gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'
 print(f'{gpu}; torch {torch.__version__}; {platform.machine()}, {__import__(\"os\").cpu_count()} CPU threads')")
 echo "$machine"
 
-# The second run (2026-11-27) timed int3 and int4-asym not at all, and turboquant3 before its dispatch change: first.
-FORMATS=(turboquant3 int3 int4-asym turboquant4 e8p2 int4-rotated int8 trellis2 trellis3)  # trellis: not yet timed
+# The third run (H200, 2026-11-28) timed them all, the part cut at int8 (docs/BENCHMARKS.md); trellis last, slowest.
+FORMATS=(turboquant3 int3 int4-asym turboquant4 e8p2 int4-rotated int8 trellis2 trellis3)
 MODELS=("int4 g128" "turboquant w4" "e8p w2")  # e8p's data-free quantize took > 16 s a block there: last
 # The cases with a CUDA device parameter (not the sm_90 compile test: the CPU runs it in CI). The kernel files' ~310
 # cases take ~8 minutes on a bare machine (each Triton compile afresh; the first 164 passed in the second run): the

@@ -22,12 +22,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 from quantkit.core import bitpack, strips  # noqa: E402
 from quantkit.kernels.codebook import (codebook_linear, decode_codebook, decode_table,  # noqa: E402
-                                      lookup_columns, lookup_of)
+                                      has_lookup, lookup_columns, lookup_of)
 from quantkit.kernels.device import triton_available  # noqa: E402
 from quantkit.schemes.e8 import E8Box  # noqa: E402
 from quantkit.schemes.e8p import E8P  # noqa: E402
 from quantkit.algorithms.rtn import rtn  # noqa: E402
 from quantkit.schemes.turboquant import TurboQuant  # noqa: E402
+from quantkit.schemes.trellis import Trellis  # noqa: E402
 from quantkit.nn.decoded_linear import DecodedLinear  # noqa: E402
 from triton_cases import device_params, rerun_with_interpreter  # noqa: E402
 
@@ -83,6 +84,14 @@ def test_the_lookup_decode_equals_the_quantizers(n, k, quantizer, d, act_order):
 @pytest.mark.parametrize("quantizer", [E8Box(3), E8Box(4)])
 def test_units_of_more_than_16_bits_without_stages_have_no_lookup(quantizer):
     assert lookup_of(quantizer, 64) is None  # 2^24 or 2^32 rows: they decode through the quantizer
+
+
+@pytest.mark.parametrize("quantizer", [TurboQuant(2, 32), TurboQuant(3, 32), TurboQuant(4, 32), E8P(2), E8P(4),
+                                       E8Box(2), E8Box(3), Trellis(2)])
+def test_has_lookup_says_what_lookup_of_builds(quantizer):
+    # A module's backend facts ask has_lookup in every forward: under torch.compile on a GPU (torch 2.11), building
+    # the table through its functools cache crashed dynamo (NVIDIA H200 run, 2026-11-28).
+    assert has_lookup(quantizer) == (lookup_of(quantizer, 64) is not None)
 
 
 @pytest.mark.parametrize("quantizer", [TurboQuant(4, 32), E8P(2), E8P(3)])

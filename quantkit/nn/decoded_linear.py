@@ -18,7 +18,8 @@ from torch import nn
 
 from quantkit.core import bitpack, strips
 from quantkit.core.matmul import linear
-from quantkit.kernels.codebook import codebook_linear, decode_table, decode_weight, lookup_columns, lookup_of
+from quantkit.kernels.codebook import (codebook_linear, decode_table, decode_weight, has_lookup, lookup_columns,
+                                       lookup_of)
 from quantkit.kernels.dispatch import LayerFacts, layer_backend, reserve_workspace
 from quantkit.nn.quant_linear import add_rotation, buffers_key, plain_group_size, rotate_input
 from quantkit.schemes.base import param_dtype
@@ -71,9 +72,8 @@ class DecodedLinear(nn.Module):
 
     def facts(self) -> LayerFacts:
         """What kernels.dispatch.layer_backend reads of this layer."""
-        lookup = lookup_of(self.quantizer, self.in_features) is not None
         return LayerFacts(self.in_features, self.out_features, self.quantizer.code_bits, self.group_size,
-                          codebook="lookup" if lookup else "quantizer", kernel=self.kernel is not None)
+                          codebook="lookup" if has_lookup(self.quantizer) else "quantizer", kernel=self.kernel is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = rotate_input(self, x)
