@@ -7,7 +7,9 @@ within a budget.
    it (quantkit.algorithms.gptq.feedback_gains, from the same windows' input Hessians): a layer whose inputs are
    correlated loses less to a coarse setting than its rounding error says.
 2. Candidates: integer widths CANDIDATE_BITS x group sizes CANDIDATE_GROUPS (and the run's own), those the --compat
-   target serves; a fused group (q/k/v, gate/up: vLLM runs it as one layer) takes one setting together.
+   target serves; a fused group (q/k/v, gate/up: vLLM runs it as one layer) takes one setting together. A codebook
+   method (turboquant, e8, trellis) takes its rates instead, rates.CODEBOOK_BITS x the group sizes its quantizer
+   takes; each rate's cost is its integer proxy's times the rate's measured factor (quantkit.run.rates).
 3. Budget: the bits the checkpoint stores per weight of the quantized linears, codes, scales, zeros and g_idx counted
    as the codec writes them (Codec.layer_bits); the least summed cost within it, exactly (quantkit.core.knapsack).
    A size (--target-size) is the safetensors files' bytes: what the checkpoint stores besides those linears (every
@@ -35,7 +37,9 @@ from quantkit.core.errors import QuantkitError
 from quantkit.gguf import auto as gguf_auto
 from quantkit.gguf.export import GGUFSource, bytes_besides
 from quantkit.models.arch import get_weight
+from quantkit.run import rates
 from quantkit.run.config import LayerSpec
+from quantkit.run.precheck import skip_override
 
 CANDIDATE_BITS = (2, 3, 4, 8)
 CANDIDATE_GROUPS = (32, 64, 128, -1)
@@ -64,6 +68,9 @@ def candidates(config, codec, specs: dict, shapes: dict, fused: dict) -> list[Se
     if config.gguf_type == "auto":
         return [Setting(*gguf_auto.proxy(t), block_type=t) for t in gguf_auto.AUTO_TYPES]
     groups = sorted({*CANDIDATE_GROUPS, config.group_size}, key=lambda g: (g == -1, g))
+    if config.quantizer != "int":  # the quantkit format holds any rate; its readers warn alike for every one
+        return [Setting(b, g, config.sym) for b in rates.CODEBOOK_BITS for g in groups
+                if rates.codebook_quantizer(config, b, g) is not None]
     out = []
     for setting in (Setting(b, g, config.sym) for b in CANDIDATE_BITS for g in groups):
         uniform = {n: LayerSpec(setting.bits, setting.group_size, config.sym) for n, s in specs.items() if s is not None}
@@ -93,14 +100,13 @@ def allocate(config, codec, source, specs: dict, shapes: dict, fused: dict, ids,
     names = [n for n, s in specs.items() if s is not None]
     settings = candidates(config, codec, specs, shapes, fused)
     groups = _groups(names, {} if config.gguf_type else fused)  # llama.cpp runs q, k and v as three tensors
-    sizes = [[_sum_or_none(stored_bits(codec, s, shapes[n]) for n in g) for s in settings] for g in groups]
+    sizes = [[_sum_or_none(stored_bits(codec, s, shapes[n], config) for n in g) for s in settings] for g in groups]
     weights = sum(shapes[n][0] * shapes[n][1] for n in names)
     budget = (8 * (parse_size(config.target_size) - other) if config.target_size is not None
               else int(config.target_bits * weights))
     unfit = next((g[0] for g, row in zip(groups, sizes) if all(x is None for x in row)), None)
     if unfit is not None:
-        raise QuantkitError(f"{config.target}: the rows of {unfit} ({shapes[unfit][0]} inputs) are not whole blocks "
-                            "of any candidate type (32 inputs each): keep it in float with a recipe skip")
+        raise QuantkitError(_unfit(config, settings[0], unfit, shapes[unfit]))
     least = sum(min(x for x in row if x is not None) for row in sizes)
     if least > budget:  # refused before the sensitivity pass
         raise QuantkitError(_too_small(config, least, weights, other))
@@ -114,16 +120,30 @@ def allocate(config, codec, source, specs: dict, shapes: dict, fused: dict, ids,
                       {n: dict(zip(settings, row)) for n, row in costs.items()})
 
 
-def stored_bits(codec, setting: Setting, shape: tuple) -> int | None:
+def stored_bits(codec, setting: Setting, shape: tuple, config) -> int | None:
     """The bits a layer of shape (in, out) stores at `setting` (scales, zeros, g_idx counted), None if it cannot."""
     if setting.block_type is not None:
         return gguf_auto.stored_bits(setting.block_type, *shape)
+    if config.quantizer != "int":
+        quantizer = rates.codebook_quantizer(config, setting.bits, setting.group_size)
+        return rates.layer_bits(quantizer, setting.group_size, config.rotate != "none", *shape)
     return codec.layer_bits(setting.bits, setting.group_size, setting.sym, *shape)
 
 
 def _sum_or_none(values):
     values = list(values)
     return None if None in values else sum(values)
+
+
+def _unfit(config, setting: Setting, name: str, shape: tuple) -> str:
+    """The error for a linear that no candidate can hold, with the recipe override that keeps it in float."""
+    if setting.block_type is not None:
+        why = f"its rows ({shape[0]} inputs) are not whole blocks of any candidate type (32 inputs each)"
+    else:
+        quantizer = rates.codebook_quantizer(config, setting.bits, setting.group_size)
+        why = rates.misfit(quantizer, setting.group_size, *shape)
+    return (f"{config.target}: {name}: {why}. Keep such layers in floating point with a recipe override (modules: - "
+            f"pattern: '{skip_override([name])['pattern']}' skip: true)")
 
 
 def _too_small(config, least: int, weights: int, other: int) -> str:
@@ -192,9 +212,13 @@ def predicted_costs(source, names, settings, config, ids, device) -> dict:
     input column's share scaled by what GPTQ's feedback leaves of it when the method rounds with GPTQ."""
     out = {}
     feedback = method_spec(config.method).rounding == "gptq"
-    proxies = {s.block_type: s for s in settings}
-    factors = (gguf_auto.TypeFactors(lambda w, t: rounding_error(w, proxies[t], proxies[t].sym))
-               if config.gguf_type == "auto" else None)
+    factors, key = None, None  # what scales the integer proxy's cost to a GGUF type's or a codebook rate's
+    if config.gguf_type == "auto":
+        proxies = {s.block_type: s for s in settings}
+        factors = gguf_auto.TypeFactors(lambda w, t: rounding_error(w, proxies[t], proxies[t].sym))
+        key = (lambda s: s.block_type)
+    elif config.quantizer != "int":
+        factors, key = rates.RateFactors(config, lambda w, s: rounding_error(w, s, True)), (lambda s: s)
     gains = {}  # {input Hessian: its feedback gains}: q, k and v read one
 
     def per_layer(name, module, fisher, hessian):
@@ -209,8 +233,8 @@ def predicted_costs(source, names, settings, config, ids, device) -> dict:
         if factors is not None:
             factors.add(w)
     visit_fisher_diagonals(source, names, ids, per_layer, device, hessians=feedback)
-    if factors is not None:  # each type's proxy error scaled to what its own quantizer makes
-        out = {n: [c * factors.factor(s.block_type) for c, s in zip(row, settings)] for n, row in out.items()}
+    if factors is not None:  # each setting's proxy error scaled to what its own quantizer makes
+        out = {n: [c * factors.factor(key(s)) for c, s in zip(row, settings)] for n, row in out.items()}
     return out
 
 
@@ -252,7 +276,7 @@ def summary(allocation: Allocation, shapes: dict, codec, config, other: int = 0)
     target = config.target
     by_kind, total_bits, total_weights = {}, 0, 0
     for name, s in allocation.picked.items():
-        stored, weights = stored_bits(codec, s, shapes[name]), shapes[name][0] * shapes[name][1]
+        stored, weights = stored_bits(codec, s, shapes[name], config), shapes[name][0] * shapes[name][1]
         entry = by_kind.setdefault(module_kind(name), {"mix": {}, "stored": 0, "weights": 0})
         key = s.name
         entry["mix"][key] = entry["mix"].get(key, 0) + 1

@@ -35,7 +35,8 @@ from quantkit.core.options import Option, check_type, is_int
 from quantkit.core.textfile import read_user_text
 from quantkit.gguf import mix as gguf_mix
 from quantkit.gguf import types as gguf_types
-from quantkit.schemes.base import quantizer_for, quantizer_help, quantizer_names, serves_method
+from quantkit.schemes.base import (is_method_quantizer, quantizer_for, quantizer_help, quantizer_names,
+                                   serves_method)
 from quantkit.schemes.grid import check_bits, check_group_size
 
 ROTATIONS = ("none", "hadamard")
@@ -88,7 +89,9 @@ class QuantConfig:
               "layer's cost is its Fisher-weighted rounding error, measured on 8 calibration windows (one backward "
               "each; with GPTQ, scaled by what its error feedback leaves); an exact knapsack picks from 2/3/4/8 bits x "
               "group sizes 32/64/128/-1, q/k/v and gate/up together, within --compat. Integer methods and the gptq, "
-              "gptq_v2 and compressed-tensors formats; with --gguf-type auto, llama.cpp's block types per tensor. "
+              "gptq_v2 and compressed-tensors formats; the codebook methods (turboquant, e8, trellis) choose from "
+              "2/3/4 bits x the group sizes their quantizer takes; with --gguf-type auto, llama.cpp's block types per "
+              "tensor. "
               "OUT's recipe holds the allocation (--recipe reproduces it). Replaces --bits and --group-size.")
     target_size: Optional[str] = setting(  # None: no size target
         None, "Like --target-bits, for the size of the checkpoint's safetensors files, or of model.gguf with "
@@ -243,11 +246,11 @@ class QuantConfig:
             if self.gguf_type != "auto":
                 raise QuantkitError(f"{option} with a GGUF file: use --gguf-type auto (each tensor's block type "
                                     f"chosen for the budget), not --gguf-type {self.gguf_type} (a fixed mix)")
-        elif self.quantizer != "int" or codecs.codec_of_format(self.checkpoint_format).layer_bits is None:
+        elif not (is_method_quantizer(self.quantizer) or self.quantizer == "int"
+                  and codecs.codec_of_format(self.checkpoint_format).layer_bits is not None):
             raise QuantkitError(f"{option} chooses integer widths and group sizes for the gptq, gptq_v2 and "
-                                "compressed-tensors formats: use it with --method rtn, gptq, awq or awq+gptq and one "
-                                "of those --checkpoint-format values, or --gguf-type auto for a llama.cpp file "
-                                "(codebook rates are not chosen yet)")
+                                "compressed-tensors formats, and the rates of the codebook methods (turboquant, e8, "
+                                "trellis): use one of those, or --gguf-type auto for a llama.cpp file")
         if any(k in o for o in self.modules for k in ("bits", "group_size", "block_type")):
             raise QuantkitError(f"{option} chooses every layer's bits and group size: drop the recipe's per-module "
                                 "bits / group_size / block_type (skip: true still keeps a layer in float)")

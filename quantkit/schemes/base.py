@@ -67,6 +67,11 @@ def serves_method(name: str, implied: str) -> bool:
     return name == implied or SPEC_METHODS.get(name) == implied
 
 
+def is_method_quantizer(name: str) -> bool:
+    """Whether --quantizer `name` is one of the codebooks that offer methods (offer_method), or a setting of one."""
+    return name in METHOD_QUANTIZERS or SPEC_METHODS.get(name) in METHOD_QUANTIZERS
+
+
 def offer_method(name: str, summary: str) -> None:
     """Make --method name and name+gptq exist for the quantizer (or spec name) `name`; summary: what its
     rounding is, for the help ("Lloyd-Max codebook per block")."""

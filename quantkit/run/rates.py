@@ -1,0 +1,87 @@
+"""--target-bits for the codebook methods (turboquant, e8, trellis; with or without +gptq): their rates as candidates.
+
+A codebook layer stores a b-bit code per weight (packed along the inputs), one fp16 scale per row and group, g_idx
+and, behind the rotation, the rotation's signs (quantkit.checkpoint.quantkit_format): `layer_bits` counts them as the
+codec writes them. Its cost at a rate is the integer proxy's (quantkit.run.allocate: round to nearest on the b-bit grid with the
+same groups, weighted by the layer's Fisher diagonal and GPTQ's feedback gains) times one factor per rate: what the
+codebook itself makes of sample rows behind the rotation, over what the proxy makes of the same rows unrotated. The
+rotation spreads a row's outliers, so the factor carries the rotation's gain too; it is pooled over the layers (a
+codebook's search costs seconds per million weights: E8P's, the trellis's Viterbi), as the GGUF types' factors are
+(quantkit.gguf.auto.TypeFactors).
+"""
+import torch
+
+from quantkit.algorithms.rtn import rtn
+from quantkit.core import bitpack
+from quantkit.core.errors import QuantkitError
+from quantkit.core.groups import check_shape, n_groups
+from quantkit.schemes.base import quantizer_for
+from quantkit.schemes.rotation import Rotation
+
+CODEBOOK_BITS = (2, 3, 4)
+SAMPLE_ROWS = 8           # rows taken from each layer for the factors
+SAMPLE_WEIGHTS = 1 << 16  # weights each rate's quantizer runs on per input width (evenly drawn from the sample rows)
+
+
+def codebook_quantizer(config, bits: int, group_size: int):
+    """The run's quantizer at `bits` and `group_size`, or None where it does not take them."""
+    try:
+        return quantizer_for(config.quantizer, bits, config.sym, group_size)
+    except (QuantkitError, ValueError):
+        return None
+
+
+def misfit(quantizer, group_size: int, in_features: int, out_features: int) -> str | None:
+    """Why the quantizer cannot cut a layer [out, in] into its units and tiles at this group size, or None."""
+    try:
+        check_shape(quantizer, in_features, group_size, rows=out_features)
+    except QuantkitError as e:
+        return str(e)
+    return None
+
+
+def layer_bits(quantizer, group_size: int, rotated: bool, in_features: int, out_features: int) -> int | None:
+    """The bits a codebook layer [out, in] stores: packed codes, each parameter per row and group at its dtype, g_idx
+    as int32, the rotation's int8 signs; None where the quantizer cannot take the layer (misfit)."""
+    if misfit(quantizer, group_size, in_features, out_features) is not None:
+        return None
+    codes = 32 * bitpack.packed_len(in_features, quantizer.code_bits) * out_features  # a code per weight
+    params = sum(quantizer.param_bits.values()) * n_groups(in_features, group_size) * out_features
+    return codes + params + 32 * in_features + (8 * in_features if rotated else 0)
+
+
+class RateFactors:
+    """Each rate's squared error over its integer proxy's, on the same sample rows: rows of every layer, pooled by
+    input width, rotated as the run rotates them before the codebook rounds them (the proxy rounds them as they are).
+    A rotation is orthogonal, so the codebook's error is the same in either basis."""
+
+    def __init__(self, config, proxy_error):
+        self.config = config
+        self.proxy_error = proxy_error  # (w [rows, in], setting) -> (w − ŵ)² of the proxy grid
+        self.pools = {}
+        self.factors = {}
+
+    def add(self, w: torch.Tensor) -> None:
+        rows = w[torch.linspace(0, w.shape[0] - 1, min(SAMPLE_ROWS, w.shape[0])).long()]
+        self.pools.setdefault(w.shape[1], []).append(rows)
+
+    def factor(self, setting) -> float:
+        if setting not in self.factors:
+            self.factors[setting] = self._measure(setting)
+        return self.factors[setting]
+
+    def _measure(self, setting) -> float:
+        quantizer = codebook_quantizer(self.config, setting.bits, setting.group_size)
+        multiple = getattr(quantizer, "row_multiple", 1)
+        real = proxy = 0.0
+        for width, pool in self.pools.items():
+            rows = torch.cat(pool)
+            take = min(len(rows), max(1, SAMPLE_WEIGHTS // width)) // multiple * multiple
+            if take == 0 or misfit(quantizer, setting.group_size, width, take) is not None:
+                continue
+            rows = rows[torch.linspace(0, len(rows) - 1, take).long()]
+            turned = Rotation.hadamard(width, 0).rotate_weight(rows) if self.config.rotate != "none" else rows
+            real += float((rtn(turned, quantizer, setting.group_size).dequantize() - turned).square().sum())
+            proxy += float(self.proxy_error(rows, setting).sum())
+        return real / proxy if proxy > 0 else 1.0
+
