@@ -48,7 +48,8 @@ def quantize_cli(nproc, src, out, text, method, launch="torchrun", extra=()):
 
 
 @pytest.mark.parametrize("method,launch,extra", [("gptq", "torchrun", ()), ("turboquant+gptq", "torchrun", ()),
-                                                 ("gptq", "--processes", ()), ("gptq", "torchrun", ("--lm-head",))])
+                                                 ("gptq", "--processes", ()), ("gptq", "torchrun", ("--lm-head",)),
+                                                 ("gptq", "--processes", ("--target-bits", "3.4"))])
 def test_two_gloo_ranks_write_what_one_process_writes(model_factory, tmp_path, method, launch, extra):
     text = calib_text(tmp_path)
     src = model_factory("llama-gqa")
@@ -59,6 +60,8 @@ def test_two_gloo_ranks_write_what_one_process_writes(model_factory, tmp_path, m
     assert a.keys() == b.keys()
     for name in a:  # codes equal; the Hessians differ only in float summation order (relative ~1e-7)
         assert torch.equal(a[name], b[name]), name
+    recipes = {(tmp_path / d / "quantkit_recipe.yaml").read_text() for d in ("one", "two")}
+    assert len(recipes) == 1  # with --target-bits: rank 0's allocation, run by both ranks
     ra, rb = (json.loads((tmp_path / d / "quantkit_report.json").read_text())["layers"] for d in ("one", "two"))
     for name in ra:
         assert rb[name]["error"] == pytest.approx(ra[name]["error"], rel=1e-4)
@@ -271,6 +274,8 @@ def test_tokens_routed_to_each_expert_are_counted_over_all_ranks(model_factory, 
     src = model_factory("mixtral")
     quantize_cli(1, src, tmp_path / "one", text, "gptq")
     quantize_cli(2, src, tmp_path / "two", text, "gptq")
+    recipes = {(tmp_path / d / "quantkit_recipe.yaml").read_text() for d in ("one", "two")}
+    assert len(recipes) == 1  # with --target-bits: rank 0's allocation, run by both ranks
     ra, rb = (json.loads((tmp_path / d / "quantkit_report.json").read_text())["layers"] for d in ("one", "two"))
     one, two = ({n: layer["routed_tokens"] for n, layer in r.items() if n.endswith(".w1")} for r in (ra, rb))  # gate_proj
     assert one.keys() == two.keys() and len(one) == 8

@@ -70,7 +70,7 @@ class Group:
         with _collective("counting the tokens routed to the experts"):
             dist.all_reduce(counts)
 
-    def broadcast(self, obj, src: int):
+    def broadcast(self, obj, src: int, what: str = "sending the quantized layers"):
         """obj of rank `src` on every rank, its tensors on this rank's device: a GPU tensor pickled as it is would
         come back on the sender's GPU (a second CUDA context there, and a device mismatch on the next step)."""
         if not self.active:
@@ -78,7 +78,7 @@ class Group:
         import torch.distributed as dist
 
         box = [to_bytes(obj) if self.rank == src else None]
-        with _collective("sending the quantized layers"):
+        with _collective(what):
             dist.broadcast_object_list(box, src=src)
         return obj if self.rank == src else from_bytes(box[0], self.device)
 

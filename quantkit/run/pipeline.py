@@ -67,11 +67,6 @@ def quantize(model: str, out, config: QuantConfig | None = None, device: str = "
     with contextlib.closing(group):  # a process group started here ends here, on every rank
         if group.active:
             distributed.check_supported(config, resume)
-            if config.target is not None:
-                raise QuantkitError(f"{config.target.split()[0]} under torchrun (--processes) is not supported yet: "
-                                    "every process "
-                                    "would measure the allocation; run it once in one process, then quantize with "
-                                    f"--recipe OUT/{files.RECIPE_NAME} and --processes")
         if not group.is_writer:
             return _follow(group, model, config, device, dtype, calibration_ids, trust_remote_code)
         return _write(group, model, out, config, device, dtype, overwrite, calibration_ids, resume, resumable,
@@ -199,6 +194,8 @@ def _write(group, model, out, config, device, dtype, overwrite, calibration_ids,
         config = resume_state.allocated_config(partial, config)
     plan = prepare(model, config, device, dtype, trust_remote_code, calibration_ids)
     config = plan.config
+    if group.active and target is not None and config.needs_calibration:  # the allocation, measured here alone
+        group.broadcast(config.modules, src=0, what="sending the allocation")
     fingerprint = resume_state.fingerprint(model, config, device, plan.compute_dtype, plan.n_blocks,
                                            plan.calibration_ids, target)
     if partial is not None:
@@ -338,6 +335,8 @@ def _follow(group, model, config: QuantConfig, device, dtype, calibration_ids, t
     (rank 0 checks OUT and writes the checkpoint). Data-free methods leave all the work to rank 0."""
     if not config.needs_calibration:
         return None
+    if config.target is not None:  # rank 0 measures the allocation; every rank runs its recipe
+        config = config.without_target(group.broadcast(None, src=0, what="sending the allocation"))
     source, tokenizer, _ = open_model(model, _compute_dtype(device, dtype), trust_remote_code)
     arch = arch_for(source.model)
     head = head_paths(source.model) if config.lm_head else None
