@@ -14,6 +14,7 @@ or 1) every method here is a no-op and nothing is imported from torch.distribute
 a library), so one machine's GPUs are used without a torchrun command line.
 """
 import contextlib
+import datetime
 import io
 import logging
 import os
@@ -24,6 +25,8 @@ import torch
 
 from quantkit.algorithms.registry import method_spec
 from quantkit.core.errors import QuantkitError, StoppedFromOutside, first_line
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)  # how long a rank waits for the others (NCCL's default: 10 minutes)
 
 
 class Group:
@@ -243,6 +246,6 @@ def from_environment(device: str) -> tuple[Group, str]:
         device = f"cuda:{local}"
         torch.cuda.set_device(device)
     starts = not dist.is_initialized()  # else the caller's own group, left for it to end
-    if starts:
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    if starts:  # ranks wait in a collective while rank 0 alone measures a --target-bits allocation: minutes, not 10
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo", timeout=COLLECTIVE_TIMEOUT)
     return Group(rank, world, owns_process_group=starts, device=device), device
