@@ -72,8 +72,9 @@ class DecodedLinear(nn.Module):
 
     def facts(self) -> LayerFacts:
         """What kernels.dispatch.layer_backend reads of this layer."""
+        codebook = "lookup" if has_lookup(self.quantizer) else "quantizer"
         return LayerFacts(self.in_features, self.out_features, self.quantizer.code_bits, self.group_size,
-                          codebook="lookup" if has_lookup(self.quantizer) else "quantizer", kernel=self.kernel is not None)
+                          codebook=codebook, kernel=self.kernel is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = rotate_input(self, x)

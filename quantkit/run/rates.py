@@ -2,12 +2,12 @@
 
 A codebook layer stores a b-bit code per weight (packed along the inputs), one fp16 scale per row and group, g_idx
 and, behind the rotation, the rotation's signs (quantkit.checkpoint.quantkit_format): `layer_bits` counts them as the
-codec writes them. Its cost at a rate is the integer proxy's (quantkit.run.allocate: round to nearest on the b-bit grid with the
-same groups, weighted by the layer's Fisher diagonal and GPTQ's feedback gains) times one factor per rate: what the
-codebook itself makes of sample rows behind the rotation, over what the proxy makes of the same rows unrotated. The
-rotation spreads a row's outliers, so the factor carries the rotation's gain too; it is pooled over the layers (a
-codebook's search costs seconds per million weights: E8P's, the trellis's Viterbi), as the GGUF types' factors are
-(quantkit.gguf.auto.TypeFactors).
+codec writes them. Its cost at a rate is the integer proxy's (quantkit.run.allocate: round to nearest on the b-bit
+grid with the same groups, weighted by the layer's Fisher diagonal and GPTQ's feedback gains) times one factor per
+rate: what the codebook itself makes of sample rows behind the rotation, over what the proxy makes of the same rows
+unrotated. The rotation spreads a row's outliers, so the factor carries the rotation's gain too. It is pooled over
+the layers, as the GGUF types' factors are (quantkit.gguf.auto.TypeFactors): a codebook's search costs seconds per
+million weights (E8P's, the trellis's Viterbi).
 """
 import torch
 
@@ -84,4 +84,3 @@ class RateFactors:
             real += float((rtn(turned, quantizer, setting.group_size).dequantize() - turned).square().sum())
             proxy += float(self.proxy_error(rows, setting).sum())
         return real / proxy if proxy > 0 else 1.0
-
