@@ -21,7 +21,10 @@ from quantkit.kernels.triton_decode import packed_codes, round_to
 from quantkit.schemes.trellis_codes import CODES, INST, INST_MASK, INST_XOR, MAD, MAD_CENTRE, MAD_STD, \
     THREE_INST_GAIN
 
-BLOCK_K, BLOCK_N = 64, 64
+# The decode tile [BLOCK_K, BLOCK_N] per code width: the largest none of whose sm_90 compiles spills registers
+# (scripts/sass_stats.py --kind trellis; at 3 bits the 64 x 64 tile spilled, 22 and 95 spills at L = 12 and 16, and
+# took 11x L = 12's time at L = 16 on an H200).
+TILES = {1: (64, 64), 2: (64, 64), 3: (64, 32), 4: (64, 64)}
 # What the kernel reads of trellis_codes, as constexprs (a jitted function reads no other globals). Codes by their
 # index in CODES.
 MAD_A, MAD_B, INST_A, INST_B = (tl.constexpr(c) for c in MAD + INST)
@@ -55,10 +58,16 @@ def _state(codes_ptr, kk, nn, mask, N, KW, BITS: tl.constexpr, L: tl.constexpr, 
     state = tl.zeros(p.shape, tl.uint32)
     for j in tl.static_range(WINDOW):      # symbol t - j, circularly, at bits [kVj, kVj + kV)
         step = (t - j + STEPS) % STEPS
-        for u in tl.static_range(V):
-            pos = step * V + u
-            code = packed_codes(codes_ptr + (nn - r + pos // WIDTH), kk - c + pos % WIDTH, N, mask, KW, BITS)
-            state |= code.to(tl.uint32) << (BITS * (V * j + u))
+        if WIDTH % V == 0:  # the symbol's V codes are adjacent along K in one output: one field of kV bits
+            pos = step * V
+            symbol = packed_codes(codes_ptr + (nn - r + pos // WIDTH), (kk - c + pos % WIDTH) // V, N, mask, KW,
+                                  BITS * V)
+            state |= symbol.to(tl.uint32) << (BITS * V * j)
+        else:
+            for u in tl.static_range(V):
+                pos = step * V + u
+                code = packed_codes(codes_ptr + (nn - r + pos // WIDTH), kk - c + pos % WIDTH, N, mask, KW, BITS)
+                state |= code.to(tl.uint32) << (BITS * (V * j + u))
     return state & ((1 << L) - 1), v
 
 
@@ -127,10 +136,11 @@ def trellis_dequantize(codes, scales, g_idx, table, bits, state_bits, step, code
     n = scales.shape[1]
     w = torch.empty(k, n, dtype=dtype, device=codes.device)
     q = max(int(table.numel() // 2).bit_length() - 1, 0)
-    grid = (triton.cdiv(k, BLOCK_K), triton.cdiv(n, BLOCK_N))
+    block_k, block_n = TILES[bits]
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     with on_device(codes):
         trellis_dequant_kernel[grid](codes, scales, g_idx.to(torch.int32), table.contiguous(), w, n, k,
                                      codes.shape[0], BITS=bits, L=state_bits, V=step, CODE=CODES.index(code), Q=q,
-                                     TILE_ROWS=tile_rows, WIDTH=length // tile_rows, BLOCK_K=BLOCK_K,
-                                     BLOCK_N=BLOCK_N, INTERPRETER=not codes.is_cuda)
+                                     TILE_ROWS=tile_rows, WIDTH=length // tile_rows, BLOCK_K=block_k,
+                                     BLOCK_N=block_n, INTERPRETER=not codes.is_cuda)
     return w

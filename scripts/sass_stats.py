@@ -28,9 +28,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from quantkit.kernels import triton_codebook, triton_dequant, triton_gptq, triton_rotation  # noqa: E402
+from quantkit.kernels import triton_codebook, triton_dequant, triton_gptq, triton_rotation, triton_trellis  # noqa: E402
+from quantkit.schemes.trellis import Trellis  # noqa: E402
+from quantkit.schemes.trellis_codes import CODES  # noqa: E402
 
-KINDS = ("m1", "m1h2", "decode", "gemm", "dequant", "codebook", "cbdequant", "rotate")
+KINDS = ("m1", "m1h2", "decode", "gemm", "dequant", "codebook", "cbdequant", "rotate", "trellis")
 MATMULS = ("m1", "m1h2", "decode", "gemm")  # the GPTQ kernel's launch kinds
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
@@ -142,6 +144,22 @@ def _rotate_launch(config, _, bits):
     return triton_rotation.rotate_kernel, sig, const, ["x_ptr", "s_ptr", "y_ptr", "N"]
 
 
+def _trellis_launch(config, _, bits):
+    kw = config.kwargs
+    q = Trellis(bits, state_bits=kw["L"])  # the width's default step and code
+    sig = {"codes_ptr": "*i32", "scales_ptr": "*fp16", "g_idx_ptr": "*i32", "table_ptr": "*fp32", "out_ptr": "*fp16",
+           "N": "i32", "K": "i32", "KW": "i32"}
+    const = dict(BITS=bits, L=kw["L"], V=q.step, CODE=CODES.index(q.code), Q=0, TILE_ROWS=q.tile_rows,
+                 WIDTH=q.length // q.tile_rows, BLOCK_K=kw["BLOCK_K"], BLOCK_N=kw["BLOCK_N"], INTERPRETER=False)
+    return triton_trellis.trellis_dequant_kernel, sig, const, [n for n in sig if n.endswith("_ptr")] + ["N", "K", "KW"]
+
+
+def _trellis_configs():
+    """The decode tile of each code width (triton_trellis.TILES), at the default L = 12 and at QTIP's 16."""
+    return [triton.Config(dict(BITS=b, L=L, BLOCK_K=bk, BLOCK_N=bn), num_warps=4, num_stages=3)
+            for b, (bk, bn) in triton_trellis.TILES.items() for L in (12, 16)]
+
+
 def _codebook_configs():
     """Each decode variant on triton_codebook's tiles (M <= 16 and above; for table levels and E8P also the tile by
     code position, which 4-bit levels and 2- and 4-bit E8P take); --bits picks the code width."""
@@ -175,6 +193,7 @@ LAUNCHES = {
     "codebook": (_codebook_configs(), _codebook_launch, None),
     "cbdequant": (_codebook_dequant_configs(), _codebook_dequant_launch, None),
     "rotate": (_rotate_configs(), _rotate_launch, None),
+    "trellis": (_trellis_configs(), _trellis_launch, None),
 }
 
 
@@ -183,6 +202,8 @@ def unique_configs(kind, bits=4):
     seen = {}
     for c in LAUNCHES[kind][0]:
         if kind in MATMULS and not triton_gptq.fits_bits(c, bits):
+            continue
+        if kind == "trellis" and c.kwargs["BITS"] != bits:
             continue
         if kind == "codebook" and c.kwargs["BY_CODE"] and not triton_codebook.takes_tiles_by_code(
                 triton_codebook.VARIANTS[c.kwargs["VARIANT"]], bits):   # a tile these codes never take
@@ -198,6 +219,8 @@ def tile_name(config):
     kw = config.kwargs
     if "B" in kw:
         return f"{kw['BLOCK_M']} x {kw['B']}"
+    if "L" in kw:
+        return f"L {kw['L']}, - x {kw['BLOCK_N']} x {kw['BLOCK_K']}"
     tile = f"{kw.get('BLOCK_M', '-')} x {kw['BLOCK_N']} x {kw['BLOCK_K']}"
     return f"{kw['VARIANT']} {tile}" if "VARIANT" in kw else tile
 
@@ -216,6 +239,9 @@ def loop_stats(kind, config, arch=90, bits=4, dump=None):
     if kind == "rotate":   # no loop over K: per element, and the butterflies unroll into the whole kernel
         loop = whole_kernel(sass)
         per_thread = const["BLOCK_M"] * const["B"] / (32 * config.num_warps)
+    elif kind == "trellis":  # no loop: every weight's window of codes unrolled
+        loop = whole_kernel(sass)
+        per_thread = const["BLOCK_N"] * const["BLOCK_K"] / (32 * config.num_warps)
     else:                  # the K loop (the dequantize kernels have none), weights per thread per trip
         loop = main_loop(sass) or whole_kernel(sass)
         per_thread = const["BLOCK_N"] * const["BLOCK_K"] / (32 * config.num_warps)
@@ -268,7 +294,7 @@ def main():
     for kind in args.kind:
         if kind.startswith("m1") and args.bits == 3:   # no such launch: 3-bit M = 1 runs the decode shape
             continue
-        if kind in ("codebook", "cbdequant") and args.bits not in (2, 3, 4):  # E8P's widths (and TurboQuant's)
+        if kind in ("codebook", "cbdequant", "trellis") and args.bits not in (2, 3, 4):  # E8P's, the trellis's widths
             continue
         for c in unique_configs(kind, args.bits):
             s = loop_stats(kind, c, args.arch, args.bits, args.dump)
