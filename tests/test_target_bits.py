@@ -14,7 +14,8 @@ import quantkit
 from quantkit.cli import main
 from quantkit.core import knapsack
 from quantkit.core.errors import QuantkitError
-from quantkit.run import allocate, rates
+from quantkit.run import allocate
+from quantkit.schemes.rotation import Rotation
 
 IDS = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(0))
 STORAGE = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_packed", ".weight_scale", ".weight_zero_point",
@@ -205,19 +206,19 @@ def test_feedback_gains_of_uncorrelated_inputs_are_one():
         assert torch.allclose(feedback_gains(H, act_order=act_order), torch.ones(16), rtol=1e-5)
 
 
-def test_a_codebook_rates_factor_carries_the_rotations_gain():
-    """Rows with a few large outliers: the integer proxy's max-abs scale spends its grid on them; the rotation spreads
-    them before the codebook rounds, so a rate's factor behind the rotation is far below the same rate's without it."""
-    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
-    w[:, ::64] *= 20
-
-    def factor(rotate):
-        config = quantkit.QuantConfig(method="turboquant+gptq", rotate=rotate, group_size=64)
-        factors = rates.RateFactors(config, lambda rows, s: allocate.rounding_error(rows, s, True))
-        factors.add(w)
-        return factors.factor(allocate.Setting(3, 64))
-    rotated, plain = factor("hadamard"), factor("none")
-    assert rotated < 0.5 and plain > 2 * rotated  # measured: 0.19 and 2.93 (Lloyd-Max levels clip the outliers)
+def test_the_rotated_basis_estimate_is_exact_where_it_claims():
+    """Behind --rotate hadamard the estimate is taken in the basis the method rounds in: the Fisher diagonal of W Πᵀ
+    is the diagonal of Π diag(f) Πᵀ (block means, exactly), the Hessian Π H Πᵀ, the weight W Πᵀ, the method's own Π."""
+    gen = torch.Generator().manual_seed(0)
+    w, fisher = torch.randn(3, 96, generator=gen), torch.rand(3, 96, generator=gen)
+    x = torch.randn(200, 96, generator=gen)
+    hessian = x.t() @ x / 200
+    rw, rf, rh = allocate.rotated("model.layers.0.mlp.down_proj", w, fisher, hessian, seed=0)
+    rotation = Rotation.for_layer("model.layers.0.mlp.down_proj", 96, 0)
+    pi = rotation.rotate_weight(torch.eye(96)).t()  # W Πᵀ = rotate_weight(W)
+    for r in range(3):
+        assert torch.allclose(rf[r], torch.diagonal(pi @ torch.diag(fisher[r]) @ pi.t()), atol=1e-6)
+    assert torch.allclose(rw, w @ pi.t(), atol=1e-5) and torch.allclose(rh, pi @ hessian @ pi.t(), atol=1e-5)
 
 
 def test_a_codebook_allocation_reproduces_from_the_recipe_in_out(model_factory, tmp_path):

@@ -5,7 +5,8 @@ within a budget.
    a layer's predicted cost at a setting is ½ Σ F (W − Ŵ)², Ŵ its round-to-nearest weight at that setting. A method
    that rounds with GPTQ's error feedback gets each input column's cost scaled by the share the feedback leaves of
    it (quantkit.algorithms.gptq.feedback_gains, from the same windows' input Hessians): a layer whose inputs are
-   correlated loses less to a coarse setting than its rounding error says.
+   correlated loses less to a coarse setting than its rounding error says. Behind --rotate hadamard all of it is
+   taken in the rotated basis the method rounds in (`rotated`: W Πᵀ, the Fisher diagonal's block means, Π H Πᵀ).
 2. Candidates: integer widths CANDIDATE_BITS x group sizes CANDIDATE_GROUPS (and the run's own), those the --compat
    target serves; a fused group (q/k/v, gate/up: vLLM runs it as one layer) takes one setting together. A codebook
    method (turboquant, e8, trellis) takes its rates instead, rates.CODEBOOK_BITS x the group sizes its quantizer
@@ -40,6 +41,7 @@ from quantkit.models.arch import get_weight
 from quantkit.run import rates
 from quantkit.run.config import LayerSpec
 from quantkit.run.precheck import skip_override
+from quantkit.schemes.rotation import Rotation
 
 CANDIDATE_BITS = (2, 3, 4, 8)
 CANDIDATE_GROUPS = (32, 64, 128, -1)
@@ -223,6 +225,8 @@ def predicted_costs(source, names, settings, config, ids, device) -> dict:
 
     def per_layer(name, module, fisher, hessian):
         w = get_weight(module).detach().float()
+        if config.rotate != "none":  # the method rounds W Πᵀ: its error, Fisher diagonal and feedback in that basis
+            w, fisher, hessian = rotated(name, w, fisher, hessian, config.seed)
         if hessian is not None:
             if hessian not in gains:
                 gains[hessian] = feedback_gains(hessian, config.damp, config.act_order)
@@ -236,6 +240,18 @@ def predicted_costs(source, names, settings, config, ids, device) -> dict:
     if factors is not None:  # each setting's proxy error scaled to what its own quantizer makes
         out = {n: [c * factors.factor(key(s)) for c, s in zip(row, settings)] for n, row in out.items()}
     return out
+
+
+def rotated(name: str, w: torch.Tensor, fisher: torch.Tensor, hessian, seed: int) -> tuple:
+    """(W Πᵀ, the diagonal of the Fisher in the rotated basis, Π H Πᵀ) for the layer's own rotation Π (as the method
+    draws it). Each row's Fisher is diagonal in the original basis; Π mixes the columns of each Hadamard block with
+    entries ±1/√B, so the rotated diagonal is each block's mean, exactly."""
+    rotation = Rotation.for_layer(name, w.shape[1], seed)
+    rows, cols = fisher.shape
+    blocks = fisher.view(rows, cols // rotation.block, rotation.block).mean(-1, keepdim=True)
+    fisher = blocks.expand(-1, -1, rotation.block).reshape(rows, cols)
+    return (rotation.rotate_weight(w), fisher,
+            rotation.rotate_hessian(hessian) if hessian is not None else None)
 
 
 def rounding_error(w: torch.Tensor, setting: Setting, sym: bool) -> torch.Tensor:

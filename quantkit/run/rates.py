@@ -4,10 +4,10 @@ A codebook layer stores a b-bit code per weight (packed along the inputs), one f
 and, behind the rotation, the rotation's signs (quantkit.checkpoint.quantkit_format): `layer_bits` counts them as the
 codec writes them. Its cost at a rate is the integer proxy's (quantkit.run.allocate: round to nearest on the b-bit
 grid with the same groups, weighted by the layer's Fisher diagonal and GPTQ's feedback gains) times one factor per
-rate: what the codebook itself makes of sample rows behind the rotation, over what the proxy makes of the same rows
-unrotated. The rotation spreads a row's outliers, so the factor carries the rotation's gain too. It is pooled over
-the layers, as the GGUF types' factors are (quantkit.gguf.auto.TypeFactors): a codebook's search costs seconds per
-million weights (E8P's, the trellis's Viterbi).
+rate: what the codebook itself makes of sample rows, over what the proxy makes of the same rows, both in the basis
+the method rounds in (behind the rotation, where the proxy is costed too). It is pooled over the layers, as the GGUF
+types' factors are (quantkit.gguf.auto.TypeFactors): a codebook's search costs seconds per million weights (E8P's,
+the trellis's Viterbi).
 """
 import torch
 
@@ -16,7 +16,6 @@ from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import check_shape, n_groups
 from quantkit.schemes.base import quantizer_for
-from quantkit.schemes.rotation import Rotation
 
 CODEBOOK_BITS = (2, 3, 4)
 SAMPLE_ROWS = 8           # rows taken from each layer for the factors
@@ -51,9 +50,8 @@ def layer_bits(quantizer, group_size: int, rotated: bool, in_features: int, out_
 
 
 class RateFactors:
-    """Each rate's squared error over its integer proxy's, on the same sample rows: rows of every layer, pooled by
-    input width, rotated as the run rotates them before the codebook rounds them (the proxy rounds them as they are).
-    A rotation is orthogonal, so the codebook's error is the same in either basis."""
+    """Each rate's squared error over its integer proxy's, on the same sample rows: rows of every layer (in the basis
+    the method rounds in: rotated, as allocate.predicted_costs hands them), pooled by input width."""
 
     def __init__(self, config, proxy_error):
         self.config = config
@@ -80,7 +78,6 @@ class RateFactors:
             if take == 0 or misfit(quantizer, setting.group_size, width, take) is not None:
                 continue
             rows = rows[torch.linspace(0, len(rows) - 1, take).long()]
-            turned = Rotation.hadamard(width, 0).rotate_weight(rows) if self.config.rotate != "none" else rows
-            real += float((rtn(turned, quantizer, setting.group_size).dequantize() - turned).square().sum())
+            real += float((rtn(rows, quantizer, setting.group_size).dequantize() - rows).square().sum())
             proxy += float(self.proxy_error(rows, setting).sum())
         return real / proxy if proxy > 0 else 1.0
