@@ -274,8 +274,6 @@ def test_tokens_routed_to_each_expert_are_counted_over_all_ranks(model_factory, 
     src = model_factory("mixtral")
     quantize_cli(1, src, tmp_path / "one", text, "gptq")
     quantize_cli(2, src, tmp_path / "two", text, "gptq")
-    recipes = {(tmp_path / d / "quantkit_recipe.yaml").read_text() for d in ("one", "two")}
-    assert len(recipes) == 1  # with --target-bits: rank 0's allocation, run by both ranks
     ra, rb = (json.loads((tmp_path / d / "quantkit_report.json").read_text())["layers"] for d in ("one", "two"))
     one, two = ({n: layer["routed_tokens"] for n, layer in r.items() if n.endswith(".w1")} for r in (ra, rb))  # gate_proj
     assert one.keys() == two.keys() and len(one) == 8
