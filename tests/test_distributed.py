@@ -80,7 +80,8 @@ def test_quantize_ends_the_process_group_it_started_also_on_failure(monkeypatch,
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setattr(dist, "is_initialized", lambda: alive[0])
-    monkeypatch.setattr(dist, "init_process_group", lambda backend: (calls.append(backend), alive.__setitem__(0, True)))
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, timeout=None: (calls.append(backend), alive.__setitem__(0, True)))
     monkeypatch.setattr(dist, "destroy_process_group", lambda: (calls.append("destroy"), alive.__setitem__(0, False)))
     with pytest.raises(QuantkitError, match="--resume"):
         quantize("model", "out", QuantConfig(), device="cpu", resume=True)
