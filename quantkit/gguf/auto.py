@@ -23,6 +23,11 @@ SAMPLE_ROWS = 8  # rows taken from each layer for the factors
 SAMPLE_WEIGHTS = 1 << 16  # weights each type's own quantizer runs on (evenly drawn from all layers' sample rows)
 
 
+def evenly(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """`count` of the rows (at most all), evenly spaced from the first to the last: the factors' samples."""
+    return rows[torch.linspace(0, len(rows) - 1, min(count, len(rows))).long()]
+
+
 def fits(block_type: str, in_features: int) -> bool:
     return in_features % TYPES[block_type].block == 0
 
@@ -57,7 +62,7 @@ class TypeFactors:
     def add(self, w: torch.Tensor) -> None:
         width = next((b for b in self.pools if w.shape[1] % b == 0), None)
         if width is not None:
-            rows = w[torch.linspace(0, w.shape[0] - 1, min(SAMPLE_ROWS, w.shape[0])).long()]
+            rows = evenly(w, SAMPLE_ROWS)
             self.pools[width].append(rows.reshape(-1, width))
 
     def factor(self, block_type: str) -> float:
@@ -71,7 +76,7 @@ class TypeFactors:
         if not pieces:
             return 1.0
         rows = torch.cat(pieces)
-        rows = rows[torch.linspace(0, len(rows) - 1, min(len(rows), SAMPLE_WEIGHTS // block)).long()]
+        rows = evenly(rows, SAMPLE_WEIGHTS // block)
         q, group_size = quantizer(block_type)
         real = float((rtn(rows, q, group_size).dequantize() - rows).square().sum())
         proxy = float(self.proxy_error(rows, block_type).sum())

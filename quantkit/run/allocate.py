@@ -243,14 +243,10 @@ def predicted_costs(source, names, settings, config, ids, device) -> dict:
 
 
 def rotated(name: str, w: torch.Tensor, fisher: torch.Tensor, hessian, seed: int) -> tuple:
-    """(W Πᵀ, the diagonal of the Fisher in the rotated basis, Π H Πᵀ) for the layer's own rotation Π (as the method
-    draws it). Each row's Fisher is diagonal in the original basis; Π mixes the columns of each Hadamard block with
-    entries ±1/√B, so the rotated diagonal is each block's mean, exactly."""
+    """(W Πᵀ, the Fisher diagonal in the rotated basis, Π H Πᵀ) for the layer's own rotation Π, as the method draws
+    it."""
     rotation = Rotation.for_layer(name, w.shape[1], seed)
-    rows, cols = fisher.shape
-    blocks = fisher.view(rows, cols // rotation.block, rotation.block).mean(-1, keepdim=True)
-    fisher = blocks.expand(-1, -1, rotation.block).reshape(rows, cols)
-    return (rotation.rotate_weight(w), fisher,
+    return (rotation.rotate_weight(w), rotation.rotate_diagonal(fisher),
             rotation.rotate_hessian(hessian) if hessian is not None else None)
 
 

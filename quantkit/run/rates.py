@@ -9,23 +9,30 @@ the method rounds in (behind the rotation, where the proxy is costed too). It is
 types' factors are (quantkit.gguf.auto.TypeFactors): a codebook's search costs seconds per million weights (E8P's,
 the trellis's Viterbi).
 """
+from functools import cache
+
 import torch
 
 from quantkit.algorithms.rtn import rtn
 from quantkit.core import bitpack
 from quantkit.core.errors import QuantkitError
 from quantkit.core.groups import check_shape, n_groups
+from quantkit.gguf.auto import SAMPLE_ROWS, SAMPLE_WEIGHTS, evenly
 from quantkit.schemes.base import quantizer_for
 
 CODEBOOK_BITS = (2, 3, 4)
-SAMPLE_ROWS = 8           # rows taken from each layer for the factors
-SAMPLE_WEIGHTS = 1 << 16  # weights each rate's quantizer runs on per input width (evenly drawn from the sample rows)
 
 
 def codebook_quantizer(config, bits: int, group_size: int):
     """The run's quantizer at `bits` and `group_size`, or None where it does not take them."""
+    return _quantizer(config.quantizer, bits, config.sym, group_size)
+
+
+@cache
+def _quantizer(name: str, bits: int, sym: bool, group_size: int):
+    # built once per rate: every layer's size and the summary ask (TurboQuant's levels take ~1 ms to make)
     try:
-        return quantizer_for(config.quantizer, bits, config.sym, group_size)
+        return quantizer_for(name, bits, sym, group_size)
     except (QuantkitError, ValueError):
         return None
 
@@ -60,8 +67,7 @@ class RateFactors:
         self.factors = {}
 
     def add(self, w: torch.Tensor) -> None:
-        rows = w[torch.linspace(0, w.shape[0] - 1, min(SAMPLE_ROWS, w.shape[0])).long()]
-        self.pools.setdefault(w.shape[1], []).append(rows)
+        self.pools.setdefault(w.shape[1], []).append(evenly(w, SAMPLE_ROWS))
 
     def factor(self, setting) -> float:
         if setting not in self.factors:
@@ -74,10 +80,10 @@ class RateFactors:
         real = proxy = 0.0
         for width, pool in self.pools.items():
             rows = torch.cat(pool)
-            take = min(len(rows), max(1, SAMPLE_WEIGHTS // width)) // multiple * multiple
+            take = min(len(rows), max(1, SAMPLE_WEIGHTS // width)) // multiple * multiple  # whole tiles of rows
             if take == 0 or misfit(quantizer, setting.group_size, width, take) is not None:
                 continue
-            rows = rows[torch.linspace(0, len(rows) - 1, take).long()]
+            rows = evenly(rows, take)
             real += float((rtn(rows, quantizer, setting.group_size).dequantize() - rows).square().sum())
             proxy += float(self.proxy_error(rows, setting).sum())
         return real / proxy if proxy > 0 else 1.0

@@ -47,6 +47,13 @@ class Rotation:
         """W' Π: back to the original basis (Πᵀ applied to every row)."""
         return kr.unrotate(w, self.signs, self.block)
 
+    def rotate_diagonal(self, d: torch.Tensor) -> torch.Tensor:
+        """The diagonal of Π diag(d) Πᵀ for each row of d [rows, in]: Π mixes the inputs of each Hadamard block with
+        entries ±1/√B, so it is each block's mean, exactly (a weight's Fisher diagonal in the rotated basis)."""
+        rows, cols = d.shape
+        means = d.reshape(rows, cols // self.block, self.block).mean(-1, keepdim=True)
+        return means.expand(-1, -1, self.block).reshape(rows, cols)
+
     def rotate_hessian(self, h: torch.Tensor) -> torch.Tensor:
         """Π H Πᵀ, the second moment of the rotated inputs Π x."""
         return kr.rotate(kr.rotate(h, self.signs, self.block).t(), self.signs, self.block).t().contiguous()
