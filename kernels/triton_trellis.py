@@ -23,8 +23,8 @@ from quantkit.schemes.trellis_codes import CODES, INST, INST_MASK, INST_XOR, MAD
 
 # The decode tile [BLOCK_K, BLOCK_N] per code width: the largest none of whose sm_90 compiles spills registers
 # (scripts/sass_stats.py --kind trellis; at 3 bits the 64 x 64 tile spilled, 22 and 95 spills at L = 12 and 16, and
-# took 11x L = 12's time at L = 16 on an H200).
-TILES = {1: (64, 64), 2: (64, 64), 3: (64, 32), 4: (64, 64)}
+# took 11x L = 12's time at L = 16 on an H200; at 4 bits it spills 6 on the default 64 x 4 trellis tiles).
+TILES = {1: (64, 64), 2: (64, 64), 3: (64, 32), 4: (64, 32)}
 # What the kernel reads of trellis_codes, as constexprs (a jitted function reads no other globals). Codes by their
 # index in CODES.
 MAD_A, MAD_B, INST_A, INST_B = (tl.constexpr(c) for c in MAD + INST)

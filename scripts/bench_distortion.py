@@ -21,9 +21,11 @@ scale per block, so all of them spend b + 16/d bits per weight (turboquant_prod:
                   ratio), scale searched per block (quantkit.schemes.e8p)
   e8              what --method e8 rounds with: the E8 codebook that measured best at each b (e8p at 2..4,
                   e8_box at 1; quantkit.schemes.base.best_e8), the same numbers as that row
-  trellis         QTIP's trellis-coded quantizer as --quantizer trellis makes it (quantkit.schemes.trellis: L = 12
-                  state bits, 2 weights per step, 3INST values, tail-biting sequences of 64 weights), scale from the
-                  block's rms; b = 1..4. --trellis L:V:code[:length[:scale]] adds a row per variant
+  trellis         QTIP's trellis-coded quantizer as --quantizer trellis makes it (quantkit.schemes.trellis: L = 16
+                  state bits, 3INST with 2 weights per step at 1-2 bits, 1MAD with 1 at 3-4, tail-biting sequences
+                  of 256 weights: --dim a multiple of 256), scale from the block's rms; b = 1..4. Each sequence is
+                  a row's consecutive weights (the tile's shape does not change i.i.d. data's distortion).
+                  --trellis L:V:code[:length[:scale]] adds a row per variant
                   (trellis_L16_V1_1mad; scale "refit": the least-squares refit, "unit": one fixed scale for unit
                   Gaussians, rate exactly b, as QTIP measures)
 Seconds per million weights of every row are printed too (torch threads: --threads; the CPU: lscpu's model name).
@@ -163,13 +165,13 @@ def trellis(x, bits, variant=None, unit=False):
     if bits not in range(1, 5):
         return None
     try:
-        q = Trellis(bits) if variant is None else Trellis(bits, *variant)
-    except QuantkitError:  # e.g. 4 bits x 2 weights per step need more than 8 state bits
+        q = Trellis(bits, tile_rows=1) if variant is None else Trellis(bits, *variant, tile_rows=1)
+        if unit:
+            s = torch.full((x.shape[0],), TRELLIS_GAIN[bits] / q.spread)
+            return q.round(x, {"scale": fp16_scale(s)})[1]
+        return rtn(x, q, x.shape[1]).decoded()
+    except QuantkitError:  # 4 bits x 2 weights per step need more than 8 state bits; --dim no multiple of length
         return None
-    if unit:
-        s = torch.full((x.shape[0],), TRELLIS_GAIN[bits] / q.spread)
-        return q.round(x, {"scale": fp16_scale(s)})[1]
-    return rtn(x, q, x.shape[1]).decoded()
 
 
 def trellis_variant(spec: str):

@@ -11,8 +11,9 @@ INT4 kernel (tinygemm, scripts/tinygemm.py) on the same codes where it takes the
                        kernels.rotation.rotate_activations, then gptq_linear)
   turboquant4/3, e8p2  codebook layers (the quantkit format): kernels.codebook.codebook_linear with TurboQuant's
                        Lloyd-Max levels (block = the group size) or QuIP#'s E8P ball at 2 bits
-  trellis2/3           trellis layers (QTIP's bitshift trellis, the default L = 12 on 32 x 2 tiles): the same call, the
-                       weight decoded by kernels/triton_trellis.py, then cuBLAS; trellis2-l16 / trellis3-l16 at L = 16
+  trellis2/3           trellis layers (QTIP's bitshift trellis, the default L = 16 on 64 x 4 tiles): the same call, the
+                       weight decoded by kernels/triton_trellis.py, then cuBLAS; trellis2-l12 / trellis3-l12 the fast
+                       setting (--quantizer trellis-l12: L = 12 on 32 x 2 tiles)
 Codes are random words: every code of these layouts decodes to a valid weight (any bit stream is a trellis path),
 and the kernels' speed does not depend on the values.
 """
@@ -24,7 +25,7 @@ import torch
 import tinygemm  # scripts/tinygemm.py, beside this file
 
 FORMATS = ("int4", "int4-asym", "int2", "int3", "int8", "int4-rotated", "turboquant4", "turboquant3", "e8p2",
-           "trellis2", "trellis3", "trellis2-l16", "trellis3-l16")
+           "trellis2", "trellis3", "trellis2-l12", "trellis3-l12")
 
 
 @dataclass
@@ -50,13 +51,12 @@ def build(fmt: str, n: int, k: int, group_size: int, device, path: str = "auto")
         return _gptq(n, k, bits, group_size, device, path, sym=not fmt.endswith("asym"),
                      rotated=fmt.endswith("rotated"))
     from quantkit.schemes.e8p import E8P
-    from quantkit.schemes.trellis import Trellis
+    from quantkit.schemes.trellis import FAST_SETTING, Trellis
     from quantkit.schemes.turboquant import TurboQuant
 
-    if fmt.startswith("trellis"):  # "trellisB" at the default state bits, "trellisB-lL" at L
-        bits, _, state_bits = fmt[len("trellis"):].partition("-l")
-        return _codebook(n, k, Trellis(int(bits), **({"state_bits": int(state_bits)} if state_bits else {})),
-                         group_size, device)
+    if fmt.startswith("trellis"):  # "trellisB": the default; "trellisB-l12": the fast setting
+        bits = int(fmt[len("trellis")])
+        return _codebook(n, k, Trellis(bits, **(FAST_SETTING if fmt.endswith("-l12") else {})), group_size, device)
     bits = int(fmt[-1])
     quantizer = E8P(2) if fmt == "e8p2" else TurboQuant(bits, group_size)
     return _codebook(n, k, quantizer, group_size, device)

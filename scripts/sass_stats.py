@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from quantkit.kernels import triton_codebook, triton_dequant, triton_gptq, triton_rotation, triton_trellis  # noqa: E402
-from quantkit.schemes.trellis import Trellis  # noqa: E402
+from quantkit.schemes.trellis import FAST_SETTING, Trellis  # noqa: E402
 from quantkit.schemes.trellis_codes import CODES  # noqa: E402
 
 KINDS = ("m1", "m1h2", "decode", "gemm", "dequant", "codebook", "cbdequant", "rotate", "trellis")
@@ -146,7 +146,7 @@ def _rotate_launch(config, _, bits):
 
 def _trellis_launch(config, _, bits):
     kw = config.kwargs
-    q = Trellis(bits, state_bits=kw["L"])  # the width's default step and code
+    q = Trellis(bits, **({} if kw["L"] == 16 else FAST_SETTING))  # the default or trellis-l12; the width's step, code
     sig = {"codes_ptr": "*i32", "scales_ptr": "*fp16", "g_idx_ptr": "*i32", "table_ptr": "*fp32", "out_ptr": "*fp16",
            "N": "i32", "K": "i32", "KW": "i32"}
     const = dict(BITS=bits, L=kw["L"], V=q.step, CODE=CODES.index(q.code), Q=0, TILE_ROWS=q.tile_rows,
@@ -155,7 +155,7 @@ def _trellis_launch(config, _, bits):
 
 
 def _trellis_configs():
-    """The decode tile of each code width (triton_trellis.TILES), at the default L = 12 and at QTIP's 16."""
+    """The decode tile of each code width (triton_trellis.TILES), at the default L = 16 and trellis-l12's 12."""
     return [triton.Config(dict(BITS=b, L=L, BLOCK_K=bk, BLOCK_N=bn), num_warps=4, num_stages=3)
             for b, (bk, bn) in triton_trellis.TILES.items() for L in (12, 16)]
 

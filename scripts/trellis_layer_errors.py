@@ -27,11 +27,14 @@ from gptq_error_sources import layer_hessian  # the sibling script, as a module:
 
 
 def quantizers(bits: int, group: int) -> dict:
+    l12 = dict(state_bits=12, length=64)  # --quantizer trellis-l12's trellis, in each tile shape
     return {"turboquant": quantizer_for("turboquant", bits, True, group), "e8p": quantizer_for("e8", bits, True, group),
-            "trellis, 64 columns of a row": Trellis(bits, tile_rows=1),
-            "trellis, tiles of 4 x 16": Trellis(bits, tile_rows=4),
-            "trellis, tiles of 8 x 8": Trellis(bits, tile_rows=8),
-            "trellis, tiles of 32 x 2": Trellis(bits, tile_rows=32)}
+            "trellis L 12, 64 columns of a row": Trellis(bits, tile_rows=1, **l12),
+            "trellis L 12, tiles of 4 x 16": Trellis(bits, tile_rows=4, **l12),
+            "trellis L 12, tiles of 8 x 8": Trellis(bits, tile_rows=8, **l12),
+            "trellis L 12, tiles of 32 x 2 (trellis-l12)": Trellis(bits, tile_rows=32, **l12),
+            "trellis L 16, tiles of 16 x 16 (trellis-l16, QTIP's)": Trellis(bits, tile_rows=16),
+            "trellis L 16, tiles of 64 x 4 (the default)": Trellis(bits)}
 
 
 def main(argv=None):

@@ -57,7 +57,8 @@ def test_the_bits_counted_are_the_bits_the_files_store_and_never_over_budget(mod
     quantkit format (codes, scales, g_idx and the rotation's signs)."""
     out = tmp_path / "q"
     report = quantkit.quantize(str(model_factory("llama-gqa")), out, quantkit.QuantConfig(
-        method=method, target_bits=target, group_size=32, checkpoint_format=fmt), calibration_ids=IDS)
+        method=method, target_bits=target, group_size=32, checkpoint_format=fmt,
+        quantizer="trellis-l12" if method == "trellis" else None), calibration_ids=IDS)  # k, v: 32 rows
     stored, weights = 0, 0
     with safe_open(next(out.glob("*.safetensors")), "pt") as f:
         for key in f.keys():
@@ -102,6 +103,14 @@ def test_a_budget_no_setting_meets_is_refused_before_any_work(model_factory, tmp
                                 "rtn", "--target-bits", "1.5", "--dataset", str(_text(tmp_path)), "--nsamples", "2",
                                 "--seqlen", "32", "--device", "cpu"])
     assert done.exit_code == 2 and "ask for at least 2." in done.output and "Traceback" not in done.output
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_layer_no_rate_can_cut_is_named_with_its_reason_before_any_work(model_factory, tmp_path):
+    """The trellis's tiles are 64 rows: k_proj's 32 are not (q_proj's 64 are, in the same fused q/k/v group)."""
+    with pytest.raises(QuantkitError, match=r"k_proj: the trellis quantizer rounds tiles of 64 rows.*skip: true"):
+        quantkit.quantize(str(model_factory("llama-gqa")), tmp_path / "q", quantkit.QuantConfig(
+            method="trellis", target_bits=3.0, group_size=32), calibration_ids=IDS)
     assert not (tmp_path / "q").exists()
 
 

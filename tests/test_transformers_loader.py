@@ -15,7 +15,7 @@ FORMATS = {
     "turboquant": dict(method="turboquant", bits=4, group_size=32),
     "e8p": dict(method="e8", bits=2, group_size=32),
     "rotated int": dict(method="gptq", bits=4, group_size=32, rotate="hadamard"),
-    "trellis": dict(method="trellis", bits=2, group_size=32),
+    "trellis": dict(method="trellis", quantizer="trellis-l12", bits=2, group_size=32),  # k, v: 32 rows
     "mixed": dict(method="turboquant", bits=4, group_size=32,  # 3-bit down_proj, o_proj left in float
                   modules=[{"pattern": r"mlp\.down_proj", "bits": 3}, {"pattern": r"self_attn\.o_proj", "skip": True}]),
 }

@@ -58,13 +58,23 @@ def brute_free_start(x, table, L, kV, weights):
     return best
 
 
+@pytest.fixture(params=["c", "torch"])
+def search_path(request, monkeypatch):
+    """Runs a test on both searches: the C one (trellis_viterbi.c) and the torch one it must agree with."""
+    if request.param == "torch":
+        monkeypatch.setattr(tv, "native_search", lambda: None)
+    elif tv.native_search() is None:
+        pytest.skip("the C search could not be built here (no C compiler)")
+    return request.param
+
+
 def sample(B, n, V, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(B, n, V, generator=gen), torch.rand(B, n, V, generator=gen) + 0.1
 
 
 @pytest.mark.parametrize("L,k,V,n", SMALL)
-def test_exact_tail_biting_equals_brute_force(L, k, V, n):
+def test_exact_tail_biting_equals_brute_force(L, k, V, n, search_path):
     x, w = sample(5, n, V)
     table = small_table(L, V)
     states, cost = tv.tail_biting_exact(x, table, L, k * V, w)
@@ -75,7 +85,7 @@ def test_exact_tail_biting_equals_brute_force(L, k, V, n):
 
 
 @pytest.mark.parametrize("L,k,V,n", [(4, 1, 1, 6), (4, 2, 1, 4), (5, 1, 2, 4), (6, 1, 1, 5)])
-def test_free_start_viterbi_equals_brute_force(L, k, V, n):
+def test_free_start_viterbi_equals_brute_force(L, k, V, n, search_path):
     x, w = sample(4, n, V, seed=1)
     table = small_table(L, V, "1mad")
     states, cost = tv.viterbi(x, table, L, k * V, w)
@@ -86,7 +96,7 @@ def test_free_start_viterbi_equals_brute_force(L, k, V, n):
 
 
 @pytest.mark.parametrize("L,k,V,n", SMALL)
-def test_qtip_tail_biting_is_a_valid_walk_no_better_than_the_optimum(L, k, V, n):
+def test_qtip_tail_biting_is_a_valid_walk_no_better_than_the_optimum(L, k, V, n, search_path):
     x, w = sample(8, n, V, seed=2)
     table = small_table(L, V)
     states, cost = tv.tail_biting(x, table, L, k * V, w)
@@ -115,12 +125,38 @@ def test_tiles_are_read_row_by_row():
 
 
 def test_chunked_search_equals_one_chunk(monkeypatch):
+    monkeypatch.setattr(tv, "native_search", lambda: None)  # the torch search's chunks
     x, w = sample(40, 16, 2, seed=4)
     table = tc.values("3inst", 8, 2)
     whole = tv.tail_biting(x, table, 8, 4, w)
     monkeypatch.setitem(tv.CHUNK_ELEMENTS, "cpu", 7 << 8)  # 7 sequences per chunk, the last one short
     parts = tv.tail_biting(x, table, 8, 4, w)
     assert torch.equal(whole[0], parts[0])
+
+
+@pytest.mark.parametrize("L,k,V,n", [(12, 2, 1, 32), (12, 3, 1, 64), (12, 2, 2, 32), (9, 4, 2, 8)])
+@pytest.mark.parametrize("B,threads", [(40, 1), (40, 2), (5, 3)])
+def test_c_search_agrees_with_the_torch_search(L, k, V, n, B, threads, monkeypatch):
+    """40 sequences: three groups of 16 lanes, the last one padded, one after another or side by side; 5 sequences:
+    one group whose steps three threads split (where a step has enough states). Free, start-constrained and
+    tail-biting searches. Near-ties may pick other paths: each path's cost is its own, and the costs agree."""
+    if tv.native_search() is None:
+        pytest.skip("the C search could not be built here (no C compiler)")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    x, w = sample(B, n, V, seed=5)
+    table = tc.values("1mad" if V == 1 else "3inst", L, V)
+    overlap = torch.randint(0, 1 << (L - k * V), (B,), generator=torch.Generator().manual_seed(6))
+    runs = {"free": lambda: tv.viterbi(x, table, L, k * V, w),
+            "bound": lambda: tv.viterbi(x, table, L, k * V, w, start=overlap, end=overlap),
+            "tail-biting": lambda: tv.tail_biting(x, table, L, k * V, w)}
+    c = {name: run() for name, run in runs.items()}
+    monkeypatch.setattr(tv, "native_search", lambda: None)
+    for name, run in runs.items():
+        states, cost = c[name]
+        torch.testing.assert_close(cost, run()[1], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(path_cost(x, table, states, w), cost, rtol=1e-5, atol=1e-4)
+    assert torch.equal(c["bound"][0][:, 0] >> k * V, overlap)
+    assert torch.equal(c["bound"][0][:, -1] & ((1 << (L - k * V)) - 1), overlap)
 
 
 @pytest.mark.parametrize("code,V", [("1mad", 1), ("3inst", 1), ("1mad", 2), ("3inst", 2)])
@@ -182,7 +218,7 @@ def test_gaussian_distortion_is_trellis_like():
 @pytest.mark.parametrize("act_order,tiles", [(False, False), (True, False), (False, True)])
 def test_gptq_rounds_whole_sequences_with_weighted_search(act_order, tiles):
     gen = torch.Generator().manual_seed(7)
-    W = torch.randn(32, 192, generator=gen)
+    W = torch.randn(64, 192, generator=gen)
     X = torch.randn(1024, 192, generator=gen) @ torch.randn(192, 192, generator=gen) * 0.2
     q = Trellis(2, length=256, tile_rows=16) if tiles else quantizer_for("trellis", 2, True, -1)
     g = GPTQ(W)
@@ -195,8 +231,10 @@ def test_gptq_rounds_whole_sequences_with_weighted_search(act_order, tiles):
 
 def test_settings_are_checked():
     assert "trellis" in quantizer_names() and {"trellis", "trellis+gptq"} <= set(method_names())
+    with pytest.raises(QuantkitError, match="multiple of 4"):
+        quantizer_for("trellis", 2, True, 34)
     with pytest.raises(QuantkitError, match="multiple of 2"):
-        quantizer_for("trellis", 2, True, 35)
+        quantizer_for("trellis-l12", 2, True, 35)
     with pytest.raises(QuantkitError, match="multiple of 16"):
         quantizer_for("trellis-l16", 2, True, 72)
     with pytest.raises(QuantkitError, match="bits"):
@@ -221,33 +259,34 @@ def test_settings_are_checked():
 
 @pytest.mark.parametrize("method", ["trellis+gptq"])
 def test_writes_loads_and_gives_the_in_loop_logits(tmp_path, monkeypatch, method):
-    # layer widths of whole 64-weight sequences (the shared tiny models' 96-wide down_proj is not)
-    monkeypatch.setitem(CONFIGS, "llama-64x128", lambda: _llama(kv_heads=2, hidden=64, intermediate=128))
-    src = make_model_folder("llama-64x128", tmp_path)
+    # output widths of whole 64-row tiles: k and v 2 heads of 32 (the shared tiny models' are 32 wide)
+    monkeypatch.setitem(CONFIGS, "llama-128x128", lambda: _llama(kv_heads=2, hidden=128, intermediate=128))
+    src = make_model_folder("llama-128x128", tmp_path)
     results = capture_results(monkeypatch)
     quantize(str(src), tmp_path / "q", QuantConfig(method=method, bits=2, group_size=64, nsamples=4, seqlen=32),
              device="cpu", calibration_ids=calibration())
     layer = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["layers"][
         "model.layers.0.mlp.down_proj"]
-    assert layer["quantizer"] == "trellis" and layer["state_bits"] == 12 and layer["rotation"]["type"] == "hadamard"
+    assert layer["quantizer"] == "trellis" and layer["state_bits"] == 16 and layer["tile_rows"] == 64
+    assert layer["rotation"]["type"] == "hadamard"
     model = loads_as_in_loop(tmp_path / "q", src, results, calibration()[:2])
     assert isinstance(model.model.layers[0].mlp.down_proj, DecodedLinear)
 
 
 def test_tiles_of_rows_are_checked_before_any_work():
-    """The default tiles are 32 rows: a layer of 48 outputs is refused by the shape check the pipeline runs first."""
+    """The default tiles are 64 rows: a layer of 96 outputs is refused by the shape check the pipeline runs first."""
     from quantkit.core.groups import check_shape
 
-    check_shape(Trellis(2), 128, 128, rows=64)
-    with pytest.raises(QuantkitError, match="tiles of 32 rows"):
-        check_shape(Trellis(2), 128, 128, rows=48)
+    check_shape(Trellis(2), 128, 128, rows=128)
+    with pytest.raises(QuantkitError, match="tiles of 64 rows"):
+        check_shape(Trellis(2), 128, 128, rows=96)
 
 
 def test_a_killed_trellis_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     """SIGKILL after block 0 of a trellis+gptq run, then --resume: the checkpoint an uninterrupted run writes, byte
     for byte (the search is deterministic, and resumed blocks see the replayed inputs bit for bit)."""
-    monkeypatch.setitem(CONFIGS, "llama-64x128", lambda: _llama(kv_heads=2, hidden=64, intermediate=128, layers=3))
-    src = make_model_folder("llama-64x128", tmp_path)
+    monkeypatch.setitem(CONFIGS, "llama-128x128", lambda: _llama(kv_heads=2, hidden=128, intermediate=128, layers=3))
+    src = make_model_folder("llama-128x128", tmp_path)
     (tmp_path / "calib.txt").write_text("\n".join(f"A quiet river number {i} ran past the old mill and the green "
                                                    "hills every morning." for i in range(20)))
 

@@ -18,12 +18,14 @@ from quantkit.core import bitpack  # noqa: E402
 from quantkit.kernels.codebook import codebook_linear, decode_codebook, decode_table, lookup_of  # noqa: E402
 from quantkit.kernels.device import triton_available  # noqa: E402
 from quantkit.nn.decoded_linear import DecodedLinear  # noqa: E402
-from quantkit.schemes.trellis import Trellis  # noqa: E402
+from quantkit.schemes.trellis import FAST_SETTING as FAST, Trellis  # noqa: E402
 from triton_cases import device_params, rerun_with_interpreter  # noqa: E402
 
 DEVICES = device_params(None if triton_available() else "not importable", INTERPRET, PREIMPORTED)
-QUANTIZERS = [Trellis(3), Trellis(2), Trellis(2, code="hyb"), Trellis(4), Trellis(1), Trellis(2, step=1, code="1mad"),
-              Trellis(3, state_bits=16, length=256, tile_rows=16), Trellis(4, step=2, code="3inst", state_bits=14)]
+# --quantizer trellis-l12's setting (FAST) for most: small layers, a short interpreter run
+QUANTIZERS = [Trellis(3, **FAST), Trellis(2, **FAST), Trellis(2, code="hyb", **FAST), Trellis(4, **FAST),
+              Trellis(1, **FAST), Trellis(2, step=1, code="1mad", **FAST), Trellis(3, state_bits=16, length=256,
+              tile_rows=16), Trellis(2), Trellis(4, step=2, code="3inst", state_bits=14, length=64, tile_rows=32)]
 
 
 def layer(quantizer, n, k, group_size, seed, scattered=False):
@@ -43,7 +45,7 @@ def test_a_trellis_has_a_kernel_decode_but_no_unit_lookup():
     """Its state spans a tile of rows: no per-unit table (the CPU decodes through the quantizer), no fused tiles."""
     decode = Trellis(2, code="hyb").kernel_decode
     assert decode.variant == "trellis" and not decode.unit_local and len(decode.table) == 2 * 512
-    assert decode.trellis == (12, 2, "hyb", 32, 64)
+    assert decode.trellis == (16, 2, "hyb", 64, 256)
     assert lookup_of(Trellis(2), 128) is None and lookup_of(Trellis(3), 128) is None
 
 
@@ -80,8 +82,8 @@ def test_a_trellis_layer_multiplies_through_the_kernel(device, m):
 @pytest.mark.parametrize("device", DEVICES)
 def test_decoded_linear_runs_a_trellis_layer_on_the_kernel_path(device, monkeypatch):
     quantizer = Trellis(2)
-    t = layer(quantizer, 32, 128, 64, seed=5)
-    module = DecodedLinear(128, 32, quantizer, 64, 2, bias=False, dtype=torch.float32)
+    t = layer(quantizer, 64, 128, 64, seed=5)
+    module = DecodedLinear(128, 64, quantizer, 64, 2, bias=False, dtype=torch.float32)
     module.codes.copy_(t["codes"]), module.g_idx.copy_(t["g_idx"]), module.scale.copy_(t["scales"])
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(1))
     strips = module(x)  # the CPU's path: strips decoded through the quantizer

@@ -106,9 +106,10 @@ def allocate(config, codec, source, specs: dict, shapes: dict, fused: dict, ids,
     weights = sum(shapes[n][0] * shapes[n][1] for n in names)
     budget = (8 * (parse_size(config.target_size) - other) if config.target_size is not None
               else int(config.target_bits * weights))
-    unfit = next((g[0] for g, row in zip(groups, sizes) if all(x is None for x in row)), None)
-    if unfit is not None:
-        raise QuantkitError(_unfit(config, settings[0], unfit, shapes[unfit]))
+    unfit = next((g for g, row in zip(groups, sizes) if all(x is None for x in row)), None)
+    if unfit is not None:  # name the member that does not fit (q of a fused q/k/v group may, k not)
+        name = next(n for n in unfit if stored_bits(codec, settings[0], shapes[n], config) is None)
+        raise QuantkitError(_unfit(config, settings[0], name, shapes[name]))
     least = sum(min(x for x in row if x is not None) for row in sizes)
     if least > budget:  # refused before the sensitivity pass
         raise QuantkitError(_too_small(config, least, weights, other))

@@ -2,7 +2,7 @@
 methods trellis (rotated, data-free) and trellis+gptq (inside GPTQ's error feedback).
 
 A layer's weights are cut into sequences of `length` weights: tiles of `tile_rows` rows x length / tile_rows consecutive
-columns, read row by row (by default tiles of 32 rows x 2 columns: see below). The tile's columns are the quantizer's
+columns, read row by row (by default tiles of 64 rows x 4 columns: see below). The tile's columns are the quantizer's
 width: GPTQ rounds one column block of tiles at a time, its error fed to the columns after it. Each
 sequence is one tail-biting walk through the bitshift trellis of quantkit.schemes.trellis_codes: `state_bits` L bits
 of state, `step` V weights per step, `bits` k bits per weight, state values from `code` (1mad, 3inst or hyb):
@@ -15,16 +15,16 @@ quantkit.schemes.trellis_viterbi with QTIP's two-search tail-biting, weighted pe
 error costs differ by column). dequantize decodes states from codes with the tables the search used: a reader's
 weights are the search's bit for bit.
 
-Defaults, measured on unit Gaussians in blocks of 128 with an fp16 scale each, one core of the project's CPU
-(scripts/bench_distortion.py): L = 12 and sequences of 64 weights (tiles of 32 x 2: a width that divides every common
-layer width and group); per bit width the step and code with the least MSE at that L: V = 2 with 3INST at 1 and 2
-bits (V = 1 gains 1 % at 2 bits for 3.5x the time), V = 1 with 1MAD at 3 and 4 bits (V = 2 shares only L - 2k state
-bits between steps: 7 % / 26 % more MSE). MSE 0.0754 / 0.0194 / 0.0050 at 2 / 3 / 4 bits (1.21 / 1.24 / 1.29x the
-bound 4^-k; E8P: 0.0888 / 0.0277 / 0.0073) in 3.7 / 8.6-10 / 6.9-7.1 s per million weights. QTIP's L = 16 needs long
-sequences to pay (16 x 16 tiles: length 256, tile_rows 16): 0.0686 / 0.0175 / 0.0045 (1.10 / 1.12 / 1.16x) with V =
-1 1MAD in 179 / 130 / 95 s per million weights, or 0.0689 at 2 bits with V = 2 3INST in 51 s: a GPU's work (the
-search is plain torch and runs on the weight's device). `--quantizer trellis-l16` is that setting (QTIP's), for
---method trellis / trellis+gptq too.
+Defaults, measured on unit Gaussians in blocks of 256 with an fp16 scale each, one core of the project's CPU
+(scripts/bench_distortion.py, the C search): QTIP's L = 16 over sequences of 256 weights, in tiles of 64 rows x 4
+columns (GPTQ feeds back per 4 columns; 64 divides every common layer width); per bit width the step and code with
+the least MSE: V = 2 with 3INST at 1 and 2 bits (V = 1 gains 0.4 % at 2 bits for 3.8x the time), V = 1 with 1MAD at 3
+and 4 bits (V = 2 shares only L - 2k state bits between steps: 3 % / 7 % more MSE). MSE 0.0691 / 0.0176 / 0.0045 at
+2 / 3 / 4 bits (1.11 / 1.13 / 1.16x the bound 4^-k; E8P: 0.0888 / 0.0277 / 0.0073) in 9.5 / 24 / 15 s per million
+weights. `--quantizer trellis-l12` (L = 12 on tiles of 32 x 2, the default until 2026-11-28) searches 10-15x faster
+for 1.21 / 1.24 / 1.29x the bound; `--quantizer trellis-l16` is QTIP's own tile shape (16 x 16), which GPTQ's
+feedback likes less than 64 x 4 (one unit of 16 columns). The 4-bit MSE reaches 1.13x the bound only at L = 19 (L
+17: 1.146x, 18: 1.134x, each state bit doubling the search).
 
 The scale of a group (`scale`): "rms" is the group's rms over the value table's, times GAIN[bits] (measured the same
 way: a trellis at more bits wants a wider table); "refit" also searches the group at that scale and keeps the
@@ -48,15 +48,16 @@ SUPPORTED_BITS = (1, 2, 3, 4)
 SCALES = ("rms", "refit")
 GAIN = {1: 0.85, 2: 1.0, 3: 1.1, 4: 1.15}  # the rms scale's multiplier per bit width, measured (module docstring)
 DEFAULT_STEP_CODE = {1: (2, "3inst"), 2: (2, "3inst"), 3: (1, "1mad"), 4: (1, "1mad")}  # per bit width, measured
-DEFAULT_STATE_BITS, DEFAULT_LENGTH = 12, 64
-# Tiles of 32 rows x 2 columns, not 64 columns of a row: GPTQ feeds the error back once per unit of `width` columns,
-# and a unit of 64 lost more than the trellis gained. SmolLM2 layers.15.self_attn.o_proj, 3 bits, g128, rotated, GPTQ
-# with act-order (relative output error; data-free in brackets): 64 columns 0.00411 (0.01730), 4 x 16 tiles 0.00256,
-# 8 x 8 0.00232 (0.01689), 16 x 4 0.00225, 32 x 2 0.00223, 64 x 1 0.00221; turboquant 0.00387 (0.02751), e8p 0.00361
-# (0.02466). At 2 bits 8 x 8 0.00947, 32 x 2 0.00910 (v_proj of block 2: 0.02330, 0.02262; down_proj of block 15:
-# 0.02392, 0.02395), and the whole model 66.16 -> 62.33 ppl (docs/QUALITY.md). 32 x 2 is the narrowest tile that
-# takes two weights per step; the sequence is the same 64 weights, so the distortion per weight is unchanged.
-DEFAULT_TILE_ROWS = 32
+DEFAULT_STATE_BITS, DEFAULT_LENGTH = 16, 256
+# Narrow tiles, not a row's columns: GPTQ feeds the error back once per unit of `width` columns, and wide units lose
+# more than the trellis gains. SmolLM2 layers.15.self_attn.o_proj, 3 bits, g128, rotated, GPTQ with act-order
+# (relative output error; data-free in brackets), L = 12, sequences of 64: 64 columns of a row 0.00411 (0.01730),
+# 4 x 16 tiles 0.00256, 8 x 8 0.00232 (0.01689), 16 x 4 0.00225, 32 x 2 0.00223, 64 x 1 0.00221; turboquant 0.00387
+# (0.02751), e8p 0.00361 (0.02466). At L = 16, sequences of 256: 16 x 16 tiles 0.00230 (0.01539), 64 x 4 0.00202
+# (0.01499); at 2 bits 0.00947 and 0.00829 (L = 12, 32 x 2: 0.00910). 64 x 4 is the narrowest tile of 256 weights
+# whose height divides common widths (k/v projections of 192 and 1024 rows; 128 x 2 would not).
+DEFAULT_TILE_ROWS = 64
+FAST_SETTING = dict(state_bits=12, length=64, tile_rows=32)  # --quantizer trellis-l12: the default until 2026-11-28
 HYB_INDEX_BITS = 9
 
 
@@ -81,8 +82,8 @@ class Trellis(OneScalePerGroup):
     tile_rows: int = DEFAULT_TILE_ROWS
 
     name = "trellis"
-    summary = ("QTIP's bitshift trellis (12 state bits; exact Viterbi over tail-biting tiles of 32 rows x 2 columns; "
-               "output widths a multiple of 32), one fp16 scale per group; bits 1-4")
+    summary = ("QTIP's bitshift trellis (16 state bits; exact Viterbi over tail-biting tiles of 64 rows x 4 columns; "
+               "output widths a multiple of 64), one fp16 scale per group; bits 1-4")
     weighted_round = True
 
     def __post_init__(self):
@@ -226,8 +227,18 @@ def qtip_setting(bits: int, sym: bool, group_size: int) -> Trellis:
     return Trellis.from_spec(bits, sym, group_size, state_bits=16, length=256, tile_rows=16)
 
 
+def fast_setting(bits: int, sym: bool, group_size: int) -> Trellis:
+    """The fast setting, the default until 2026-11-28: L = 12 over tiles of 32 x 2 (sequences of 64 weights)."""
+    return Trellis.from_spec(bits, sym, group_size, **FAST_SETTING)
+
+
+register_spec_name("trellis-l12", fast_setting,
+                   "the trellis with 12 state bits over tiles of 32 x 2 weights: a 10-15x faster search for 8-10 % "
+                   "more error (1.21-1.29x the distortion bound against 1.10-1.16x); output widths a multiple of 32; "
+                   "recorded as trellis; --method trellis and trellis+gptq take it", method="trellis")
 register_spec_name("trellis-l16", qtip_setting,
-                   "the trellis at QTIP's setting, 16 state bits over tiles of 16 x 16 weights (1.10-1.16x the "
-                   "distortion bound against 1.21-1.29x, for 16-40x the search time: a GPU's work; recorded as "
-                   "trellis; --method trellis and trellis+gptq take it)", method="trellis")
+                   "the trellis at QTIP's own tile shape, 16 state bits over tiles of 16 x 16 weights (GPTQ's "
+                   "feedback, one unit of 16 columns, left 14 % more error on a SmolLM2 layer than the default's "
+                   "64 x 4); output widths a multiple of 16; recorded as trellis; --method trellis and trellis+gptq "
+                   "take it", method="trellis")
 offer_method("trellis", "QTIP's trellis-coded quantization (bitshift trellis, exact Viterbi, tail-biting)")
