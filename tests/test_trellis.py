@@ -4,6 +4,8 @@ to the search's reconstruction bit for bit, the rate exactly k bits per weight p
 about N(0, 1), the quantizer through rtn and GPTQ's error feedback, and a checkpoint written, loaded and run."""
 import itertools
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from quantkit.nn.decoded_linear import DecodedLinear
 from quantkit.run.config import QuantConfig
 from quantkit.schemes.trellis import Trellis
 from test_quantizers import calibration, capture_results, loads_as_in_loop
-from test_resume import assert_same_checkpoint, cli, killed
+from test_resume import assert_same_checkpoint, killed
 from tiny_models import CONFIGS, _llama, make_model_folder
 
 # (L, k, V, steps): short trellises whose every code sequence can be tried
@@ -284,7 +286,9 @@ def test_tiles_of_rows_are_checked_before_any_work():
 
 def test_a_killed_trellis_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     """SIGKILL after block 0 of a trellis+gptq run, then --resume: the checkpoint an uninterrupted run writes, byte
-    for byte (the search is deterministic, and resumed blocks see the replayed inputs bit for bit)."""
+    for byte (the search is deterministic, and resumed blocks see the replayed inputs bit for bit). Every run is a
+    process of its own: the C and the torch searches round near-ties differently, and in the whole suite's process the
+    search was once seen to run as torch ops (why is open) while the killed child ran the C one."""
     monkeypatch.setitem(CONFIGS, "llama-128x128", lambda: _llama(kv_heads=2, hidden=128, intermediate=128, layers=3))
     src = make_model_folder("llama-128x128", tmp_path)
     (tmp_path / "calib.txt").write_text("\n".join(f"A quiet river number {i} ran past the old mill and the green "
@@ -295,11 +299,16 @@ def test_a_killed_trellis_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
                 "--dataset", tmp_path / "calib.txt", "--nsamples", 2, "--seqlen", 16, "--max-shard-size", "20KB",
                 *extra]
 
+    def child(*argv):  # each run in a fresh process, as the killed one is
+        done = subprocess.run([sys.executable, "-c", "import sys; from quantkit.cli import main; main(sys.argv[1:])",
+                               *[str(a) for a in argv]], cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout + done.stderr
+
     ref, out = tmp_path / "ref", tmp_path / "out"
-    assert cli(*args(ref)).exit_code == 0
+    child(*args(ref))
     killed((tmp_path, src), out, "block-00000", [str(a) for a in args(out)])
-    resumed = cli(*args(out, "--resume"))
-    assert resumed.exit_code == 0 and "block 0 of 3 is done" in resumed.output, resumed.output
+    assert "block 0 of 3 is done" in child(*args(out, "--resume"))
     assert_same_checkpoint(ref, out)
 
 
