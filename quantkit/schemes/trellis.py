@@ -21,7 +21,7 @@ columns (GPTQ feeds back per 4 columns; 64 divides every common layer width); pe
 the least MSE: V = 2 with 3INST at 1 and 2 bits (V = 1 gains 0.4 % at 2 bits for 3.8x the time), V = 1 with 1MAD at 3
 and 4 bits (V = 2 shares only L - 2k state bits between steps: 3 % / 7 % more MSE). MSE 0.0691 / 0.0176 / 0.0045 at
 2 / 3 / 4 bits (1.11 / 1.13 / 1.16x the bound 4^-k; E8P: 0.0888 / 0.0277 / 0.0073) in 9.5 / 24 / 15 s per million
-weights. `--quantizer trellis-l12` (L = 12 on tiles of 32 x 2, the default until 2026-11-28) searches 10-15x faster
+weights. `--quantizer trellis-l12` (L = 12 on tiles of 32 x 2, the default until 2026-11-28) searches 13-23x faster
 for 1.21 / 1.24 / 1.29x the bound; `--quantizer trellis-l16` is QTIP's own tile shape (16 x 16), which GPTQ's
 feedback likes less than 64 x 4 (one unit of 16 columns). The 4-bit MSE reaches 1.13x the bound only at L = 19 (L
 17: 1.146x, 18: 1.134x, each state bit doubling the search).
@@ -233,7 +233,7 @@ def fast_setting(bits: int, sym: bool, group_size: int) -> Trellis:
 
 
 register_spec_name("trellis-l12", fast_setting,
-                   "the trellis with 12 state bits over tiles of 32 x 2 weights: a 10-15x faster search for 8-10 % "
+                   "the trellis with 12 state bits over tiles of 32 x 2 weights: a 13-23x faster search for 8-10 % "
                    "more error (1.21-1.29x the distortion bound against 1.10-1.16x); output widths a multiple of 32; "
                    "recorded as trellis; --method trellis and trellis+gptq take it", method="trellis")
 register_spec_name("trellis-l16", qtip_setting,
