@@ -1,12 +1,19 @@
 """Triton decode of trellis layers (quantkit.schemes.trellis): packed codes -> states -> values -> Ŵᵀ.
 
 A weight's state is the window of the last ceil(L / kV) symbols of its step in its tail-biting sequence (a tile of
-TILE_ROWS output columns of Ŵᵀ x WIDTH inputs, read output by output: quantkit.schemes.trellis_codes). Each program
-decodes a [BLOCK_K, BLOCK_N] block of Ŵᵀ: it gathers every weight's window from the packed columns (LSB-first bit
-streams along K, triton_decode.packed_codes; the codes are a few bits of L1-resident words), ORs them into the state,
-and computes the value from the state with 32-bit integer ops as QTIP's kernels do: one or two LCG steps, then 1MAD's
-byte sum or 3INST's two fp16 halves, or HYB's table row with its sign bit. Times the group scale in float32, rounded
-once to the activation dtype: bit for bit the torch reference's Ŵ (tests/test_trellis_kernel.py).
+TILE_ROWS output columns of Ŵᵀ x WIDTH inputs, read output by output: quantkit.schemes.trellis_codes). Each lane of a
+program walks one tile row, WIDTH weights of one output: it builds the state before the row's first step from the
+symbols of the rows before it (the tile's last rows for its first: tail-biting), then shifts in one symbol a step. A
+row's codes are one field of WIDTH x k bits of the output's bit stream along K (LSB first, triton_decode.packed_codes),
+loaded once, its symbols taken by shifts; rows wider than 16 bits (QTIP's 16 x 16 tiles) are read symbol by symbol.
+The value comes from the state with 32-bit integer ops as QTIP's kernels do: one or two LCG steps, then 1MAD's byte
+sum or 3INST's two fp16 halves, or HYB's table row with its sign bit. Times the group scale in float32, rounded once
+to the activation dtype: bit for bit the torch reference's Ŵ (tests/test_trellis_kernel.py). The lanes of a program
+are [BLOCK_J tile columns, BLOCK_N outputs], outputs fastest, so each of a row's WIDTH stores is coalesced along N.
+
+The walk replaced (2026-11-28, thirteenth session) a decode that gathered every weight's whole window of codes:
+sm_90 SASS per weight (scripts/sass_stats.py --kind trellis) 71.3 -> 17.3 at 2 bits, 187.4 -> 28.9 at 3, 96.8 -> 23.1
+at 4 (L = 16 on 64 x 4 tiles). Not yet timed on a GPU.
 
 The GEMM is the prefill path's for every M (kernels/codebook.py): the weight decoded to a transient fp16/bf16 matrix,
 then cuBLAS. A fused kernel (the state built in registers per tile, as QTIP's are) is not written yet.
@@ -21,15 +28,16 @@ from quantkit.kernels.triton_decode import packed_codes, round_to
 from quantkit.schemes.trellis_codes import CODES, INST, INST_MASK, INST_XOR, MAD, MAD_CENTRE, MAD_STD, \
     THREE_INST_GAIN
 
-# The decode tile [BLOCK_K, BLOCK_N] per code width: the largest none of whose sm_90 compiles spills registers
-# (scripts/sass_stats.py --kind trellis; at 3 bits the 64 x 64 tile spilled, 22 and 95 spills at L = 12 and 16, and
-# took 11x L = 12's time at L = 16 on an H200; at 4 bits it spills 6 on the default 64 x 4 trellis tiles).
-TILES = {1: (64, 64), 2: (64, 64), 3: (64, 32), 4: (64, 32)}
+# A program's lanes [BLOCK_J tile columns, BLOCK_N outputs], 4 warps, at every code width: no spills (scripts/sass_stats.py
+# --kind trellis, which CI runs with --check); 8 x 64, 32 x 32, 32 x 64 and 16 x 128 compiled to within 12 % of its
+# instructions per weight (the gather decode before the walk spilled at 3 and 4 bits on 64 x 64 blocks).
+LANES = (16, 64)
 # What the kernel reads of trellis_codes, as constexprs (a jitted function reads no other globals). Codes by their
 # index in CODES.
 MAD_A, MAD_B, INST_A, INST_B = (tl.constexpr(c) for c in MAD + INST)
 INST_AND, INST_XOR_C = tl.constexpr(INST_MASK), tl.constexpr(INST_XOR)
 MAD_MEAN, MAD_DIV, INST_GAIN = tl.constexpr(MAD_CENTRE), tl.constexpr(MAD_STD), tl.constexpr(THREE_INST_GAIN)
+MAD_RCP = tl.constexpr(float(torch.tensor(1.0) / torch.tensor(MAD_STD)))  # 1 / MAD_STD rounded to float32
 assert CODES == ("1mad", "3inst", "hyb")
 
 
@@ -46,54 +54,49 @@ def _lcg(x, A: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _state(codes_ptr, kk, nn, mask, N, KW, BITS: tl.constexpr, L: tl.constexpr, V: tl.constexpr,
-           TILE_ROWS: tl.constexpr, WIDTH: tl.constexpr):
-    """(state, v) of the weights at inputs kk [BLOCK_K, 1] x outputs nn [1, BLOCK_N]: the uint32 state of the step
-    holding each weight and the weight's coordinate v in that step."""
-    STEPS: tl.constexpr = TILE_ROWS * WIDTH // V
-    WINDOW: tl.constexpr = (L + BITS * V - 1) // (BITS * V)
-    c, r = kk % WIDTH, nn % TILE_ROWS
-    p = r * WIDTH + c                      # the weight's position in its sequence
-    t, v = p // V, p % V
-    state = tl.zeros(p.shape, tl.uint32)
-    for j in tl.static_range(WINDOW):      # symbol t - j, circularly, at bits [kVj, kVj + kV)
-        step = (t - j + STEPS) % STEPS
-        if WIDTH % V == 0:  # the symbol's V codes are adjacent along K in one output: one field of kV bits
-            pos = step * V
-            symbol = packed_codes(codes_ptr + (nn - r + pos // WIDTH), (kk - c + pos % WIDTH) // V, N, mask, KW,
-                                  BITS * V)
-            state |= symbol.to(tl.uint32) << (BITS * V * j)
-        else:
-            for u in tl.static_range(V):
-                pos = step * V + u
-                code = packed_codes(codes_ptr + (nn - r + pos // WIDTH), kk - c + pos % WIDTH, N, mask, KW, BITS)
-                state |= code.to(tl.uint32) << (BITS * (V * j + u))
-    return state & ((1 << L) - 1), v
+def _row_field(codes_ptr, row, n0, jj, mask, N, KW, FIELD: tl.constexpr):
+    """The FIELD bits (a tile row's codes: WIDTH x k) of tile row `row` of each lane's tile (its first output n0, its
+    inputs from jj * WIDTH): consecutive fields of one output's bit stream along K."""
+    return packed_codes(codes_ptr + (n0 + row), jj, N, mask, KW, FIELD).to(tl.uint32)
 
 
 @triton.jit
-def _value(state, v, table_ptr, L: tl.constexpr, V: tl.constexpr, CODE: tl.constexpr, Q: tl.constexpr):
+def _symbol(codes_ptr, step, n0, jj, mask, N, KW, KV: tl.constexpr, V: tl.constexpr, WIDTH: tl.constexpr):
+    """The kV-bit symbol of step `step` of each lane's sequence (the tile starting at output n0 and input jj * WIDTH):
+    the step's V codes are adjacent along K in one output (a tile row holds whole steps), so one field of kV bits."""
+    pos = step * V
+    field = packed_codes(codes_ptr + (n0 + pos // WIDTH), (jj * WIDTH + pos % WIDTH) // V, N, mask, KW, KV)
+    return field.to(tl.uint32)
+
+
+@triton.jit
+def _value(state, v: tl.constexpr, table_ptr, L: tl.constexpr, CODE: tl.constexpr, Q: tl.constexpr):
     """Coordinate v of the value of each state, float32 (quantkit.schemes.trellis_codes says how)."""
     if CODE == 2:  # HYB: row (h >> (L-1-Q)) mod 2^Q of the table, h = s(s+1) mod 2^32; bit L-1 of h flips x
         h = state * (state + 1)
         row = ((h >> (L - 1 - Q)) & ((1 << Q) - 1)).to(tl.int32)
         value = tl.load(table_ptr + row * 2 + v)
-        value = tl.where((v == 0) & (((h >> (L - 1)) & 1) == 1), -value, value)
-    else:
-        if CODE == 0:
-            x = _lcg(state, MAD_A, MAD_B)
-            if V == 2:
-                x = tl.where(v == 1, _lcg(x, MAD_A, MAD_B), x)
-            total = (x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)
-            value = tl.div_rn((total.to(tl.int32) - MAD_MEAN).to(tl.float32), tl.full((), MAD_DIV, tl.float32))
-        else:
-            x = _lcg(state, INST_A, INST_B)
-            if V == 2:
-                x = tl.where(v == 1, _lcg(x, INST_A, INST_B), x)
-            y = (x & _u32(INST_AND)) ^ _u32(INST_XOR_C)
-            hi = (y >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-            lo = (y & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-            value = (hi + lo).to(tl.float32) * INST_GAIN  # the fp16 sum, as an fp16 decoder computes it
+        if v == 0:
+            value = tl.where(((h >> (L - 1)) & 1) == 1, -value, value)
+    elif CODE == 0:  # 1MAD: the byte sum of the v+1-th LCG iterate
+        x = _lcg(state, MAD_A, MAD_B)
+        for _ in tl.static_range(v):
+            x = _lcg(x, MAD_A, MAD_B)
+        total = (x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)
+        # total - 510 as a float without an int -> float conversion: 2^23 + total has total in its low mantissa bits
+        n = (total | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + MAD_MEAN)
+        # n / 147.8...: one FMA-refined reciprocal product, the correctly rounded quotient (what torch's division
+        # gives) for every n in -510..510 (checked exhaustively), where div_rn compiles to a slow-path subroutine
+        q = n * MAD_RCP
+        value = tl.fma(tl.fma(-q, MAD_DIV, n), MAD_RCP, q)
+    else:  # 3INST: two fp16 bit patterns of the v+1-th LCG iterate, summed in fp16
+        x = _lcg(state, INST_A, INST_B)
+        for _ in tl.static_range(v):
+            x = _lcg(x, INST_A, INST_B)
+        y = (x & _u32(INST_AND)) ^ _u32(INST_XOR_C)
+        hi = (y >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        lo = (y & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        value = (hi + lo).to(tl.float32) * INST_GAIN  # the fp16 sum, as an fp16 decoder computes it
     return value
 
 
@@ -101,17 +104,45 @@ def _value(state, v, table_ptr, L: tl.constexpr, V: tl.constexpr, CODE: tl.const
 def trellis_dequant_kernel(codes_ptr, scales_ptr, g_idx_ptr, table_ptr, out_ptr, N, K, KW,
                            BITS: tl.constexpr, L: tl.constexpr, V: tl.constexpr, CODE: tl.constexpr,
                            Q: tl.constexpr, TILE_ROWS: tl.constexpr, WIDTH: tl.constexpr,
-                           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETER: tl.constexpr):
-    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_mask, n_mask = offs_k < K, offs_n < N
-    mask = k_mask[:, None] & n_mask[None, :]
-    state, v = _state(codes_ptr, offs_k[:, None], offs_n[None, :], mask, N, KW, BITS, L, V, TILE_ROWS, WIDTH)
-    value = _value(state, v, table_ptr, L, V, CODE, Q)
-    g = tl.load(g_idx_ptr + offs_k, mask=k_mask, other=0)
-    s = tl.load(scales_ptr + g[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    out = offs_k.to(tl.int64)[:, None] * N + offs_n[None, :]
-    tl.store(out_ptr + out, round_to(value * s, out_ptr.dtype.element_ty, INTERPRETER), mask=mask)
+                           BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETER: tl.constexpr):
+    """Each lane walks one tile row (WIDTH inputs of one output): the state of the row's first step from the window
+    of symbols before it (the tile's last rows for its first row: tail-biting), then one symbol shifted in a step."""
+    S: tl.constexpr = WIDTH // V                      # steps per tile row
+    KV: tl.constexpr = BITS * V
+    WINDOW: tl.constexpr = (L + KV - 1) // KV         # symbols that make up a state
+    STEPS: tl.constexpr = TILE_ROWS * S
+    jj = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)[:, None]   # tile columns: inputs jj * WIDTH + ...
+    nn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]   # outputs
+    j_mask = jj < K // WIDTH
+    mask = j_mask & (nn < N)
+    r = nn % TILE_ROWS
+    n0, t0 = nn - r, r * S
+    state = tl.zeros((BLOCK_J, BLOCK_N), tl.uint32)
+    if S * KV <= 16:  # a tile row's codes are one field: load each row once, take its symbols by shifts
+        ROWS_BEFORE: tl.constexpr = (WINDOW + S - 1) // S
+        for q in tl.static_range(ROWS_BEFORE, 0, -1):  # the rows before, oldest first (circularly: tail-biting)
+            field = _row_field(codes_ptr, (r + (TILE_ROWS - q)) % TILE_ROWS, n0, jj, mask, N, KW, S * KV)
+            for u in tl.static_range(S):
+                if q * S - u <= WINDOW:  # one of the WINDOW symbols before the row
+                    state = (state << KV) | ((field >> (u * KV)) & ((1 << KV) - 1))
+        field = _row_field(codes_ptr, r, n0, jj, mask, N, KW, S * KV)
+    else:  # wide rows (QTIP's 16 x 16 tiles): symbol by symbol
+        for i in tl.static_range(WINDOW):  # the symbols before the row's first step, oldest first, circularly
+            state = (state << KV) | _symbol(codes_ptr, (t0 + (STEPS - WINDOW + i)) % STEPS, n0, jj, mask, N, KW, KV,
+                                            V, WIDTH)
+    for u in tl.static_range(S):
+        if S * KV <= 16:
+            symbol = (field >> (u * KV)) & ((1 << KV) - 1)
+        else:
+            symbol = _symbol(codes_ptr, t0 + u, n0, jj, mask, N, KW, KV, V, WIDTH)
+        state = (state << KV) | symbol
+        for v in tl.static_range(V):
+            value = _value(state & ((1 << L) - 1), v, table_ptr, L, CODE, Q)
+            k = jj * WIDTH + (u * V + v)
+            g = tl.load(g_idx_ptr + k, mask=j_mask, other=0)
+            s = tl.load(scales_ptr + g * N + nn, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + k.to(tl.int64) * N + nn, round_to(value * s, out_ptr.dtype.element_ty, INTERPRETER),
+                     mask=mask)
 
 
 def check_layer(x, codes, scales, g_idx, table, bits, state_bits, step, code, tile_rows, length, bias=None):
@@ -136,11 +167,12 @@ def trellis_dequantize(codes, scales, g_idx, table, bits, state_bits, step, code
     n = scales.shape[1]
     w = torch.empty(k, n, dtype=dtype, device=codes.device)
     q = max(int(table.numel() // 2).bit_length() - 1, 0)
-    block_k, block_n = TILES[bits]
-    grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
+    width = length // tile_rows
+    block_j, block_n = LANES
+    grid = (triton.cdiv(k // width, block_j), triton.cdiv(n, block_n))
     with on_device(codes):
         trellis_dequant_kernel[grid](codes, scales, g_idx.to(torch.int32), table.contiguous(), w, n, k,
                                      codes.shape[0], BITS=bits, L=state_bits, V=step, CODE=CODES.index(code), Q=q,
-                                     TILE_ROWS=tile_rows, WIDTH=length // tile_rows, BLOCK_K=block_k,
+                                     TILE_ROWS=tile_rows, WIDTH=width, BLOCK_J=block_j,
                                      BLOCK_N=block_n, INTERPRETER=not codes.is_cuda)
     return w

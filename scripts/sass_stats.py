@@ -150,14 +150,15 @@ def _trellis_launch(config, _, bits):
     sig = {"codes_ptr": "*i32", "scales_ptr": "*fp16", "g_idx_ptr": "*i32", "table_ptr": "*fp32", "out_ptr": "*fp16",
            "N": "i32", "K": "i32", "KW": "i32"}
     const = dict(BITS=bits, L=kw["L"], V=q.step, CODE=CODES.index(q.code), Q=0, TILE_ROWS=q.tile_rows,
-                 WIDTH=q.length // q.tile_rows, BLOCK_K=kw["BLOCK_K"], BLOCK_N=kw["BLOCK_N"], INTERPRETER=False)
+                 WIDTH=q.length // q.tile_rows, BLOCK_J=kw["BLOCK_J"], BLOCK_N=kw["BLOCK_N"], INTERPRETER=False)
     return triton_trellis.trellis_dequant_kernel, sig, const, [n for n in sig if n.endswith("_ptr")] + ["N", "K", "KW"]
 
 
 def _trellis_configs():
-    """The decode tile of each code width (triton_trellis.TILES), at the default L = 16 and trellis-l12's 12."""
-    return [triton.Config(dict(BITS=b, L=L, BLOCK_K=bk, BLOCK_N=bn), num_warps=4, num_stages=3)
-            for b, (bk, bn) in triton_trellis.TILES.items() for L in (12, 16)]
+    """The decode's lanes (triton_trellis.LANES) at each code width, at the default L = 16 and trellis-l12's 12."""
+    bj, bn = triton_trellis.LANES
+    return [triton.Config(dict(BITS=b, L=L, BLOCK_J=bj, BLOCK_N=bn), num_warps=4, num_stages=3)
+            for b in (1, 2, 3, 4) for L in (12, 16)]
 
 
 def _codebook_configs():
@@ -220,7 +221,7 @@ def tile_name(config):
     if "B" in kw:
         return f"{kw['BLOCK_M']} x {kw['B']}"
     if "L" in kw:
-        return f"L {kw['L']}, - x {kw['BLOCK_N']} x {kw['BLOCK_K']}"
+        return f"L {kw['L']}, {kw['BLOCK_J']} tile rows x {kw['BLOCK_N']} outputs"
     tile = f"{kw.get('BLOCK_M', '-')} x {kw['BLOCK_N']} x {kw['BLOCK_K']}"
     return f"{kw['VARIANT']} {tile}" if "VARIANT" in kw else tile
 
@@ -239,9 +240,9 @@ def loop_stats(kind, config, arch=90, bits=4, dump=None):
     if kind == "rotate":   # no loop over K: per element, and the butterflies unroll into the whole kernel
         loop = whole_kernel(sass)
         per_thread = const["BLOCK_M"] * const["B"] / (32 * config.num_warps)
-    elif kind == "trellis":  # no loop: every weight's window of codes unrolled
+    elif kind == "trellis":  # no loop: each lane's walk along its tile row unrolled
         loop = whole_kernel(sass)
-        per_thread = const["BLOCK_N"] * const["BLOCK_K"] / (32 * config.num_warps)
+        per_thread = const["BLOCK_N"] * const["BLOCK_J"] * const["WIDTH"] / (32 * config.num_warps)
     else:                  # the K loop (the dequantize kernels have none), weights per thread per trip
         loop = main_loop(sass) or whole_kernel(sass)
         per_thread = const["BLOCK_N"] * const["BLOCK_K"] / (32 * config.num_warps)

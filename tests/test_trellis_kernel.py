@@ -25,7 +25,9 @@ DEVICES = device_params(None if triton_available() else "not importable", INTERP
 # --quantizer trellis-l12's setting (FAST) for most: small layers, a short interpreter run
 QUANTIZERS = [Trellis(3, **FAST), Trellis(2, **FAST), Trellis(2, code="hyb", **FAST), Trellis(4, **FAST),
               Trellis(1, **FAST), Trellis(2, step=1, code="1mad", **FAST), Trellis(3, state_bits=16, length=256,
-              tile_rows=16), Trellis(2), Trellis(4, step=2, code="3inst", state_bits=14, length=64, tile_rows=32)]
+              tile_rows=16), Trellis(2), Trellis(4, step=2, code="3inst", state_bits=14, length=64, tile_rows=32),
+              Trellis(3), Trellis(4), Trellis(3, length=64, tile_rows=64), Trellis(2, step=1, code="3inst", state_bits=12,
+                                                                            length=192, tile_rows=64)]
 
 
 def layer(quantizer, n, k, group_size, seed, scattered=False):
