@@ -28,9 +28,10 @@ from quantkit.kernels.triton_decode import packed_codes, round_to
 from quantkit.schemes.trellis_codes import CODES, INST, INST_MASK, INST_XOR, MAD, MAD_CENTRE, MAD_STD, \
     THREE_INST_GAIN
 
-# A program's lanes [BLOCK_J tile columns, BLOCK_N outputs], 4 warps, at every code width: no spills (scripts/sass_stats.py
-# --kind trellis, which CI runs with --check); 8 x 64, 32 x 32, 32 x 64 and 16 x 128 compiled to within 12 % of its
-# instructions per weight (the gather decode before the walk spilled at 3 and 4 bits on 64 x 64 blocks).
+# A program's lanes [BLOCK_J tile columns, BLOCK_N outputs], 4 warps, at every code width: no spills
+# (scripts/sass_stats.py --kind trellis, which CI runs with --check); 8 x 64, 32 x 32, 32 x 64 and 16 x 128 compiled
+# to within 12 % of its instructions per weight (the gather decode before the walk spilled at 3 and 4 bits on 64 x 64
+# blocks).
 LANES = (16, 64)
 # What the kernel reads of trellis_codes, as constexprs (a jitted function reads no other globals). Codes by their
 # index in CODES.

@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """A codebook layer's CPU strip decode, side by side in one run: through the quantizer's dequantize, and through the
-lookup tables (quantkit.kernels.codebook.lookup_of) that DecodedLinear's strips now take.
+lookup tables (quantkit.kernels.codebook.lookup_of) that DecodedLinear's strips now take; for a trellis (no lookup),
+its dequantize as torch ops against its C walk (quantkit/schemes/trellis_decode.c), which the dequantize takes
+where a C compiler is found.
 
 For each quantizer and layer shape (K inputs x N outputs, random codes, fp16 scales, groups of --group-size), the
 milliseconds (the fastest of --repeat) to decode the whole layer to float32 Wᵀ [K, N] each way, and their ratio.
@@ -8,26 +10,43 @@ The two must agree bit for bit: the script exits 1 where they do not.
 
     python scripts/bench_cpu_codebook.py                        # SmolLM2's MLP shapes
     python scripts/bench_cpu_codebook.py --shapes 4096x4096 --quantizers turboquant4 e8p2
+    python scripts/bench_cpu_codebook.py --quantizers trellis2 trellis3 trellis4
 """
 import argparse
 import sys
+from contextlib import contextmanager
 from functools import partial
 
 import torch
 
 from bench_cpu_int4 import add_cpu_options, start, timed
 
-QUANTIZERS = ("turboquant2", "turboquant3", "turboquant4", "e8p2", "e8p3", "e8p4", "e8box2", "e8box3")
+QUANTIZERS = ("turboquant2", "turboquant3", "turboquant4", "e8p2", "e8p3", "e8p4", "e8box2", "e8box3", "trellis2",
+              "trellis3", "trellis4")
 
 
 def quantizer(spec: str, group_size: int):
     from quantkit.schemes.e8 import E8Box
     from quantkit.schemes.e8p import E8P
+    from quantkit.schemes.trellis import Trellis
     from quantkit.schemes.turboquant import TurboQuant
 
     name, bits = spec.rstrip("0123456789"), int(spec[len(spec.rstrip("0123456789")):])
     return {"turboquant": lambda: TurboQuant(bits, group_size), "e8p": lambda: E8P(bits),
-            "e8box": lambda: E8Box(bits)}[name]()
+            "e8box": lambda: E8Box(bits), "trellis": lambda: Trellis(bits)}[name]()
+
+
+@contextmanager
+def torch_ops_only():
+    """The trellis decode without its C walk, as on a machine with no C compiler."""
+    from quantkit.schemes import trellis_codes
+
+    saved = trellis_codes.native_decode
+    trellis_codes.native_decode = lambda: None
+    try:
+        yield
+    finally:
+        trellis_codes.native_decode = saved
 
 
 def layer(q, k: int, n: int, group_size: int):
@@ -52,7 +71,7 @@ def main(argv=None) -> int:
     from quantkit.kernels.codebook import decode_codebook, lookup_columns, lookup_of
 
     start(args, f"group size {args.group_size}")
-    print("| quantizer | K x N | dequantize (ms) | lookup (ms) | speed-up |\n|---|---|---|---|---|")
+    print("| quantizer | K x N | dequantize (ms) | lookup or C walk (ms) | speed-up |\n|---|---|---|---|---|")
     wrong = []
     for spec in args.quantizers:
         q = quantizer(spec, args.group_size)
@@ -60,17 +79,26 @@ def main(argv=None) -> int:
             k, n = map(int, shape.split("x"))
             codes, scales, g_idx = layer(q, k, n, args.group_size)
             lookup = lookup_of(q, k)
-            slow = timed(lambda: decode_codebook(codes, scales, g_idx, q, k), args.repeat)
+            decode = partial(decode_codebook, codes, scales, g_idx, q, k)
+            if q.name == "trellis":
+                with torch_ops_only():
+                    slow, reference = timed(decode, args.repeat), decode()
+                fast = timed(decode, args.repeat)
+                if not torch.equal(decode(), reference):
+                    wrong.append(f"{spec} {shape}")
+                print(f"| {spec} | {k} x {n} | {slow:.2f} | {fast:.2f} | {slow / fast:.1f}x |")
+                continue
+            slow = timed(decode, args.repeat)
             if lookup is None:
                 print(f"| {spec} | {k} x {n} | {slow:.2f} | (none) | |")
                 continue
             by_lookup = partial(lookup_columns, codes, scales, lookup, q.code_bits, k, group_width(k, args.group_size))
             fast = timed(by_lookup, args.repeat)
-            if not torch.equal(by_lookup(), decode_codebook(codes, scales, g_idx, q, k)):
+            if not torch.equal(by_lookup(), decode()):
                 wrong.append(f"{spec} {shape}")
             print(f"| {spec} | {k} x {n} | {slow:.2f} | {fast:.2f} | {slow / fast:.1f}x |")
     if wrong:
-        print(f"\nthe lookup decoded differently from the dequantize: {', '.join(wrong)}", file=sys.stderr)
+        print(f"\nthe lookup or C walk decoded differently from the dequantize: {', '.join(wrong)}", file=sys.stderr)
     return 1 if wrong else 0
 
 

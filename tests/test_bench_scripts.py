@@ -260,6 +260,21 @@ def test_bench_cpu_codebook_checks_the_lookup_against_the_dequantize(capsys, mon
     assert bench.main(argv) == 1
 
 
+def test_bench_cpu_codebook_checks_the_trellis_c_walk_against_its_torch_ops(capsys, monkeypatch):
+    """The trellis rows: the dequantize as torch ops against its C walk; a walk that decodes differently fails."""
+    bench = pytest.importorskip("bench_cpu_codebook")
+    from quantkit.schemes import trellis, trellis_codes
+
+    if trellis_codes.native_decode() is None:
+        pytest.skip("the C decode could not be built here (no C compiler)")
+    argv = ["--shapes", "128x64", "--quantizers", "trellis2", "--group-size", "32", "--repeat", "1", "--threads", "1"]
+    assert bench.main(argv) == 0
+    assert any(line.startswith("| trellis2 | 128 x 64 |") for line in capsys.readouterr().out.splitlines())
+    walk = trellis.values_of_codes
+    monkeypatch.setattr(trellis, "values_of_codes", lambda *a: None if (v := walk(*a)) is None else v.neg())
+    assert bench.main(argv) == 1
+
+
 @pytest.mark.parametrize("fmt", ["int4", "int4-asym", "int3", "int8", "int4-rotated", "turboquant4", "e8p2",
                                  "trellis3"])
 def test_kernel_formats_compute_with_the_weight_they_report(fmt):

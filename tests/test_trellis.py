@@ -209,6 +209,26 @@ def test_decode_of_the_codes_is_the_search_reconstruction_and_the_rate_is_exact(
     assert make_quantizer("trellis", **q.settings()) == q
 
 
+@pytest.mark.parametrize("settings", [
+    dict(bits=2), dict(bits=3), dict(bits=4), dict(bits=2, state_bits=12, length=64, tile_rows=32),
+    dict(bits=3, length=256, tile_rows=16), dict(bits=3, length=64, tile_rows=64), dict(bits=2, code="hyb"),
+    dict(bits=2, step=1, code="3inst", state_bits=12, length=192, tile_rows=64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_c_decode_is_the_torch_decode(settings, threads, monkeypatch):
+    """trellis_decode.c walks each tile (tiles 1, 3, 4 and 16 columns wide; the codes read in place through a
+    transposed view, as the layer's packed layout gives them); the torch decode gathers every state's window."""
+    if tc.native_decode() is None:
+        pytest.skip("the C decode could not be built here (no C compiler)")
+    q = make_quantizer("trellis", **settings)
+    gen = torch.Generator().manual_seed(threads)
+    codes = torch.randint(0, 1 << q.bits, (3 * q.width * 4, 4 * q.tile_rows), generator=gen, dtype=torch.int32).t()
+    scale = torch.rand(codes.shape, generator=gen)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    native = q.dequantize(codes, {"scale": scale})
+    monkeypatch.setattr(tc, "native_decode", lambda: None)
+    assert torch.equal(native, q.dequantize(codes, {"scale": scale}))
+
+
 def test_gaussian_distortion_is_trellis_like():
     gen = torch.Generator().manual_seed(6)
     w = torch.randn(64, 512, generator=gen)

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 from typing import Optional
@@ -87,3 +88,9 @@ def load(source: Path) -> Optional[ctypes.CDLL]:
     warnings.warn(f"{compiler} could not build {source.name} into {cache_folder()} ({why}): it runs as torch ops, "
                   "several times slower (set XDG_CACHE_HOME to a folder you can write, or install gcc)")
     return None
+
+
+@cache
+def pool(workers: int) -> ThreadPoolExecutor:
+    """Threads that run C calls side by side (ctypes lets go of the GIL during a call)."""
+    return ThreadPoolExecutor(workers)

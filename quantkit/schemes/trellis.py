@@ -40,7 +40,7 @@ from quantkit.core.options import is_int
 from quantkit.schemes.base import KernelDecode, offer_method, register_quantizer, register_spec_name
 from quantkit.schemes.grid import check_bits
 from quantkit.schemes.scales import OneScalePerGroup, fp16_scale
-from quantkit.schemes.trellis_codes import CODES, codes_of_symbols, states_of_codes, sunflower_table
+from quantkit.schemes.trellis_codes import CODES, codes_of_symbols, states_of_codes, sunflower_table, values_of_codes
 from quantkit.schemes.trellis_codes import values as state_values
 from quantkit.schemes.trellis_viterbi import tail_biting
 
@@ -217,9 +217,12 @@ class Trellis(OneScalePerGroup):
 
     def dequantize(self, codes: torch.Tensor, params: dict) -> torch.Tensor:
         """Weights [rows, cols] of codes [rows, cols] with per-column params (scale [rows, cols])."""
-        states = states_of_codes(self.sequences(codes), self.state_bits, self.bits, self.step)
-        points = self.values(codes.device)[states].reshape(-1, self.length)
-        return params["scale"].float() * self.unsequence(points, codes.shape)
+        points = values_of_codes(codes, self.values("cpu"), self.state_bits, self.bits, self.step, self.tile_rows,
+                                 self.width)
+        if points is None:  # off the CPU, or no C compiler
+            states = states_of_codes(self.sequences(codes), self.state_bits, self.bits, self.step)
+            points = self.unsequence(self.values(codes.device)[states].reshape(-1, self.length), codes.shape)
+        return params["scale"].float() * points
 
 
 def qtip_setting(bits: int, sym: bool, group_size: int) -> Trellis:

@@ -28,7 +28,6 @@ it shares with the last state, its "overlap", are the last state's low bits):
                     for small L (tests, and measuring the approximation).
 """
 import ctypes
-from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -106,12 +105,6 @@ def native_search():
     return search, library.trellis_lanes()
 
 
-@cache
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """Runs groups of lanes side by side (ctypes lets go of the GIL in the call)."""
-    return ThreadPoolExecutor(workers)
-
-
 def _search_native(search, lanes, feat, dist, L, kV, start, end):
     """_search's contract, by the C search: the sequences padded to groups of `lanes`. torch's threads go to groups
     side by side where there are enough groups, else to splitting each group's steps (GPTQ's calls bring few)."""
@@ -143,7 +136,7 @@ def _search_native(search, lanes, feat, dist, L, kV, start, end):
         for g in range(groups):
             run(g)
     else:
-        list(_pool(side_by_side).map(run, range(groups)))
+        list(native.pool(side_by_side).map(run, range(groups)))
     return states.view(padded, n)[:B].to(torch.int64), cost.view(padded)[:B]
 
 
