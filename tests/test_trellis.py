@@ -225,6 +225,8 @@ def test_the_c_decode_is_the_torch_decode(settings, threads, monkeypatch):
     scale = torch.rand(codes.shape, generator=gen)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     native = q.dequantize(codes, {"scale": scale})
+    with pytest.raises(QuantkitError, match="does not split"):  # checked before the C reads a partial tile
+        q.dequantize(codes[1:], {"scale": scale[1:]})
     monkeypatch.setattr(tc, "native_decode", lambda: None)
     assert torch.equal(native, q.dequantize(codes, {"scale": scale}))
 

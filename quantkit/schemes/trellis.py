@@ -169,13 +169,18 @@ class Trellis(OneScalePerGroup):
         """The rms of the value table: the scale that maps it onto unit-rms weights."""
         return float(self.values("cpu").pow(2).mean().sqrt())
 
+    def check_tiles(self, shape) -> None:
+        """QuantkitError unless a [rows, cols] weight is whole tiles of tile_rows rows x width columns."""
+        rows, cols = shape
+        if rows % self.tile_rows or cols % self.width:
+            raise QuantkitError(f"the trellis quantizer reads tiles of {self.tile_rows} rows x {self.width} columns: "
+                                f"a [{rows}, {cols}] weight does not split into them")
+
     def sequences(self, t: torch.Tensor) -> torch.Tensor:
         """[sequences, length] of t [rows, cols]: tiles of tile_rows rows x width columns, each read row by row."""
+        self.check_tiles(t.shape)
         rows, cols = t.shape
         h, c = self.tile_rows, self.width
-        if rows % h or cols % c:
-            raise QuantkitError(f"the trellis quantizer reads tiles of {h} rows x {c} columns: a [{rows}, {cols}] "
-                                f"weight does not split into them")
         return t.reshape(rows // h, h, cols // c, c).transpose(1, 2).reshape(-1, self.length)
 
     def unsequence(self, seqs: torch.Tensor, shape) -> torch.Tensor:
@@ -217,8 +222,9 @@ class Trellis(OneScalePerGroup):
 
     def dequantize(self, codes: torch.Tensor, params: dict) -> torch.Tensor:
         """Weights [rows, cols] of codes [rows, cols] with per-column params (scale [rows, cols])."""
-        points = values_of_codes(codes, self.values("cpu"), self.state_bits, self.bits, self.step, self.tile_rows,
-                                 self.width)
+        self.check_tiles(codes.shape)
+        points = values_of_codes(codes, self.values(codes.device), self.state_bits, self.bits, self.step,
+                                 self.tile_rows, self.width)
         if points is None:  # off the CPU, or no C compiler
             states = states_of_codes(self.sequences(codes), self.state_bits, self.bits, self.step)
             points = self.unsequence(self.values(codes.device)[states].reshape(-1, self.length), codes.shape)

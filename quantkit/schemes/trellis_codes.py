@@ -156,11 +156,11 @@ def native_decode():
 
 def values_of_codes(codes: torch.Tensor, table: torch.Tensor, L: int, k: int, V: int, tile_rows: int,
                     width: int) -> Optional[torch.Tensor]:
-    """[rows, cols] float32: the state value of every weight of a layer's codes [rows, cols] (tiles of tile_rows x
-    width, each a tail-biting sequence read row by row; table [2^L, V] float32), by the C walk of
+    """[rows, cols] float32: the state value of every weight of a layer's codes [rows, cols] (whole tiles of
+    tile_rows x width, each a tail-biting sequence read row by row; table [2^L, V] float32), by the C walk of
     trellis_decode.c; None off the CPU or where it cannot be built (the caller decodes with torch ops). The
-    torch decode's values bit for bit (the same table), 6-7x faster (an inference forward on the CPU decodes
-    every weight of every layer)."""
+    torch decode's values bit for bit (the same table), and what makes a trellis layer's CPU forward, which decodes
+    its whole weight, several times faster (scripts/bench_cpu_codebook.py)."""
     decode = native_decode() if codes.device.type == "cpu" else None
     if decode is None:
         return None
@@ -172,8 +172,8 @@ def values_of_codes(codes: torch.Tensor, table: torch.Tensor, L: int, k: int, V:
     bounds = [tiles * i // workers for i in range(workers + 1)]
 
     def run(i):
-        decode(codes.shape[1], *codes.stride(), L, k, V, tile_rows, width, bounds[i], bounds[i + 1], codes.data_ptr(),
-               table.data_ptr(), out.data_ptr())
+        decode(codes.shape[1], *codes.stride(), L, k, V, tile_rows, width, bounds[i], bounds[i + 1],
+               codes.data_ptr(), table.data_ptr(), out.data_ptr())
 
     list(native.pool(workers).map(run, range(workers)))
     return out
