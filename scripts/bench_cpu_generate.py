@@ -17,7 +17,9 @@ before the next, as a second generate() call would), and reports:
 Rows: the source model in float32 and bfloat16, and quantkit checkpoints of it (made in --workdir by `quantize`, reused
 when there) from the source stored in --source-dtype: RTN w4 g128 (also with --lm-head: lm_head quantized, the
 embedding then only looked up) and w3 g128 (GPTQ layout), TurboQuant w4 and E8P w2 (codebooks, rotated: their strips
-decode through lookup tables, quantkit.kernels.codebook), loaded in bfloat16 (the int4 CPU kernel decodes,
+decode through lookup tables, quantkit.kernels.codebook), the trellis w2 (data-free `--method trellis`: its strips
+decode through the quantizer, by a C walk of each tile where a C compiler is found), loaded in bfloat16 (the int4 CPU
+kernel decodes,
 quantkit.nn.cpu_int4_linear) and in float32 (exact strip-wise decode), and w4 with
 cache_dequantized=True (the decoded weights kept: the memory of the fp32 model).
 With --llama-bench (llama.cpp's benchmark binary) and --gguf files of the same model, llama-bench's prefill and
@@ -26,6 +28,7 @@ With --mmap-threshold, every row runs under that glibc setting (the peaks then h
 
     python scripts/bench_cpu_generate.py ~/.cache/quantkit-assets/smollm2-135m --workdir /tmp/bench_cpu_generate \\
         --llama-bench /path/to/llama.cpp/build/bin/llama-bench --gguf smollm2-Q4_0.gguf smollm2-Q4_K_M.gguf
+    python scripts/bench_cpu_generate.py SMOLLM2 --rows "turboquant w4 g128, bf16" "trellis w2 g128, bf16"
 """
 import argparse
 import json
@@ -40,14 +43,16 @@ CHECKPOINTS = {"rtn-w4-g128": dict(method="rtn", bits=4, group_size=128),
                "rtn-w4-g128-lm-head": dict(method="rtn", bits=4, group_size=128, lm_head=True),
                "rtn-w3-g128": dict(method="rtn", bits=3, group_size=128),
                "turboquant-w4-g128": dict(method="turboquant", bits=4, group_size=128),
-               "e8p-w2-g128": dict(method="e8", bits=2, group_size=128)}
+               "e8p-w2-g128": dict(method="e8", bits=2, group_size=128),
+               "trellis-w2-g128": dict(method="trellis", bits=2, group_size=128)}
 ROWS = [("fp32", "source", "float32", False), ("bf16", "source", "bfloat16", False),
         ("w4 g128, bf16", "rtn-w4-g128", "bfloat16", False), ("w4 g128, fp32", "rtn-w4-g128", "float32", False),
         ("w4 g128, fp32, cache_dequantized", "rtn-w4-g128", "float32", True),
         ("w4 g128 + lm_head, bf16", "rtn-w4-g128-lm-head", "bfloat16", False),
         ("w3 g128, bf16", "rtn-w3-g128", "bfloat16", False),
         ("turboquant w4 g128, bf16", "turboquant-w4-g128", "bfloat16", False),
-        ("e8p w2 g128, bf16", "e8p-w2-g128", "bfloat16", False)]
+        ("e8p w2 g128, bf16", "e8p-w2-g128", "bfloat16", False),
+        ("trellis w2 g128, bf16", "trellis-w2-g128", "bfloat16", False)]
 
 
 def status(key: str) -> int:
@@ -135,12 +140,13 @@ def run_child(path, dtype, cache, args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def make_checkpoints(args, work: Path) -> dict:
+def make_checkpoints(args, work: Path, names) -> dict:
     from quantkit.api import quantize
     from quantkit.run.config import QuantConfig
 
     folders = {}
-    for name, options in CHECKPOINTS.items():
+    for name in names:
+        options = CHECKPOINTS[name]
         folders[name] = work / name
         if not (folders[name] / "quantkit_report.json").exists():
             print(f"quantizing {name} into {folders[name]}", flush=True)
@@ -198,6 +204,8 @@ def main(argv=None):
                         "slower for it")
     p.add_argument("--llama-bench", help="llama.cpp's llama-bench binary, for the anchor rows")
     p.add_argument("--gguf", nargs="*", default=[], help="GGUF files of the same model for llama-bench")
+    p.add_argument("--rows", nargs="+", choices=[name for name, *_ in ROWS], metavar="ROW",
+                   help="run only these rows (and bf16, the baseline), by name: " + "; ".join(n for n, *_ in ROWS))
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -207,8 +215,10 @@ def main(argv=None):
     import torch
 
     args.source = str(source_in(args.source, args.source_dtype, Path(args.workdir)))
-    folders = {"source": Path(args.source), **make_checkpoints(args, Path(args.workdir))}
-    results = [(name, run_child(str(folders[src]), dtype, cache, args)) for name, src, dtype, cache in ROWS]
+    rows = [row for row in ROWS if args.rows is None or row[0] in args.rows or row[0] == "bf16"]
+    made = make_checkpoints(args, Path(args.workdir), sorted({src for _, src, *_ in rows} - {"source"}))
+    folders = {"source": Path(args.source), **made}
+    results = [(name, run_child(str(folders[src]), dtype, cache, args)) for name, src, dtype, cache in rows]
     bf16 = dict(results)["bf16"]
     print(f"\nCPU: {cpu_name()}, {args.threads} threads, torch {torch.__version__} "
           f"({torch.backends.cpu.get_cpu_capability()}); batch 1, prompt {args.prompt}, {args.new_tokens} new tokens; "

@@ -31,6 +31,7 @@ way: a trellis at more bits wants a wider table); "refit" also searches the grou
 least-squares scale of the codes found (s = <w, p> / <p, p>): about 1 % less MSE for a second search per group.
 """
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -158,11 +159,10 @@ class Trellis(OneScalePerGroup):
         return out
 
     def values(self, device) -> torch.Tensor:
-        """[2^L, V] float32: every state's value, on `device` (cached: GPTQ asks once per sequence)."""
-        key = ("_values", torch.device(device))
-        if key not in self.__dict__:
-            self.__dict__[key] = state_values(self.code, self.state_bits, self.step, self.table).to(device)
-        return self.__dict__[key]
+        """[2^L, V] float32: every state's value, on `device`; one table per setting, shared by every layer that
+        has it (GPTQ asks once per sequence; a CPU forward's decode looks it up per weight, and a table per layer
+        would push each layer's out of the cache before it is used again)."""
+        return _state_table(self.code, self.state_bits, self.step, self.table, torch.device(device))
 
     @property
     def spread(self) -> float:
@@ -229,6 +229,11 @@ class Trellis(OneScalePerGroup):
             states = states_of_codes(self.sequences(codes), self.state_bits, self.bits, self.step)
             points = self.unsequence(self.values(codes.device)[states].reshape(-1, self.length), codes.shape)
         return params["scale"].float() * points
+
+
+@lru_cache(maxsize=16)
+def _state_table(code: str, L: int, V: int, table, device: torch.device) -> torch.Tensor:
+    return state_values(code, L, V, table).to(device)
 
 
 def qtip_setting(bits: int, sym: bool, group_size: int) -> Trellis:
