@@ -90,6 +90,17 @@ def load(source: Path) -> Optional[ctypes.CDLL]:
     return None
 
 
+def function(source: Path, name: str, argtypes: list, restype=None):
+    """The C function `name` of the library built from `source`, with its ctypes argument and result types set, or
+    None where the library cannot be built (load's warning says why)."""
+    library = load(source)
+    if library is None:
+        return None
+    fn = getattr(library, name)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 @cache
 def pool(workers: int) -> ThreadPoolExecutor:
     """Threads that run C calls side by side (ctypes lets go of the GIL during a call)."""

@@ -145,13 +145,8 @@ def states_of_codes(codes: torch.Tensor, L: int, k: int, V: int) -> torch.Tensor
 def native_decode():
     """The C decode (trellis_decode.c, built on first use by quantkit.core.native), or None where it cannot be
     built."""
-    library = native.load(Path(__file__).with_name("trellis_decode.c"))
-    if library is None:
-        return None
-    decode = library.trellis_decode
-    decode.argtypes = [ctypes.c_int64] * 10 + [ctypes.c_void_p] * 3
-    decode.restype = None
-    return decode
+    return native.function(Path(__file__).with_name("trellis_decode.c"), "trellis_decode",
+                           [ctypes.c_int64] * 10 + [ctypes.c_void_p] * 3)
 
 
 def values_of_codes(codes: torch.Tensor, table: torch.Tensor, L: int, k: int, V: int, tile_rows: int,

@@ -95,14 +95,11 @@ def _search(feat, dist, L, kV, start, end):
 @cache
 def native_search():
     """(the C search function, its lanes), or None where it cannot be built (quantkit.core.native)."""
-    library = native.load(Path(__file__).with_suffix(".c"))
-    if library is None:
+    source = Path(__file__).with_suffix(".c")
+    search = native.function(source, "trellis_search", [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 9)
+    if search is None:
         return None
-    search = library.trellis_search
-    search.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 9
-    search.restype = None
-    library.trellis_lanes.restype = ctypes.c_int64
-    return search, library.trellis_lanes()
+    return search, native.function(source, "trellis_lanes", [], ctypes.c_int64)()
 
 
 def _search_native(search, lanes, feat, dist, L, kV, start, end):
