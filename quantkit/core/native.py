@@ -101,7 +101,16 @@ def function(source: Path, name: str, argtypes: list, restype=None):
     return fn
 
 
+def side_by_side(run, count: int, workers: int) -> None:
+    """run(0) .. run(count - 1), on `workers` threads at once (ctypes lets go of the GIL during a C call); one after
+    another on the caller's thread when workers is 1."""
+    if workers <= 1:
+        for i in range(count):
+            run(i)
+    else:
+        list(_pool(workers).map(run, range(count)))
+
+
 @cache
-def pool(workers: int) -> ThreadPoolExecutor:
-    """Threads that run C calls side by side (ctypes lets go of the GIL during a call)."""
+def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers)

@@ -170,8 +170,5 @@ def values_of_codes(codes: torch.Tensor, table: torch.Tensor, L: int, k: int, V:
         decode(codes.shape[1], *codes.stride(), L, k, V, tile_rows, width, bounds[i], bounds[i + 1],
                codes.data_ptr(), table.data_ptr(), out.data_ptr())
 
-    helpers = [native.pool(workers).submit(run, i) for i in range(1, workers)]
-    run(0)  # the caller's share: one thread handed work fewer
-    for done in helpers:
-        done.result()
+    native.side_by_side(run, workers, workers)
     return out

@@ -129,11 +129,7 @@ def _search_native(search, lanes, feat, dist, L, kV, start, end):
         search(n, F, L, kV, threads // side_by_side, *(t.data_ptr() for t in (
             feat[g], dist, init[g], want[g], back, scratch[0], scratch[1], states[g], cost[g])))
 
-    if side_by_side == 1:
-        for g in range(groups):
-            run(g)
-    else:
-        list(native.pool(side_by_side).map(run, range(groups)))
+    native.side_by_side(run, groups, side_by_side)
     return states.view(padded, n)[:B].to(torch.int64), cost.view(padded)[:B]
 
 
