@@ -102,13 +102,19 @@ def function(source: Path, name: str, argtypes: list, restype=None):
 
 
 def side_by_side(run, count: int, workers: int) -> None:
-    """run(0) .. run(count - 1), on `workers` threads at once (ctypes lets go of the GIL during a C call); one after
-    another on the caller's thread when workers is 1."""
-    if workers <= 1:
-        for i in range(count):
+    """run(0) .. run(count - 1) on `workers` threads at once, the caller's one of them (ctypes lets go of the GIL
+    during a C call): each thread takes the next index until none is left (a builtin iterator's next is atomic
+    under the GIL)."""
+    items = iter(range(count))
+
+    def drain():
+        for i in items:
             run(i)
-    else:
-        list(_pool(workers).map(run, range(count)))
+
+    helpers = [_pool(workers - 1).submit(drain) for _ in range(min(workers, count) - 1)]
+    drain()
+    for helper in helpers:
+        helper.result()
 
 
 @cache
