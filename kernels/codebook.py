@@ -3,8 +3,9 @@
 How codes become values is the quantizer's KernelDecode (quantkit.schemes.base): a lookup in a table of
 levels (turboquant), the coordinate of a box-truncated E8 point (e8: 8 codes along K per point) or of an E8P point
 (e8p: the 8 codes of a point are one 8b-bit word, decoded through int32 tables), or a trellis state's value
-(trellis: the state gathered from its sequence's codes; not unit_local, so no fused kernel and no CPU lookup: the
-weight is decoded by kernels/triton_trellis.py, then multiplied). This module never names a scheme.
+(trellis: the state walked along its sequence's codes; not unit_local, so no CPU lookup and its own kernels,
+kernels/triton_trellis.py: fused up to 16 rows, above the weight decoded, then multiplied). This module never names
+a scheme.
 
 Layout (quantkit.checkpoint.quantkit_format, generic layers): codes int32 [packed_len(K, bits), N], the
 b-bit codes of each output column packed along K as one LSB-first bit stream (quantkit.core.bitpack:
@@ -139,7 +140,7 @@ def codebook_linear(x, codes, scales, g_idx, table, quantizer, in_features, bias
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"x must be [..., in_features={in_features}], got {tuple(x.shape)}")
     decode = quantizer.kernel_decode
-    if not decode.unit_local:  # a trellis: no fused kernel, the weight decoded then multiplied at every M
+    if not decode.unit_local:  # a trellis: its own kernels (a state spans a tile of rows, not a unit of codes)
         y = trellis_matmul_op(x.reshape(-1, in_features).contiguous(), codes, scales, g_idx, table,
                               quantizer.code_bits, *decode.trellis, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -177,11 +178,14 @@ def _codebook_matmul_fake(x, codes, scales, g_idx, table, bits, variant, offset,
 def trellis_matmul_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                       table: torch.Tensor, bits: int, state_bits: int, step: int, code: str, tile_rows: int,
                       length: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [M, K] @ Ŵᵀ of a trellis layer (KernelDecode.trellis's fields): Ŵᵀ decoded by Triton
-    (kernels/triton_trellis.py) to a transient matrix in x's dtype, then one cuBLAS GEMM."""
+    """x [M, K] @ Ŵᵀ of a trellis layer (KernelDecode.trellis's fields) by Triton (kernels/triton_trellis.py): up to
+    FUSED_MAX_M rows the fused kernel, the weights made in registers; from there Ŵᵀ decoded to a transient matrix in
+    x's dtype, then one cuBLAS GEMM."""
     from quantkit.kernels import triton_trellis  # triton imports only where it runs
 
     shape = (bits, state_bits, step, code, tile_rows, length)
+    if x.shape[0] <= triton_trellis.FUSED_MAX_M and choose_path(x.shape[0]) == "fused":
+        return triton_trellis.trellis_matmul(x, codes, scales, g_idx, table, *shape, bias)
     triton_trellis.check_layer(x, codes, scales, g_idx, table, *shape, bias)
     w = triton_trellis.trellis_dequantize(codes, scales, g_idx, table, *shape, x.shape[1], x.dtype)
     return prefill_gemm(x, w, bias)

@@ -153,7 +153,7 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, ws_ptr, lo
             xs = x_by_code(x, BITS, BLOCK_M, BLOCK_K)
             for c in tl.static_range(32 // BITS):
                 level = tl.load(cb_ptr + ((words >> (BITS * c)) & ((1 << BITS) - 1)))
-                acc = _dot(xs[c], round_to(level * s, x.dtype, INTERPRETER), acc, IEEE, INTERPRETER)
+                acc = dot_into(xs[c], round_to(level * s, x.dtype, INTERPRETER), acc, IEEE, INTERPRETER)
         elif BY_CODE:
             points = _e8p_words(load_words(c_ptr, k0, offs_n, n_mask, N, KW, BITS, BLOCK_K, False), BITS, BLOCK_K,
                                 BLOCK_N)
@@ -165,11 +165,11 @@ def codebook_kernel(x_ptr, c_ptr, s_ptr, g_ptr, cb_ptr, b_ptr, y_ptr, ws_ptr, lo
                 v = _e8p_coordinate(word, signs, shift, j)
                 if BITS == 4:
                     v += _e8p_coordinate(word2, signs2, shift2, j) / RATIO
-                acc = _dot(xs[j], round_to(v * s, x.dtype, INTERPRETER), acc, IEEE, INTERPRETER)
+                acc = dot_into(xs[j], round_to(v * s, x.dtype, INTERPRETER), acc, IEEE, INTERPRETER)
         else:
             v = _tile_values(c_ptr, cb_ptr, k0, offs_k, offs_n, n_mask, N, KW, OFFSET, RATIO, BITS, DECODE, BLOCK_K,
                              BLOCK_N)
-            acc = _dot(x, round_to(v * s, x.dtype, INTERPRETER), acc, IEEE, INTERPRETER)
+            acc = dot_into(x, round_to(v * s, x.dtype, INTERPRETER), acc, IEEE, INTERPRETER)
     store_tile(y_ptr, b_ptr, ws_ptr, lock_ptr, acc, offs_m, offs_n, m_mask, n_mask, M, N, N, pid, pid_k, SPLIT_K,
                HAS_BIAS, INTERPRETER)
 
@@ -216,7 +216,7 @@ def _tile_values(c_ptr, cb_ptr, k0, offs_k, offs_n, n_mask, N, KW, OFFSET, RATIO
 
 
 @triton.jit
-def _dot(x, w, acc, IEEE: tl.constexpr, INTERPRETER: tl.constexpr):
+def dot_into(x, w, acc, IEEE: tl.constexpr, INTERPRETER: tl.constexpr):
     if INTERPRETER:  # its tl.dot mishandles bf16 (numpy has none); the fp32 upcast is exact
         return tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
     if IEEE:
@@ -269,7 +269,7 @@ def codebook_matmul(x, codes, scales, g_idx, table, bits, decode, bias=None):
     by_code = m <= 16 and uniform and gs % 128 == 0 and takes_tiles_by_code(variant, bits)
     block_m, block_n, block_k, warps = tile_for(m, by_code)
     uniform = uniform and gs % block_k == 0
-    splits, partials, counters = _split(m, n, k, num_sms(x.device), by_code)
+    splits, partials, counters = split_for(m, n, k, num_sms(x.device), by_code)
     ws, locks = workspace(x.device, partials, counters)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), splits)
     with on_device(x):
@@ -298,7 +298,7 @@ def codebook_dequantize(codes, scales, g_idx, table, bits, decode, k, dtype):
     return w
 
 
-def _split(m, n, k, sms, by_code=False):
+def split_for(m, n, k, sms, by_code=False):
     """(K slices, fp32 partials, tile counters) of an [m, n, k] launch: no workspace without split-K."""
     block_m, block_n, block_k, _ = tile_for(m, by_code)
     splits = split_k(m, n, k, block_m, block_n, block_k, sms, WAVES)
@@ -312,7 +312,7 @@ def workspace_bound(n, k, sms):
     """(partials, counters): the most any M asks of an [n, k] layer (triton_gptq_ops.workspace_bound's reasoning:
     M = 16 on either small tile, and the multiples of 64 until the tiles fill the SMs WAVES times)."""
     ms = [16] + list(range(64, 64 * sms * WAVES + 1, 64))
-    needs = [_split(16, n, k, sms, by_code=True)] + [_split(m, n, k, sms) for m in ms]
+    needs = [split_for(16, n, k, sms, by_code=True)] + [split_for(m, n, k, sms) for m in ms]
     return tuple(map(max, zip(*[need[1:] for need in needs])))
 
 

@@ -1,4 +1,4 @@
-"""Triton decode of trellis layers (quantkit.schemes.trellis): packed codes -> states -> values -> Ŵᵀ.
+"""Triton kernels of trellis layers (quantkit.schemes.trellis): packed codes -> states -> values -> Ŵᵀ, or -> x Ŵᵀ.
 
 A weight's state is the window of the last ceil(L / kV) symbols of its step in its tail-biting sequence (a tile of
 TILE_ROWS output columns of Ŵᵀ x WIDTH inputs, read output by output: quantkit.schemes.trellis_codes). Each lane of a
@@ -15,16 +15,20 @@ The walk replaced (2026-11-28, thirteenth session) a decode that gathered every 
 sm_90 SASS per weight (scripts/sass_stats.py --kind trellis) 71.3 -> 17.3 at 2 bits, 187.4 -> 28.9 at 3, 96.8 -> 23.1
 at 4 (L = 16 on 64 x 4 tiles). Not yet timed on a GPU.
 
-The GEMM is the prefill path's for every M (kernels/codebook.py): the weight decoded to a transient fp16/bf16 matrix,
-then cuBLAS. A fused kernel (the state built in registers per tile, as QTIP's are) is not written yet.
+Two kernels run the walk (kernels/codebook.py picks): up to FUSED_MAX_M rows trellis_matmul_kernel multiplies each
+weight as it is made and writes only y; from there trellis_dequant_kernel writes the weight to a transient fp16/bf16
+matrix and cuBLAS multiplies. Offline sm_90 counts per weight at L 16 (docs/BENCHMARKS.md): the fused loop 17.5 / 29.8
+/ 23.6 at 2 / 3 / 4 bits at M = 1, about the decode's; neither timed on a GPU yet.
 """
 import torch
 import triton
 import triton.language as tl
 
 from quantkit.kernels.device import on_device
-from quantkit.kernels.triton_codebook import check_together
-from quantkit.kernels.triton_decode import packed_codes, round_to
+from quantkit.kernels import triton_codebook
+from quantkit.kernels.triton_codebook import check_together, dot_into
+from quantkit.kernels.triton_decode import packed_codes, round_to, store_tile
+from quantkit.kernels.triton_gptq_ops import group_layout, num_sms, workspace
 from quantkit.schemes.trellis_codes import CODES, INST, INST_MASK, INST_XOR, MAD, MAD_CENTRE, MAD_STD, \
     THREE_INST_GAIN
 
@@ -33,6 +37,10 @@ from quantkit.schemes.trellis_codes import CODES, INST, INST_MASK, INST_XOR, MAD
 # to within 12 % of its instructions per weight (the gather decode before the walk spilled at 3 and 4 bits on 64 x 64
 # blocks).
 LANES = (16, 64)
+# The fused kernel for M <= FUSED_MAX_M rows (decode-time batches): lanes [BLOCK_J tile columns, BLOCK_N outputs],
+# BLOCK_J also tl.dot's K (at least 16). Above, the weight is decoded once and cuBLAS multiplies (kernels/codebook.py).
+FUSED_MAX_M = 16
+FUSED_LANES = (16, 64)
 # What the kernel reads of trellis_codes, as constexprs (a jitted function reads no other globals). Codes by their
 # index in CODES.
 MAD_A, MAD_B, INST_A, INST_B = (tl.constexpr(c) for c in MAD + INST)
@@ -102,41 +110,59 @@ def _value(state, v: tl.constexpr, table_ptr, L: tl.constexpr, CODE: tl.constexp
 
 
 @triton.jit
+def _walk_start(codes_ptr, r, n0, t0, jj, mask, N, KW, KV: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                TILE_ROWS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(the state before each lane's tile row, the row's codes as one field): the state from the window of symbols
+    before the row (the tile's last rows for its first row: tail-biting), oldest first. For rows wider than 16 bits
+    the field is unused (_walk_symbol reads symbol by symbol)."""
+    S: tl.constexpr = WIDTH // V                      # steps per tile row
+    WINDOW: tl.constexpr = (L + KV - 1) // KV         # symbols that make up a state
+    STEPS: tl.constexpr = TILE_ROWS * S
+    state = tl.zeros((BLOCK_J, BLOCK_N), tl.uint32)
+    if S * KV <= 16:  # a tile row's codes are one field: load each row once, take its symbols by shifts
+        ROWS_BEFORE: tl.constexpr = (WINDOW + S - 1) // S
+        for q in tl.static_range(ROWS_BEFORE, 0, -1):  # the rows before, oldest first (circularly: tail-biting)
+            before = _row_field(codes_ptr, (r + (TILE_ROWS - q)) % TILE_ROWS, n0, jj, mask, N, KW, S * KV)
+            for u in tl.static_range(S):
+                if q * S - u <= WINDOW:  # one of the WINDOW symbols before the row
+                    state = (state << KV) | ((before >> (u * KV)) & ((1 << KV) - 1))
+        field = _row_field(codes_ptr, r, n0, jj, mask, N, KW, S * KV)
+    else:  # wide rows (QTIP's 16 x 16 tiles): symbol by symbol
+        for i in tl.static_range(WINDOW):
+            state = (state << KV) | _symbol(codes_ptr, (t0 + (STEPS - WINDOW + i)) % STEPS, n0, jj, mask, N, KW, KV,
+                                            V, WIDTH)
+        field = state
+    return state, field
+
+
+@triton.jit
+def _walk_symbol(field, u: tl.constexpr, codes_ptr, t0, n0, jj, mask, N, KW, KV: tl.constexpr, V: tl.constexpr,
+                 WIDTH: tl.constexpr):
+    """The symbol of step u of each lane's tile row."""
+    if (WIDTH // V) * KV <= 16:
+        symbol = (field >> (u * KV)) & ((1 << KV) - 1)
+    else:
+        symbol = _symbol(codes_ptr, t0 + u, n0, jj, mask, N, KW, KV, V, WIDTH)
+    return symbol
+
+
+@triton.jit
 def trellis_dequant_kernel(codes_ptr, scales_ptr, g_idx_ptr, table_ptr, out_ptr, N, K, KW,
                            BITS: tl.constexpr, L: tl.constexpr, V: tl.constexpr, CODE: tl.constexpr,
                            Q: tl.constexpr, TILE_ROWS: tl.constexpr, WIDTH: tl.constexpr,
                            BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETER: tl.constexpr):
-    """Each lane walks one tile row (WIDTH inputs of one output): the state of the row's first step from the window
-    of symbols before it (the tile's last rows for its first row: tail-biting), then one symbol shifted in a step."""
-    S: tl.constexpr = WIDTH // V                      # steps per tile row
+    """Ŵᵀ [K, N]: each lane walks one tile row (WIDTH inputs of one output) and stores its weights."""
+    S: tl.constexpr = WIDTH // V
     KV: tl.constexpr = BITS * V
-    WINDOW: tl.constexpr = (L + KV - 1) // KV         # symbols that make up a state
-    STEPS: tl.constexpr = TILE_ROWS * S
     jj = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)[:, None]   # tile columns: inputs jj * WIDTH + ...
     nn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]   # outputs
     j_mask = jj < K // WIDTH
     mask = j_mask & (nn < N)
     r = nn % TILE_ROWS
     n0, t0 = nn - r, r * S
-    state = tl.zeros((BLOCK_J, BLOCK_N), tl.uint32)
-    if S * KV <= 16:  # a tile row's codes are one field: load each row once, take its symbols by shifts
-        ROWS_BEFORE: tl.constexpr = (WINDOW + S - 1) // S
-        for q in tl.static_range(ROWS_BEFORE, 0, -1):  # the rows before, oldest first (circularly: tail-biting)
-            field = _row_field(codes_ptr, (r + (TILE_ROWS - q)) % TILE_ROWS, n0, jj, mask, N, KW, S * KV)
-            for u in tl.static_range(S):
-                if q * S - u <= WINDOW:  # one of the WINDOW symbols before the row
-                    state = (state << KV) | ((field >> (u * KV)) & ((1 << KV) - 1))
-        field = _row_field(codes_ptr, r, n0, jj, mask, N, KW, S * KV)
-    else:  # wide rows (QTIP's 16 x 16 tiles): symbol by symbol
-        for i in tl.static_range(WINDOW):  # the symbols before the row's first step, oldest first, circularly
-            state = (state << KV) | _symbol(codes_ptr, (t0 + (STEPS - WINDOW + i)) % STEPS, n0, jj, mask, N, KW, KV,
-                                            V, WIDTH)
+    state, field = _walk_start(codes_ptr, r, n0, t0, jj, mask, N, KW, KV, V, L, TILE_ROWS, WIDTH, BLOCK_J, BLOCK_N)
     for u in tl.static_range(S):
-        if S * KV <= 16:
-            symbol = (field >> (u * KV)) & ((1 << KV) - 1)
-        else:
-            symbol = _symbol(codes_ptr, t0 + u, n0, jj, mask, N, KW, KV, V, WIDTH)
-        state = (state << KV) | symbol
+        state = (state << KV) | _walk_symbol(field, u, codes_ptr, t0, n0, jj, mask, N, KW, KV, V, WIDTH)
         for v in tl.static_range(V):
             value = _value(state & ((1 << L) - 1), v, table_ptr, L, CODE, Q)
             k = jj * WIDTH + (u * V + v)
@@ -144,6 +170,65 @@ def trellis_dequant_kernel(codes_ptr, scales_ptr, g_idx_ptr, table_ptr, out_ptr,
             s = tl.load(scales_ptr + g * N + nn, mask=mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + k.to(tl.int64) * N + nn, round_to(value * s, out_ptr.dtype.element_ty, INTERPRETER),
                      mask=mask)
+
+
+@triton.jit
+def trellis_matmul_kernel(x_ptr, codes_ptr, scales_ptr, g_idx_ptr, table_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N,
+                          K, KW, GROUP_SHIFT, SPLIT_K, BITS: tl.constexpr, L: tl.constexpr, V: tl.constexpr,
+                          CODE: tl.constexpr, Q: tl.constexpr, TILE_ROWS: tl.constexpr, WIDTH: tl.constexpr,
+                          UNIFORM: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETER: tl.constexpr):
+    """y [M, N] = x Ŵᵀ for M <= BLOCK_M, the weights never written out: each program takes BLOCK_N outputs and one K
+    slice (whole blocks of BLOCK_J tile columns; split-K reduced by store_tile), walks its lanes' tile rows as the
+    decode does, and multiplies each weight as it is made, rounded to x's dtype as the reference rounds it. M = 1
+    (BLOCK_M 1) accumulates x_k · w per lane and sums the lanes at the end; more rows take one tl.dot per position in
+    the tile row ([BLOCK_M, BLOCK_J] x [BLOCK_J, BLOCK_N])."""
+    S: tl.constexpr = WIDTH // V
+    KV: tl.constexpr = BITS * V
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nn, n_mask = offs_n[None, :], offs_n < N
+    r = nn % TILE_ROWS
+    n0, t0 = nn - r, r * S
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    per_split = tl.cdiv(tl.cdiv(K // WIDTH, BLOCK_J), SPLIT_K) * BLOCK_J
+    j_begin = pid_k * per_split
+    j_end = tl.minimum(K // WIDTH, j_begin + per_split)
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_J, BLOCK_N), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for j0 in range(j_begin, j_end, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        jj, j_mask = j[:, None], (j < j_end)[:, None]
+        mask = j_mask & n_mask[None, :]
+        state, field = _walk_start(codes_ptr, r, n0, t0, jj, mask, N, KW, KV, V, L, TILE_ROWS, WIDTH, BLOCK_J,
+                                   BLOCK_N)
+        if UNIFORM:  # the block's BLOCK_J x WIDTH inputs lie in one group of 2^GROUP_SHIFT tile columns
+            s = tl.load(scales_ptr + (j0 >> GROUP_SHIFT) * N + nn, mask=n_mask[None, :], other=0.0).to(tl.float32)
+        for u in tl.static_range(S):
+            state = (state << KV) | _walk_symbol(field, u, codes_ptr, t0, n0, jj, mask, N, KW, KV, V, WIDTH)
+            for v in tl.static_range(V):
+                k = j * WIDTH + (u * V + v)
+                if not UNIFORM:
+                    g = tl.load(g_idx_ptr + k[:, None], mask=j_mask, other=0)
+                    s = tl.load(scales_ptr + g * N + nn, mask=mask, other=0.0).to(tl.float32)
+                value = _value(state & ((1 << L) - 1), v, table_ptr, L, CODE, Q)
+                w = round_to(value * s, x_ptr.dtype.element_ty, INTERPRETER)
+                if BLOCK_M == 1:
+                    xk = tl.load(x_ptr + k[:, None], mask=j_mask, other=0.0).to(tl.float32)
+                    acc += xk * w.to(tl.float32)
+                else:
+                    xk = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * K + k[None, :],
+                                 mask=m_mask[:, None] & (j < j_end)[None, :], other=0.0)
+                    acc = dot_into(xk, w, acc, IEEE, INTERPRETER)
+    if BLOCK_M == 1:
+        out = tl.sum(acc, axis=0)[None, :]
+    else:
+        out = acc
+    store_tile(y_ptr, b_ptr, ws_ptr, lock_ptr, out, offs_m, offs_n, m_mask, n_mask, M, N, N, pid_n, pid_k, SPLIT_K,
+               HAS_BIAS, INTERPRETER)
 
 
 def check_layer(x, codes, scales, g_idx, table, bits, state_bits, step, code, tile_rows, length, bias=None):
@@ -177,3 +262,33 @@ def trellis_dequantize(codes, scales, g_idx, table, bits, state_bits, step, code
                                      TILE_ROWS=tile_rows, WIDTH=width, BLOCK_J=block_j,
                                      BLOCK_N=block_n, INTERPRETER=not codes.is_cuda)
     return w
+
+
+def trellis_matmul(x, codes, scales, g_idx, table, bits, state_bits, step, code, tile_rows, length, bias=None):
+    """x [M, K] (M <= FUSED_MAX_M; fp16/bf16/fp32, contiguous) @ Ŵᵀ -> [M, N] in x's dtype, the weights made in
+    registers (trellis_matmul_kernel); ValueError on a malformed layer."""
+    check_layer(x, codes, scales, g_idx, table, bits, state_bits, step, code, tile_rows, length, bias)
+    m, k = x.shape
+    n = scales.shape[1]
+    if m > FUSED_MAX_M:
+        raise ValueError(f"the fused trellis kernel takes at most {FUSED_MAX_M} rows, got {m}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    width = length // tile_rows
+    uniform, gs = group_layout(g_idx, scales.shape[0])
+    block_j, block_n = FUSED_LANES
+    group_columns = gs // width if gs % width == 0 else 0  # tile columns a group: a power of two, whole blocks
+    uniform = uniform and group_columns % block_j == 0 and group_columns & (group_columns - 1) == 0
+    # the codebook kernel's K slices at this shape: its workspace bound (reserved for CUDA graphs) covers them
+    splits, partials, counters = triton_codebook.split_for(m, n, k, num_sms(x.device))
+    ws, locks = workspace(x.device, partials, counters)
+    q = max(int(table.numel() // 2).bit_length() - 1, 0)
+    with on_device(x):
+        trellis_matmul_kernel[(triton.cdiv(n, block_n), splits)](
+            x, codes, scales, g_idx.to(torch.int32), table.contiguous(), bias if bias is not None else scales, y, ws,
+            locks, m, n, k, codes.shape[0], group_columns.bit_length() - 1 if uniform else 0, splits, BITS=bits, L=state_bits, V=step,
+            CODE=CODES.index(code), Q=q, TILE_ROWS=tile_rows, WIDTH=width, UNIFORM=uniform,
+            HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=1 if m == 1 else FUSED_MAX_M,
+            BLOCK_J=block_j, BLOCK_N=block_n, INTERPRETER=not x.is_cuda)
+    return y

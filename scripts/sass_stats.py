@@ -32,7 +32,7 @@ from quantkit.kernels import triton_codebook, triton_dequant, triton_gptq, trito
 from quantkit.schemes.trellis import FAST_SETTING, Trellis  # noqa: E402
 from quantkit.schemes.trellis_codes import CODES  # noqa: E402
 
-KINDS = ("m1", "m1h2", "decode", "gemm", "dequant", "codebook", "cbdequant", "rotate", "trellis")
+KINDS = ("m1", "m1h2", "decode", "gemm", "dequant", "codebook", "cbdequant", "rotate", "trellis", "trellismm")
 MATMULS = ("m1", "m1h2", "decode", "gemm")  # the GPTQ kernel's launch kinds
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
@@ -154,6 +154,26 @@ def _trellis_launch(config, _, bits):
     return triton_trellis.trellis_dequant_kernel, sig, const, [n for n in sig if n.endswith("_ptr")] + ["N", "K", "KW"]
 
 
+def _trellis_matmul_launch(config, _, bits):
+    kw = config.kwargs
+    q = Trellis(bits, **({} if kw["L"] == 16 else FAST_SETTING))
+    sig = {"x_ptr": "*fp16", "codes_ptr": "*i32", "scales_ptr": "*fp16", "g_idx_ptr": "*i32", "table_ptr": "*fp32",
+           "b_ptr": "*fp16", "y_ptr": "*fp16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
+           **{n: "i32" for n in ("M", "N", "K", "KW", "GROUP_SHIFT", "SPLIT_K")}}
+    const = dict(BITS=bits, L=kw["L"], V=q.step, CODE=CODES.index(q.code), Q=0, TILE_ROWS=q.tile_rows,
+                 WIDTH=q.length // q.tile_rows, UNIFORM=True, HAS_BIAS=False, IEEE=False, BLOCK_M=kw["BLOCK_M"],
+                 BLOCK_J=kw["BLOCK_J"], BLOCK_N=kw["BLOCK_N"], INTERPRETER=False)
+    return (triton_trellis.trellis_matmul_kernel, sig, const,
+            [n for n in sig if n.endswith("_ptr")] + ["N", "K", "KW"])
+
+
+def _trellis_matmul_configs():
+    """The fused kernel's lanes (triton_trellis.FUSED_LANES) at M = 1 and M <= 16, at L = 16 and 12."""
+    bj, bn = triton_trellis.FUSED_LANES
+    return [triton.Config(dict(BITS=b, L=L, BLOCK_M=bm, BLOCK_J=bj, BLOCK_N=bn), num_warps=4, num_stages=3)
+            for b in (1, 2, 3, 4) for L in (12, 16) for bm in (1, triton_trellis.FUSED_MAX_M)]
+
+
 def _trellis_configs():
     """The decode's lanes (triton_trellis.LANES) at each code width, at the default L = 16 and trellis-l12's 12."""
     bj, bn = triton_trellis.LANES
@@ -195,6 +215,7 @@ LAUNCHES = {
     "cbdequant": (_codebook_dequant_configs(), _codebook_dequant_launch, None),
     "rotate": (_rotate_configs(), _rotate_launch, None),
     "trellis": (_trellis_configs(), _trellis_launch, None),
+    "trellismm": (_trellis_matmul_configs(), _trellis_matmul_launch, None),
 }
 
 
@@ -204,7 +225,7 @@ def unique_configs(kind, bits=4):
     for c in LAUNCHES[kind][0]:
         if kind in MATMULS and not triton_gptq.fits_bits(c, bits):
             continue
-        if kind == "trellis" and c.kwargs["BITS"] != bits:
+        if kind.startswith("trellis") and c.kwargs["BITS"] != bits:
             continue
         if kind == "codebook" and c.kwargs["BY_CODE"] and not triton_codebook.takes_tiles_by_code(
                 triton_codebook.VARIANTS[c.kwargs["VARIANT"]], bits):   # a tile these codes never take
@@ -221,7 +242,8 @@ def tile_name(config):
     if "B" in kw:
         return f"{kw['BLOCK_M']} x {kw['B']}"
     if "L" in kw:
-        return f"L {kw['L']}, {kw['BLOCK_J']} tile rows x {kw['BLOCK_N']} outputs"
+        rows = f"M {kw['BLOCK_M']}, " if "BLOCK_M" in kw else ""
+        return f"{rows}L {kw['L']}, {kw['BLOCK_J']} tile rows x {kw['BLOCK_N']} outputs"
     tile = f"{kw.get('BLOCK_M', '-')} x {kw['BLOCK_N']} x {kw['BLOCK_K']}"
     return f"{kw['VARIANT']} {tile}" if "VARIANT" in kw else tile
 
@@ -243,6 +265,9 @@ def loop_stats(kind, config, arch=90, bits=4, dump=None):
     elif kind == "trellis":  # no loop: each lane's walk along its tile row unrolled
         loop = whole_kernel(sass)
         per_thread = const["BLOCK_N"] * const["BLOCK_J"] * const["WIDTH"] / (32 * config.num_warps)
+    elif kind == "trellismm":  # the K loop's trip: BLOCK_J tile rows of WIDTH weights per output, walked unrolled
+        loop = main_loop(sass) or whole_kernel(sass)
+        per_thread = const["BLOCK_N"] * const["BLOCK_J"] * const["WIDTH"] / (32 * config.num_warps)
     else:                  # the K loop (the dequantize kernels have none), weights per thread per trip
         loop = main_loop(sass) or whole_kernel(sass)
         per_thread = const["BLOCK_N"] * const["BLOCK_K"] / (32 * config.num_warps)
@@ -260,12 +285,12 @@ def problems(kind, stats):
     found = []
     if stats["spills"]:
         found.append(f"{stats['spills']} spill instructions")
-    fma_loop = kind.startswith("m1") and stats["block_m"] == 1
+    fma_loop = kind.startswith(("m1", "trellismm")) and stats["block_m"] == 1
     if fma_loop and stats["shared"] > stats["weights_per_thread"] / 4:
         found.append(f"{stats['shared']} shared-memory instructions (a layout conversion of the tile)")
     if fma_loop and stats["i2f"]:
         found.append(f"{stats['i2f']} I2F conversions")
-    dot = kind in ("decode", "gemm", "codebook") or (kind.startswith("m1") and stats["block_m"] == 16)
+    dot = kind in ("decode", "gemm", "codebook") or (kind.startswith(("m1", "trellismm")) and stats["block_m"] == 16)
     if dot and not stats["mma"]:
         found.append("no tensor-core MMA")
     return [f"{stats['name']}: {p}" for p in found]
@@ -295,7 +320,7 @@ def main():
     for kind in args.kind:
         if kind.startswith("m1") and args.bits == 3:   # no such launch: 3-bit M = 1 runs the decode shape
             continue
-        if kind in ("codebook", "cbdequant", "trellis") and args.bits not in (2, 3, 4):  # E8P's, the trellis's widths
+        if kind in ("codebook", "cbdequant", "trellis", "trellismm") and args.bits not in (2, 3, 4):  # E8P's, the trellis's widths
             continue
         for c in unique_configs(kind, args.bits):
             s = loop_stats(kind, c, args.arch, args.bits, args.dump)

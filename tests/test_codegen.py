@@ -21,8 +21,9 @@ SCRIPT = os.path.join(ROOT, "scripts", "sass_stats.py")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton unavailable")
-@pytest.mark.parametrize("bits,kinds", [(4, []), (3, ["decode", "gemm", "dequant", "codebook", "cbdequant", "trellis"]),
-                                        (2, ["codebook", "cbdequant", "trellis"])])
+@pytest.mark.parametrize("bits,kinds", [(4, []), (3, ["decode", "gemm", "dequant", "codebook", "cbdequant", "trellis",
+                                                    "trellismm"]),
+                                        (2, ["codebook", "cbdequant", "trellis", "trellismm"])])
 def test_kernels_compile_for_sm90_without_spills_or_conversions(bits, kinds):
     """Every kind at 4 bits (the default list: GPTQ, codebook, rotation and trellis kernels); 3 and 2 bits where the
     code width changes what compiles (E8P's 2-bit codes are its main use; the trellis's 3-bit tile spilled once)."""
@@ -33,5 +34,5 @@ def test_kernels_compile_for_sm90_without_spills_or_conversions(bits, kinds):
     if run.returncode == 77:  # sass_stats.NO_TOOLS: a triton wheel without ptxas/cuobjdump
         pytest.skip(run.stderr.strip())
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    for kind in kinds or ["m1", "decode", "codebook", "cbdequant", "rotate", "trellis"]:  # the compiled configs
+    for kind in kinds or ["m1", "decode", "codebook", "cbdequant", "rotate", "trellis", "trellismm"]:  # what compiled
         assert any(line.startswith(f"| {kind} |") for line in run.stdout.splitlines()), run.stdout

@@ -469,7 +469,7 @@ def test_the_reserved_workspace_covers_every_m(n, k):
         _, configs = triton_gptq_ops._TUNED[kind]
         need = triton_gptq_ops._workspace_size.__wrapped__(m, n, k, configs, 16 if kind == 16 else None, 132)
         assert need[0] <= gptq_bound[0] and need[1] <= gptq_bound[1], m
-        _, partials, counters = triton_codebook._split(m, n, k, 132)
+        _, partials, counters = triton_codebook.split_for(m, n, k, 132)
         assert partials <= codebook_bound[0] and counters <= codebook_bound[1], m
     assert gptq_bound[0] > 0 and codebook_bound[0] > 0  # both split at M = 1 on these shapes
 

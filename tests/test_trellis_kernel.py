@@ -1,7 +1,8 @@
 """The Triton decode of trellis layers (kernels/triton_trellis.py) against the torch reference, the quantizer's own
 dequantize (quantkit.schemes.trellis): bit for bit, for every code (1mad, 3inst, hyb), 1 to 4 bits, one and two
-weights per step, QTIP's 16 x 16 tiles at L = 16, fp32/fp16/bf16 outputs, and scattered (act-order) groups; then the
-layer's product through kernels.codebook and DecodedLinear. CPU cases run under TRITON_INTERPRET=1, as in
+weights per step, QTIP's 16 x 16 tiles at L = 16, fp32/fp16/bf16 outputs, and scattered (act-order) groups; the fused
+kernel of decode-time batches against the same weight; then the layer's product through kernels.codebook (fused up to
+16 rows, decoded then multiplied above) and DecodedLinear. CPU cases run under TRITON_INTERPRET=1, as in
 test_codebook_kernels.py."""
 import os
 import sys
@@ -67,7 +68,41 @@ def test_the_triton_decode_is_the_quantizers_bit_for_bit(device, quantizer):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("quantizer", QUANTIZERS, ids=lambda q: f"{q.bits}b-L{q.state_bits}-V{q.step}-{q.code}")
+def test_the_fused_kernel_multiplies_by_the_quantizers_weight(device, quantizer):
+    """M <= 16 (decode-time batches): the weights made in registers, never stored, multiplied as made. The weight is
+    the reference's, rounded once to x's dtype; only the order of the sums differs. M = 1 (its own accumulation),
+    M = 5 and 16 (tl.dot), plain and scattered groups, split-K (these shapes are split on the interpreter's SMs)."""
+    from quantkit.kernels.triton_trellis import trellis_matmul
+
+    n, k = 2 * quantizer.tile_rows, 2 * quantizer.length
+    shape = (quantizer.bits, *quantizer.kernel_decode.trellis)
+    for m, dtype, scattered in [(1, torch.float32, False), (5, torch.float16, True), (16, torch.bfloat16, False),
+                                (1, torch.float16, True)]:
+        t = layer(quantizer, n, k, quantizer.length, seed=m, scattered=scattered)
+        w = decode_codebook(t["codes"], t["scales"], t["g_idx"], quantizer, k).to(dtype)  # [k, n]
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(dtype)
+        y = trellis_matmul(x.to(device), *[t[key].to(device) for key in ("codes", "scales", "g_idx", "table")],
+                           *shape, bias=bias.to(device)).cpu()
+        want = (x.double() @ w.double() + bias.double()).to(dtype)
+        assert y.dtype == dtype and y.shape == (m, n)
+        tol = 1e-5 if dtype == torch.float32 else 8e-3  # fp32: the sums' order; else one rounding of y
+        torch.testing.assert_close(y, want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def test_the_fused_kernel_takes_decode_time_batches_only():
+    from quantkit.kernels.triton_trellis import FUSED_MAX_M, trellis_matmul
+
+    quantizer = Trellis(2)
+    t = layer(quantizer, 64, 256, 128, seed=0)
+    with pytest.raises(ValueError, match=f"at most {FUSED_MAX_M} rows"):
+        trellis_matmul(torch.zeros(FUSED_MAX_M + 1, 256), *[t[key] for key in ("codes", "scales", "g_idx", "table")],
+                       quantizer.bits, *quantizer.kernel_decode.trellis)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", [1, 16, 17])
 def test_a_trellis_layer_multiplies_through_the_kernel(device, m):
     quantizer = Trellis(3)
     t = layer(quantizer, 64, 192, 64, seed=m)
