@@ -1,4 +1,4 @@
-"""Triton kernels of trellis layers (quantkit.schemes.trellis): packed codes -> states -> values -> Ŵᵀ, or -> x Ŵᵀ.
+"""Triton kernels of trellis layers (quantkit.schemes.trellis): packed codes -> states -> values -> Ŵᵀ or x Ŵᵀ.
 
 A weight's state is the window of the last ceil(L / kV) symbols of its step in its tail-biting sequence (a tile of
 TILE_ROWS output columns of Ŵᵀ x WIDTH inputs, read output by output: quantkit.schemes.trellis_codes). Each lane of a
@@ -284,10 +284,11 @@ def trellis_matmul(x, codes, scales, g_idx, table, bits, state_bits, step, code,
     splits, partials, counters = triton_codebook.split_for(m, n, k, num_sms(x.device))
     ws, locks = workspace(x.device, partials, counters)
     q = max(int(table.numel() // 2).bit_length() - 1, 0)
+    group_shift = group_columns.bit_length() - 1 if uniform else 0
     with on_device(x):
         trellis_matmul_kernel[(triton.cdiv(n, block_n), splits)](
             x, codes, scales, g_idx.to(torch.int32), table.contiguous(), bias if bias is not None else scales, y, ws,
-            locks, m, n, k, codes.shape[0], group_columns.bit_length() - 1 if uniform else 0, splits, BITS=bits, L=state_bits, V=step,
+            locks, m, n, k, codes.shape[0], group_shift, splits, BITS=bits, L=state_bits, V=step,
             CODE=CODES.index(code), Q=q, TILE_ROWS=tile_rows, WIDTH=width, UNIFORM=uniform,
             HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=1 if m == 1 else FUSED_MAX_M,
             BLOCK_J=block_j, BLOCK_N=block_n, INTERPRETER=not x.is_cuda)

@@ -320,7 +320,8 @@ def main():
     for kind in args.kind:
         if kind.startswith("m1") and args.bits == 3:   # no such launch: 3-bit M = 1 runs the decode shape
             continue
-        if kind in ("codebook", "cbdequant", "trellis", "trellismm") and args.bits not in (2, 3, 4):  # E8P's, the trellis's widths
+        # E8P's and the trellis's code widths
+        if kind in ("codebook", "cbdequant", "trellis", "trellismm") and args.bits not in (2, 3, 4):
             continue
         for c in unique_configs(kind, args.bits):
             s = loop_stats(kind, c, args.arch, args.bits, args.dump)

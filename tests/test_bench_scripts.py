@@ -269,7 +269,14 @@ def test_bench_cpu_codebook_checks_the_trellis_c_walk_against_its_torch_ops(caps
         pytest.skip("the C decode could not be built here (no C compiler)")
     argv = ["--shapes", "128x64", "--quantizers", "trellis2", "--group-size", "32", "--repeat", "1", "--threads", "1"]
     assert bench.main(argv) == 0
-    assert any(line.startswith("| trellis2 | 128 x 64 |") for line in capsys.readouterr().out.splitlines())
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("| trellis2 | 128 x 64 |") for line in lines) == 3  # the decode, then rows 1 and 4
+    from quantkit.kernels import cpu_trellis
+
+    product = cpu_trellis.trellis_linear  # the C product's table: a product that differs fails the run
+    monkeypatch.setattr(cpu_trellis, "trellis_linear", lambda *a: None if (y := product(*a)) is None else -y)
+    assert bench.main(argv) == (1 if cpu_trellis.native_gemv() is not None else 0)
+    monkeypatch.setattr(cpu_trellis, "trellis_linear", product)
     walk = trellis.values_of_codes
     monkeypatch.setattr(trellis, "values_of_codes", lambda *a: None if (v := walk(*a)) is None else v.neg())
     assert bench.main(argv) == 1

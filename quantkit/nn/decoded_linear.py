@@ -10,14 +10,17 @@ settings) run the codebook dequant-GEMM (quantkit.kernels.codebook) on CUDA: a T
 (a trellis: one that decodes the weight, then cuBLAS). Everywhere else, forward
 decodes the weight a strip of outputs at a time (quantkit.core.strips), so the layer never holds a dense copy: by
 table lookups where the quantizer has them (`lookup_of`: TurboQuant, E8P, and E8 at 2 bits; 4x to 29x faster
-than its dequantize), through the quantizer for the others (E8 at 3 bits and more); `cache_dequantized = True` (as for
-QuantLinear) decodes it once and keeps it instead (a dense fp32 copy per layer, for speed).
+than its dequantize), through the quantizer for the others (E8 at 3 bits and more, trellises); `cache_dequantized =
+True` (as for QuantLinear) decodes it once and keeps it instead (a dense fp32 copy per layer, for speed). A trellis
+layer's calls of up to 8 rows (generation) skip the strips: kernels/cpu_trellis.py makes each weight from the packed
+codes in C and multiplies it at once.
 """
 import torch
 from torch import nn
 
 from quantkit.core import bitpack, strips
 from quantkit.core.matmul import linear
+from quantkit.kernels import cpu_trellis
 from quantkit.kernels.codebook import (codebook_linear, decode_table, decode_weight, has_lookup, lookup_columns,
                                        lookup_of)
 from quantkit.kernels.dispatch import LayerFacts, layer_backend, reserve_workspace
@@ -84,6 +87,10 @@ class DecodedLinear(nn.Module):
                                    self.in_features, self.bias, backend="triton")  # decided above: not again
         if backend == "dense":
             return linear(x, self.weight().to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
+        if cpu_trellis.takes(x, self.quantizer):  # a trellis at decode-time batches: the C product from the codes
+            y = cpu_trellis.trellis_linear(x, self.codes, self.scale, self.g_idx, self.quantizer, self.bias)
+            if y is not None:
+                return y
         # strips of whole tiles of rows (a trellis decodes a tile's rows together)
         row_ranges = strips.ranges(self.out_features, self.in_features, align=getattr(self.quantizer, "row_multiple", 1))
         return strips.strip_linear(x, self._strip_decoder(), row_ranges, self.bias)

@@ -1,0 +1,62 @@
+"""A trellis layer's product on the CPU for decode-time batches: trellis_gemv.c, straight from the packed codes.
+
+The CPU runs a trellis layer through strips (quantkit.core.strips): its weight decoded to float32 a strip at a time
+(the C walk of quantkit/schemes/trellis_decode.c, then torch's unpack and scales), rounded to x's dtype, multiplied.
+At one row of x, generation's case, the decode and its passes over 4-byte weights are nearly all of the time. The
+C product here makes each weight from the packed codes and uses it at once (the same walk, table, scale and
+rounding: the strips' weights bit for bit, y up to the order of the float32 sums), for up to MAX_ROWS rows of
+float32 or bf16 x; other calls (prefill, fp16 x, no C compiler) keep the strips. Measured in
+docs/BENCHMARKS.md (scripts/bench_cpu_codebook.py's gemv rows, scripts/bench_cpu_generate.py's trellis row).
+"""
+import ctypes
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from quantkit.core import native
+
+MAX_ROWS = 8  # trellis_gemv.c's MAX_ROWS: beyond a few rows, a decoded strip's GEMM reuses each weight better
+DTYPES = (torch.float32, torch.bfloat16)  # x's dtypes whose rounding the C repeats (float32: none; bf16)
+
+
+def native_gemv():
+    """The C product (trellis_gemv.c, built on first use by quantkit.core.native), or None where it cannot be
+    built."""
+    return native.function(Path(__file__).with_name("trellis_gemv.c"), "trellis_gemv",
+                           [ctypes.c_int64] * 12 + [ctypes.c_void_p] * 6)
+
+
+def takes(x: torch.Tensor, quantizer) -> bool:
+    """Whether trellis_linear runs this call: a trellis layer's, on the CPU, few rows, float32 or bf16 x."""
+    rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
+    return (getattr(getattr(quantizer, "kernel_decode", None), "variant", None) == "trellis"
+            and x.device.type == "cpu" and x.dtype in DTYPES and 0 < rows <= MAX_ROWS)
+
+
+def trellis_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, quantizer,
+                   bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """x [..., K] Ŵᵀ (+ bias) in x's dtype for a call `takes` accepts (codes int32 [packed K, N], scales [G, N],
+    g_idx [K]: the layer's buffers), or None where the C cannot be built (the caller takes the strips)."""
+    gemv = native_gemv()
+    if gemv is None:
+        return None
+    k, n = x.shape[-1], scales.shape[-1]
+    quantizer.check_tiles((n, k))
+    x2 = x.reshape(-1, k).float().contiguous()
+    y = torch.empty(x2.shape[0], n)
+    codes, g_idx = codes.contiguous(), g_idx.to(torch.int32).contiguous()
+    scales = scales.float().contiguous()
+    table = quantizer.values("cpu").contiguous()
+    tiles = n // quantizer.tile_rows
+    workers = max(1, min(torch.get_num_threads(), tiles))
+    bounds = [tiles * i // workers for i in range(workers + 1)]
+
+    def run(i):
+        gemv(x2.shape[0], n, k, codes.shape[0], quantizer.state_bits, quantizer.bits, quantizer.step,
+             quantizer.tile_rows, quantizer.width, x.dtype == torch.bfloat16, bounds[i], bounds[i + 1],
+             *(t.data_ptr() for t in (codes, scales, g_idx, table, x2, y)))
+
+    native.side_by_side(run, workers, workers)
+    y = y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return y + bias.to(y.dtype) if bias is not None else y
