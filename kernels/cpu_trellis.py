@@ -44,6 +44,8 @@ def trellis_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g
     k, n = x.shape[-1], scales.shape[-1]
     quantizer.check_tiles((n, k))
     x2 = x.reshape(-1, k).float().contiguous()
+    if not 0 < x2.shape[0] <= MAX_ROWS:  # the C keeps MAX_ROWS sums a row of outputs
+        raise ValueError(f"the C trellis product takes 1 to {MAX_ROWS} rows of x, got {x2.shape[0]}")
     y = torch.empty(x2.shape[0], n)
     codes, g_idx = codes.contiguous(), g_idx.to(torch.int32).contiguous()
     scales = scales.float().contiguous()

@@ -57,7 +57,8 @@ class LayerFacts(NamedTuple):
     groups: str = "plain"      # g_idx: "plain" (k // group_size), "sorted" (act-order whose groups are whole once the
     #                            inputs are sorted by group) or "scattered" (groups of unequal sizes)
     scales: torch.dtype = torch.float16  # what the scales run in (another tool's bf16/fp32 ones are kept)
-    codebook: str = ""         # "" for the integer grid; a codebook layer's CPU decode: "lookup" or "quantizer"
+    codebook: str = ""         # "" for the integer grid; a codebook layer's CPU decode: "lookup", "trellis" (through
+    #                            its quantizer, or the C product of kernels/cpu_trellis.py for a few rows) or "quantizer"
     kernel: bool = True        # a Triton kernel decodes it: every grid layer, a codebook one with a KernelDecode
 
 
@@ -87,7 +88,8 @@ def layer_backend(layer: LayerFacts, device, dtype: torch.dtype, cache_dequantiz
     if cache_dequantized:
         return Backend("dense", "cache_dequantized: the weight is decoded once and kept")
     if layer.codebook:
-        how = "by table lookup" if layer.codebook == "lookup" else "through its quantizer"
+        how = {"lookup": "by table lookup", "trellis": "through its quantizer (calls of up to 8 rows of float32 or "
+               "bf16: multiplied in C straight from the packed codes)"}.get(layer.codebook, "through its quantizer")
         return Backend("strips", f"{no_triton}: decoded a strip at a time, {how}")
     if device != "cpu":
         return Backend("reference", f"{no_triton}: the whole weight decoded at each call")

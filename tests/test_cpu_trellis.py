@@ -1,7 +1,8 @@
 """The CPU product of trellis layers for decode-time batches (kernels/cpu_trellis.py, trellis_gemv.c): the weights it
 makes are the quantizer's dequantize rounded to x's dtype (only the order of the float32 sums differs), for every tile
-shape and code the decode is tested on, plain and scattered groups, one and several rows; and DecodedLinear takes it
-for the calls it accepts, the strips for the rest."""
+shape and code the decode is tested on, plain and scattered groups, one and several rows (on an AVX-512 machine one
+row takes the 16-lane loop, several rows and QTIP's 16 x 16 tiles the scalar one); and DecodedLinear takes it for the
+calls it accepts, the strips for the rest."""
 import pytest
 import torch
 
@@ -61,6 +62,10 @@ def test_the_c_product_takes_few_rows_of_float32_or_bf16_on_the_cpu():
     from quantkit.schemes.turboquant import TurboQuant
 
     assert not cpu_trellis.takes(torch.zeros(1, 128), TurboQuant(4, 128))
+    if cpu_trellis.native_gemv() is not None:
+        codes, scales, g_idx = packed_layer(q, 64, 128, 64, seed=0)
+        with pytest.raises(ValueError, match="1 to 8 rows"):
+            cpu_trellis.trellis_linear(torch.zeros(cpu_trellis.MAX_ROWS + 1, 128), codes, scales, g_idx, q)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c", "no-compiler"])

@@ -75,7 +75,8 @@ class DecodedLinear(nn.Module):
 
     def facts(self) -> LayerFacts:
         """What kernels.dispatch.layer_backend reads of this layer."""
-        codebook = "lookup" if has_lookup(self.quantizer) else "quantizer"
+        trellis = getattr(self.kernel, "variant", None) == "trellis"
+        codebook = "lookup" if has_lookup(self.quantizer) else "trellis" if trellis else "quantizer"
         return LayerFacts(self.in_features, self.out_features, self.quantizer.code_bits, self.group_size,
                           codebook=codebook, kernel=self.kernel is not None)
 
@@ -112,6 +113,6 @@ class DecodedLinear(nn.Module):
     def _apply(self, fn, *args, **kwargs):
         self.__dict__.pop("_weight_cache", None)
         moved = super()._apply(fn, *args, **kwargs)
-        if self.kernel is not None and self.kernel.unit_local:  # the fused kernel's split-K scratch
+        if self.kernel is not None:  # the fused kernel's split-K scratch (a trellis's: within the codebook bound)
             reserve_workspace(self.codes.device, self.out_features, self.in_features, codebook=True)
         return moved
