@@ -80,7 +80,7 @@ def test_decoded_linear_takes_the_c_product_for_few_rows(native, monkeypatch):
     codes, scales, g_idx = packed_layer(q, 128, 512, 128, seed=3)
     module = DecodedLinear(512, 128, q, 128, 4, bias=True, dtype=torch.float32)
     module.codes.copy_(codes), module.g_idx.copy_(g_idx), module.scale.copy_(scales)
-    module.bias.copy_(torch.randn(128))
+    module.bias.copy_(torch.randn(128, generator=torch.Generator().manual_seed(1)))
     calls = []
     real = cpu_trellis.trellis_linear
     monkeypatch.setattr(cpu_trellis, "trellis_linear", lambda *a: calls.append(a[0].shape) or real(*a))
@@ -88,4 +88,4 @@ def test_decoded_linear_takes_the_c_product_for_few_rows(native, monkeypatch):
     strips = module(x)  # too many rows for the C product
     one = module(x[:1])
     assert calls == [(1, 512)]
-    torch.testing.assert_close(one, strips[:1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one, strips[:1], rtol=1e-5, atol=1e-5 * float(strips.abs().max()))  # sums' order
