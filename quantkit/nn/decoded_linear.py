@@ -7,7 +7,7 @@ quantizer stores it in 16 bits, else float32), g_idx, bias, and rot_signs when r
 Quantizers that describe a kernel decode (`kernel_decode`, quantkit.schemes.base.KernelDecode: TurboQuant's
 table, w = scale * codebook[code], E8's lattice offset, E8P's int32 tables and residual ratio, or a trellis's
 settings) run the codebook dequant-GEMM (quantkit.kernels.codebook) on CUDA: a Triton kernel that decodes in registers
-(a trellis: one that decodes the weight, then cuBLAS). Everywhere else, forward
+(a trellis: its own, fused up to 16 rows, above decoding the weight for cuBLAS). Everywhere else, forward
 decodes the weight a strip of outputs at a time (quantkit.core.strips), so the layer never holds a dense copy: by
 table lookups where the quantizer has them (`lookup_of`: TurboQuant, E8P, and E8 at 2 bits; 4x to 29x faster
 than its dequantize), through the quantizer for the others (E8 at 3 bits and more, trellises); `cache_dequantized =
