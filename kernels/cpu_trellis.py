@@ -5,9 +5,9 @@ The CPU runs a trellis layer through strips (quantkit.core.strips): its weight d
 At one row of x, generation's case, the decode and its passes over 4-byte weights are nearly all of the time. The
 C product here makes each weight from the packed codes and uses it at once (the same walk, table, scale and
 rounding: the strips' weights bit for bit, y up to the order of the float32 sums), for up to MAX_ROWS rows of
-float32 or bf16 x (one row with AVX-512: 16 rows of a tile a vector); other calls (prefill, fp16 x, no C compiler)
-keep the strips. Measured in docs/BENCHMARKS.md (scripts/bench_cpu_codebook.py's product table,
-scripts/bench_cpu_generate.py's trellis row): a layer at one row 9-23x the strips, SmolLM2's generation 5-7x.
+float32 or bf16 x (with AVX-512: 16 rows of a tile a vector); other calls (prefill, fp16 x, no C compiler) keep the
+strips. Measured in docs/BENCHMARKS.md (scripts/bench_cpu_codebook.py's product table, scripts/bench_cpu_generate.py's
+trellis row): a layer 10-25x the strips at 1-8 rows, SmolLM2's generation 5-7x.
 """
 import ctypes
 from pathlib import Path

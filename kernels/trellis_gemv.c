@@ -7,10 +7,10 @@
  * same table, times its group's scale, rounded to bf16 where x is bf16 (the strips' one rounding), times x.
  * The weights are the reference's bit for bit; y differs from the strips' only by the order of the float32 sums.
  *
- * Two loops. With AVX-512 and one row of x (generation), tile16 walks 16 rows of a tile at once, one per vector lane:
- * each lane builds its row's first state from the codes of the rows before it, as the GPU walk does, so the lanes do
- * not wait on each other, and gathers its values (3.5x the scalar loop). Elsewhere (no AVX-512, several rows, rows
- * wider than 32 bits of codes) tile walks one row after the other, the state carried from row to row.
+ * Two loops. With AVX-512, tile16 walks 16 rows of a tile at once, one per vector lane: each lane builds its row's
+ * first state from the codes of the rows before it, as the GPU walk does, so the lanes do not wait on each other, and
+ * gathers its values (3.5x the scalar loop at one row of x). Elsewhere (no AVX-512, rows wider than 32 bits of codes)
+ * tile walks one row after the other, the state carried from row to row.
  *
  * Layouts (C order): codes [KW][N] int32, each output's k-bit codes one LSB-first bit stream along K (3-bit codes
  * straddle words); scales [G][N] float; g_idx [K] int32; table [2^L][V] float; x [M][K] float; y [M][N] float,
@@ -93,10 +93,7 @@ static inline __attribute__((always_inline)) void tile(
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* 16 consecutive rows of a tile as the 16 lanes of AVX-512 registers, one row of x: each lane builds its row's first
- * state from the rows before it (the walk's window, the tile's last rows for its first: tail-biting), as the GPU walk
- * does, so the lanes need not wait for each other; values by gather from the table. Takes tiles whose rows are a
- * multiple of 16, whose row's codes fit one 32-bit field and whose window lies within the 16 rows before. */
+/* The codes fields (count bits from `bit` on) of outputs n .. n + 15, one a lane. */
 static inline __attribute__((always_inline)) __m512i fields16(const int32_t *codes, int64_t N, int64_t KW,
                                                               int64_t n, int64_t bit, int64_t count) {
     const int64_t w = bit >> 5, off = bit & 31;
@@ -107,8 +104,12 @@ static inline __attribute__((always_inline)) __m512i fields16(const int32_t *cod
     return _mm512_and_si512(word, _mm512_set1_epi32(count >= 32 ? -1 : (int32_t)((1u << count) - 1)));
 }
 
+/* 16 consecutive rows of a tile as the 16 lanes of AVX-512 registers: each lane builds its row's first state from the
+ * rows before it (the walk's window, the tile's last rows for its first: tail-biting), as the GPU walk does, so the
+ * lanes need not wait for each other; values by gather from the table. Takes tiles whose rows are a multiple of 16,
+ * whose row's codes fit one 32-bit field and whose window lies within the 16 rows before. */
 static inline __attribute__((always_inline)) void tile16(
-        const int64_t V, const int64_t width, int64_t N, int64_t K, int64_t KW, int64_t L, int64_t k,
+        const int64_t V, const int64_t M, const int64_t width, int64_t N, int64_t K, int64_t KW, int64_t L, int64_t k,
         int64_t tile_rows, int64_t bf16, int64_t n0, const int32_t *codes, const float *scales,
         const int32_t *g_idx, const float *table, const float *x, float *y) {
     const int64_t kv = k * V, per_row = width / V, window = (L + kv - 1) / kv;
@@ -118,7 +119,9 @@ static inline __attribute__((always_inline)) void tile16(
     const __m512i high = _mm512_set1_epi32((int32_t)0xFFFF0000u);
     for (int64_t r0 = 0; r0 < tile_rows; r0 += 16) {
         const int64_t p0 = (r0 + tile_rows - 16) % tile_rows;  /* the 16 rows before, circularly */
-        __m512 acc = _mm512_setzero_ps();
+        __m512 acc[MAX_ROWS];
+        for (int64_t m = 0; m < M; m++)
+            acc[m] = _mm512_setzero_ps();
         for (int64_t c0 = 0; c0 < K; c0 += width) {
             const __m512i cur = fields16(codes, N, KW, n0 + r0, c0 * k, width * k);
             const __m512i prev = fields16(codes, N, KW, n0 + p0, c0 * k, width * k);
@@ -155,11 +158,13 @@ static inline __attribute__((always_inline)) void tile16(
                                                 _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
                         w = _mm512_castsi512_ps(_mm512_and_si512(bits, high));
                     }
-                    acc = _mm512_fmadd_ps(w, _mm512_set1_ps(x[i]), acc);
+                    for (int64_t m = 0; m < M; m++)
+                        acc[m] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[m * K + i]), acc[m]);
                 }
             }
         }
-        _mm512_storeu_ps(y + n0 + r0, acc);
+        for (int64_t m = 0; m < M; m++)
+            _mm512_storeu_ps(y + m * N + n0 + r0, acc[m]);
     }
 }
 #define HAVE_TILE16 1
@@ -172,18 +177,20 @@ void trellis_gemv(int64_t M, int64_t N, int64_t K, int64_t KW, int64_t L, int64_
                   const float *scales, const int32_t *g_idx, const float *table, const float *x, float *y) {
 #define TILE(V_, M_, W_) tile(V_, M_, W_, N, K, KW, L, k, tile_rows, bf16, ti * tile_rows, codes, scales, g_idx, \
                               table, x, y)
-#define TILE16(V_, W_) tile16(V_, W_, N, K, KW, L, k, tile_rows, bf16, ti * tile_rows, codes, scales, g_idx, table, \
-                              x, y)
+#define TILE16(V_, M_, W_) tile16(V_, M_, W_, N, K, KW, L, k, tile_rows, bf16, ti * tile_rows, codes, scales, \
+                                  g_idx, table, x, y)
 #if HAVE_TILE16
     const int64_t per_row = width / V, window = (L + k * V - 1) / (k * V);
-    const int lanes = M == 1 && tile_rows % 16 == 0 && width * k <= 32 && (window + per_row - 1) / per_row <= 16;
+    const int lanes = tile_rows % 16 == 0 && width * k <= 32 && (window + per_row - 1) / per_row <= 16;
 #endif
     for (int64_t ti = tile0; ti < tile1; ti++) {
 #if HAVE_TILE16
-        if (lanes && width == 4)  /* the default tiles (64 x 4) at one row: V 2 at 1-2 bits, V 1 at 3-4 */
-            V == 2 ? TILE16(2, 4) : TILE16(1, 4);
+        if (lanes && M == 1 && width == 4)  /* the default tiles (64 x 4) at one row: V 2 at 1-2 bits, V 1 at 3-4 */
+            V == 2 ? TILE16(2, 1, 4) : TILE16(1, 1, 4);
+        else if (lanes && M == 1)
+            V == 2 ? TILE16(2, 1, width) : TILE16(1, 1, width);
         else if (lanes)
-            V == 2 ? TILE16(2, width) : TILE16(1, width);
+            V == 2 ? TILE16(2, M, width) : TILE16(1, M, width);
         else
 #endif
         if (M == 1 && width == 4)

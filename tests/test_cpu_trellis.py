@@ -1,8 +1,8 @@
 """The CPU product of trellis layers for decode-time batches (kernels/cpu_trellis.py, trellis_gemv.c): the weights it
 makes are the quantizer's dequantize rounded to x's dtype (only the order of the float32 sums differs), for every tile
-shape and code the decode is tested on, plain and scattered groups, one and several rows (on an AVX-512 machine one
-row takes the 16-lane loop, several rows and QTIP's 16 x 16 tiles the scalar one); and DecodedLinear takes it for the
-calls it accepts, the strips for the rest."""
+shape and code the decode is tested on, plain and scattered groups, one and several rows (on an AVX-512 machine the
+16-lane loop, but for QTIP's 16 x 16 tiles, which take the scalar one as other CPUs do); and DecodedLinear takes it for
+the calls it accepts, the strips for the rest."""
 import pytest
 import torch
 
