@@ -4,12 +4,14 @@ The CPU runs a trellis layer through strips (quantkit.core.strips): its weight d
 (the C walk of quantkit/schemes/trellis_decode.c, then torch's unpack and scales), rounded to x's dtype, multiplied.
 At one row of x, generation's case, the decode and its passes over 4-byte weights are nearly all of the time. The
 C product here makes each weight from the packed codes and uses it at once (the same walk, table, scale and
-rounding: the strips' weights bit for bit, y up to the order of the float32 sums), for up to MAX_ROWS rows of
-float32 or bf16 x (with AVX-512: 16 rows of a tile a vector); other calls (prefill, fp16 x, no C compiler) keep the
-strips. Measured in docs/BENCHMARKS.md (scripts/bench_cpu_codebook.py's product table, scripts/bench_cpu_generate.py's
-trellis row): a layer 10-25x the strips at 1-8 rows, SmolLM2's generation 5-7x.
+rounding: the strips' weights bit for bit, y up to the order of the float32 sums), for float32 or bf16 x of up to
+`max_rows` rows: 64 where its 16-lane AVX-512 loop takes the layer (3-8x the strips at 32 rows, a tie to 2x at 128),
+8 for its scalar loop (other CPUs, QTIP's 16 x 16 tiles). Other calls (longer prefills, fp16 x, no C compiler) keep
+the strips. Measured in docs/BENCHMARKS.md (scripts/bench_cpu_codebook.py's product table,
+scripts/bench_cpu_generate.py's trellis row): a layer 10-25x the strips at 1-8 rows, SmolLM2's generation 5-7x.
 """
 import ctypes
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -17,22 +19,35 @@ import torch
 
 from quantkit.core import native
 
-MAX_ROWS = 8  # trellis_gemv.c's MAX_ROWS: beyond a few rows, a decoded strip's GEMM reuses each weight better
 DTYPES = (torch.float32, torch.bfloat16)  # x's dtypes whose rounding the C repeats (float32: none; bf16)
+SOURCE = Path(__file__).with_name("trellis_gemv.c")
 
 
 def native_gemv():
     """The C product (trellis_gemv.c, built on first use by quantkit.core.native), or None where it cannot be
     built."""
-    return native.function(Path(__file__).with_name("trellis_gemv.c"), "trellis_gemv",
-                           [ctypes.c_int64] * 12 + [ctypes.c_void_p] * 6)
+    return native.function(SOURCE, "trellis_gemv", [ctypes.c_int64] * 12 + [ctypes.c_void_p] * 6)
+
+
+def max_rows(quantizer) -> int:
+    """The most rows of x the C product takes for a trellis quantizer's layers (its loop for them decides), 0 where
+    the C cannot be built."""
+    return _max_rows(quantizer.state_bits, quantizer.bits, quantizer.step, quantizer.tile_rows, quantizer.width)
+
+
+@lru_cache(maxsize=64)
+def _max_rows(L: int, k: int, V: int, tile_rows: int, width: int) -> int:
+    rows = native.function(SOURCE, "trellis_gemv_rows", [ctypes.c_int64] * 5, ctypes.c_int64)
+    return 0 if rows is None else int(rows(L, k, V, tile_rows, width))
 
 
 def takes(x: torch.Tensor, quantizer) -> bool:
-    """Whether trellis_linear runs this call: a trellis layer's, on the CPU, few rows, float32 or bf16 x."""
+    """Whether trellis_linear runs this call: a trellis layer's, on the CPU, float32 or bf16 x of at most max_rows
+    rows."""
+    if getattr(getattr(quantizer, "kernel_decode", None), "variant", None) != "trellis":
+        return False
     rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
-    return (getattr(getattr(quantizer, "kernel_decode", None), "variant", None) == "trellis"
-            and x.device.type == "cpu" and x.dtype in DTYPES and 0 < rows <= MAX_ROWS)
+    return x.device.type == "cpu" and x.dtype in DTYPES and 0 < rows <= max_rows(quantizer)
 
 
 def trellis_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, quantizer,
@@ -45,8 +60,9 @@ def trellis_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g
     k, n = x.shape[-1], scales.shape[-1]
     quantizer.check_tiles((n, k))
     x2 = x.reshape(-1, k).float().contiguous()
-    if not 0 < x2.shape[0] <= MAX_ROWS:  # the C keeps MAX_ROWS sums a row of outputs
-        raise ValueError(f"the C trellis product takes 1 to {MAX_ROWS} rows of x, got {x2.shape[0]}")
+    if not 0 < x2.shape[0] <= max_rows(quantizer):  # the C keeps that many sums a row of outputs
+        raise ValueError(f"the C trellis product takes 1 to {max_rows(quantizer)} rows of x for this layer, got "
+                         f"{x2.shape[0]}")
     y = torch.empty(x2.shape[0], n)
     codes, g_idx = codes.contiguous(), g_idx.to(torch.int32).contiguous()
     scales = scales.float().contiguous()

@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from quantkit.kernels import cpu_int4, cpu_trellis
+from quantkit.kernels import cpu_int4
 from quantkit.kernels.device import triton_available
 from quantkit.kernels.reference import gptq_linear_torch, linear_dequantized
 
@@ -88,9 +88,9 @@ def layer_backend(layer: LayerFacts, device, dtype: torch.dtype, cache_dequantiz
     if cache_dequantized:
         return Backend("dense", "cache_dequantized: the weight is decoded once and kept")
     if layer.codebook:
-        how = {"lookup": "by table lookup", "trellis": f"through its quantizer (calls of up to {cpu_trellis.MAX_ROWS} "
-               "rows of float32 or bf16: multiplied in C straight from the packed codes)"}.get(layer.codebook,
-                                                                                              "through its quantizer")
+        how = {"lookup": "by table lookup", "trellis": "through its quantizer (calls of float32 or bf16 x up to 64 "
+               "rows with AVX-512, 8 without: multiplied in C straight from the packed codes)"}.get(
+                   layer.codebook, "through its quantizer")
         return Backend("strips", f"{no_triton}: decoded a strip at a time, {how}")
     if device != "cpu":
         return Backend("reference", f"{no_triton}: the whole weight decoded at each call")

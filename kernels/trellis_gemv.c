@@ -20,7 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_ROWS 8 /* rows of x a call takes (quantkit.kernels.cpu_trellis.MAX_ROWS) */
+#define MAX_ROWS 64       /* rows of x a call of the 16-lane loop takes (trellis_gemv_rows) */
+#define MAX_ROWS_SCALAR 8  /* ... of the scalar loop: beyond, the strips' GEMM is faster */
 
 /* bits [i·k, i·k + count) of output n's stream, count <= 32 */
 static inline uint64_t field(const int32_t *codes, int64_t N, int64_t KW, int64_t n, int64_t i, int64_t k,
@@ -70,7 +71,7 @@ static inline __attribute__((always_inline)) void tile(
             const int64_t n = n0 + r;
             const uint64_t row = whole_row ? field(codes, N, KW, n, c0, k, width * k) : 0;
             const float s = group_scales[n];
-            float acc[MAX_ROWS] = {0};
+            float acc[MAX_ROWS_SCALAR] = {0};
             for (int64_t c = 0; c < width; c += V) {
                 const uint32_t symbol = whole_row ? (uint32_t)(row >> (c * k)) & symbol_mask
                                                   : (uint32_t)field(codes, N, KW, n, c0 + c, k, kv);
@@ -172,6 +173,20 @@ static inline __attribute__((always_inline)) void tile16(
 #define HAVE_TILE16 0
 #endif
 
+/* whether tile16 takes a layer of these settings: AVX-512, whole groups of 16 rows a tile, a row's codes in one
+ * 32-bit field, a window within the 16 rows before */
+static int lanes_take(int64_t L, int64_t k, int64_t V, int64_t tile_rows, int64_t width) {
+    const int64_t per_row = width / V, window = (L + k * V - 1) / (k * V);
+    return HAVE_TILE16 && tile_rows % 16 == 0 && width * k <= 32 && (window + per_row - 1) / per_row <= 16;
+}
+
+/* The most rows of x trellis_gemv takes for a layer of these settings. Against the strips (decode, then a GEMM), one
+ * thread: the 16-lane loop 3-8x at 32 rows, and at 128 from a tie (2 bits, 1536 inputs) to 2x; the scalar loop 2-3x
+ * at 4 rows (scripts/bench_cpu_codebook.py --rows) */
+int64_t trellis_gemv_rows(int64_t L, int64_t k, int64_t V, int64_t tile_rows, int64_t width) {
+    return lanes_take(L, k, V, tile_rows, width) ? MAX_ROWS : MAX_ROWS_SCALAR;
+}
+
 void trellis_gemv(int64_t M, int64_t N, int64_t K, int64_t KW, int64_t L, int64_t k, int64_t V, int64_t tile_rows,
                   int64_t width, int64_t bf16, int64_t tile0, int64_t tile1, const int32_t *codes,
                   const float *scales, const int32_t *g_idx, const float *table, const float *x, float *y) {
@@ -179,9 +194,10 @@ void trellis_gemv(int64_t M, int64_t N, int64_t K, int64_t KW, int64_t L, int64_
                               table, x, y)
 #define TILE16(V_, M_, W_) tile16(V_, M_, W_, N, K, KW, L, k, tile_rows, bf16, ti * tile_rows, codes, scales, \
                                   g_idx, table, x, y)
+    if (M < 1 || M > trellis_gemv_rows(L, k, V, tile_rows, width))  /* the caller checks: nothing is written */
+        return;
 #if HAVE_TILE16
-    const int64_t per_row = width / V, window = (L + k * V - 1) / (k * V);
-    const int lanes = tile_rows % 16 == 0 && width * k <= 32 && (window + per_row - 1) / per_row <= 16;
+    const int lanes = lanes_take(L, k, V, tile_rows, width);
 #endif
     for (int64_t ti = tile0; ti < tile1; ti++) {
 #if HAVE_TILE16

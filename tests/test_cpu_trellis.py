@@ -35,8 +35,10 @@ def packed_layer(quantizer, n, k, group_size, seed, scattered=False):
                                                                f"{q.tile_rows}x{q.width}")
 def test_the_c_product_multiplies_by_the_quantizers_weight(quantizer):
     n, k = 2 * quantizer.tile_rows, 3 * quantizer.length
+    most = cpu_trellis.max_rows(quantizer)  # 64 for the 16-lane loop, 8 for the scalar one
     for rows, dtype, scattered, threads in [(1, torch.float32, False, 1), (1, torch.bfloat16, True, 2),
-                                            (3, torch.float32, True, 2), (8, torch.bfloat16, False, 1)]:
+                                            (3, torch.float32, True, 2), (8, torch.bfloat16, False, 1),
+                                            (most, torch.bfloat16, True, 2)]:
         codes, scales, g_idx = packed_layer(quantizer, n, k, 64, seed=rows, scattered=scattered)
         x = torch.randn(1, rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
         bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -52,30 +54,33 @@ def test_the_c_product_multiplies_by_the_quantizers_weight(quantizer):
         torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
 
 
+@needs_c
 def test_the_c_product_takes_few_rows_of_float32_or_bf16_on_the_cpu():
     q = Trellis(2)
+    assert cpu_trellis.max_rows(q) in (8, 64)  # the scalar loop's, the 16-lane loop's (AVX-512)
+    assert cpu_trellis.max_rows(Trellis(3, state_bits=16, length=256, tile_rows=16)) == 8  # 48-bit rows: scalar
     assert cpu_trellis.takes(torch.zeros(1, 128), q)
     assert cpu_trellis.takes(torch.zeros(2, 4, 128, dtype=torch.bfloat16), q)
-    assert not cpu_trellis.takes(torch.zeros(cpu_trellis.MAX_ROWS + 1, 128), q)  # prefill: the strips' GEMM
+    assert not cpu_trellis.takes(torch.zeros(cpu_trellis.max_rows(q) + 1, 128), q)  # longer: the strips' GEMM
     assert not cpu_trellis.takes(torch.zeros(1, 128, dtype=torch.float16), q)  # a rounding the C does not repeat
     assert not cpu_trellis.takes(torch.zeros(0, 128), q)
     from quantkit.schemes.turboquant import TurboQuant
 
     assert not cpu_trellis.takes(torch.zeros(1, 128), TurboQuant(4, 128))
-    if cpu_trellis.native_gemv() is not None:
-        codes, scales, g_idx = packed_layer(q, 64, 128, 64, seed=0)
-        with pytest.raises(ValueError, match="1 to 8 rows"):
-            cpu_trellis.trellis_linear(torch.zeros(cpu_trellis.MAX_ROWS + 1, 128), codes, scales, g_idx, q)
+    codes, scales, g_idx = packed_layer(q, 64, 128, 64, seed=0)
+    with pytest.raises(ValueError, match=f"1 to {cpu_trellis.max_rows(q)} rows"):
+        cpu_trellis.trellis_linear(torch.zeros(cpu_trellis.max_rows(q) + 1, 128), codes, scales, g_idx, q)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c", "no-compiler"])
 def test_decoded_linear_takes_the_c_product_for_few_rows(native, monkeypatch):
-    """One row goes to the C product where it is built, more than MAX_ROWS to the strips; without a compiler both
+    """One row goes to the C product where it is built, more than max_rows to the strips; without a compiler both
     take the strips. Either way the same weights: outputs agree to the order of the sums."""
     if native and cpu_trellis.native_gemv() is None:
         pytest.skip("no C compiler here")
     if not native:
-        monkeypatch.setattr(cpu_trellis, "native_gemv", lambda: None)
+        monkeypatch.setattr(cpu_trellis, "native_gemv", lambda: None)  # as where no C compiler works
+        monkeypatch.setattr(cpu_trellis, "max_rows", lambda quantizer: 0)
     q = Trellis(3)
     codes, scales, g_idx = packed_layer(q, 128, 512, 128, seed=3)
     module = DecodedLinear(512, 128, q, 128, 4, bias=True, dtype=torch.float32)
@@ -84,8 +89,8 @@ def test_decoded_linear_takes_the_c_product_for_few_rows(native, monkeypatch):
     calls = []
     real = cpu_trellis.trellis_linear
     monkeypatch.setattr(cpu_trellis, "trellis_linear", lambda *a: calls.append(a[0].shape) or real(*a))
-    x = torch.randn(cpu_trellis.MAX_ROWS + 1, 512, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(max(cpu_trellis.max_rows(q), 8) + 1, 512, generator=torch.Generator().manual_seed(0))
     strips = module(x)  # too many rows for the C product
     one = module(x[:1])
-    assert calls == [(1, 512)]
+    assert calls == ([(1, 512)] if native else [])
     torch.testing.assert_close(one, strips[:1], rtol=1e-5, atol=1e-5 * float(strips.abs().max()))  # sums' order
