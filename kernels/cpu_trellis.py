@@ -24,9 +24,18 @@ SOURCE = Path(__file__).with_name("trellis_gemv.c")
 
 
 def native_gemv():
-    """The C product (trellis_gemv.c, built on first use by quantkit.core.native), or None where it cannot be
-    built."""
-    return native.function(SOURCE, "trellis_gemv", [ctypes.c_int64] * 12 + [ctypes.c_void_p] * 6)
+    """The C product (trellis_gemv.c, built on first use by quantkit.core.native, with OpenMP where the compiler has
+    it), or None where it cannot be built."""
+    return native.function(SOURCE, "trellis_gemv", [ctypes.c_int64] * 12 + [ctypes.c_void_p] * 6, openmp=True)
+
+
+@lru_cache(maxsize=1)
+def shares_tiles_itself() -> bool:
+    """Whether the C product was built with OpenMP: one call then shares the tiles among torch's own threads (torch's
+    OpenMP runtime, which the library is given: quantkit.core.native), which in a generation loop measured 2x the
+    product run on threads of quantkit's own beside torch's spinning ones (docs/BENCHMARKS.md)."""
+    openmp = native.function(SOURCE, "trellis_gemv_openmp", [], ctypes.c_int64, openmp=True)
+    return openmp is not None and bool(openmp())
 
 
 def max_rows(quantizer) -> int:
@@ -37,7 +46,7 @@ def max_rows(quantizer) -> int:
 
 @lru_cache(maxsize=64)
 def _max_rows(L: int, k: int, V: int, tile_rows: int, width: int) -> int:
-    rows = native.function(SOURCE, "trellis_gemv_rows", [ctypes.c_int64] * 5, ctypes.c_int64)
+    rows = native.function(SOURCE, "trellis_gemv_rows", [ctypes.c_int64] * 5, ctypes.c_int64, openmp=True)
     return 0 if rows is None else int(rows(L, k, V, tile_rows, width))
 
 
@@ -68,7 +77,7 @@ def trellis_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g
     scales = scales.float().contiguous()
     table = quantizer.values("cpu").contiguous()
     tiles = n // quantizer.tile_rows
-    workers = max(1, min(torch.get_num_threads(), tiles))
+    workers = 1 if shares_tiles_itself() else max(1, min(torch.get_num_threads(), tiles))
     bounds = [tiles * i // workers for i in range(workers + 1)]
 
     def run(i):

@@ -15,7 +15,7 @@
  * Layouts (C order): codes [KW][N] int32, each output's k-bit codes one LSB-first bit stream along K (3-bit codes
  * straddle words); scales [G][N] float; g_idx [K] int32; table [2^L][V] float; x [M][K] float; y [M][N] float,
  * written for the outputs of tiles [tile0, tile1) (tile_rows outputs each): calls on disjoint tiles may run side by
- * side.
+ * side. Built with OpenMP, one call shares its tiles among the OpenMP threads (trellis_gemv_openmp).
  */
 #include <stdint.h>
 #include <string.h>
@@ -187,6 +187,16 @@ int64_t trellis_gemv_rows(int64_t L, int64_t k, int64_t V, int64_t tile_rows, in
     return lanes_take(L, k, V, tile_rows, width) ? MAX_ROWS : MAX_ROWS_SCALAR;
 }
 
+/* Whether trellis_gemv shares its tiles among OpenMP threads itself (built with OpenMP: torch's own threads, see
+ * quantkit.core.native), or runs the tiles it is given on the caller's thread. */
+int64_t trellis_gemv_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 void trellis_gemv(int64_t M, int64_t N, int64_t K, int64_t KW, int64_t L, int64_t k, int64_t V, int64_t tile_rows,
                   int64_t width, int64_t bf16, int64_t tile0, int64_t tile1, const int32_t *codes,
                   const float *scales, const int32_t *g_idx, const float *table, const float *x, float *y) {
@@ -199,6 +209,7 @@ void trellis_gemv(int64_t M, int64_t N, int64_t K, int64_t KW, int64_t L, int64_
 #if HAVE_TILE16
     const int lanes = lanes_take(L, k, V, tile_rows, width);
 #endif
+#pragma omp parallel for schedule(static) if (tile1 - tile0 > 1)
     for (int64_t ti = tile0; ti < tile1; ti++) {
 #if HAVE_TILE16
         if (lanes && M == 1 && width == 4)  /* the default tiles (64 x 4) at one row: V 2 at 1-2 bits, V 1 at 3-4 */

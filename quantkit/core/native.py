@@ -23,6 +23,10 @@ from pathlib import Path
 from typing import Optional
 
 FLAG_SETS = (("-O3", "-march=native", "-pthread"), ("-O3", "-pthread"))
+# A source that asks for OpenMP is compiled with it first, then, where the compiler has none, as the others are (its
+# pragmas then ignored). Its parallel loops then run on torch's own threads: a library asking for "libgomp.so.1" is
+# given the copy torch has already loaded (the same soname), so no second pool competes with torch's for the cores.
+OPENMP = "-fopenmp"
 DISABLE_VARIABLE = "QUANTKIT_NATIVE"
 
 
@@ -64,9 +68,10 @@ def _compile(compiler: str, source: Path, flags: tuple, target: Path) -> Optiona
 
 
 @cache
-def load(source: Path) -> Optional[ctypes.CDLL]:
-    """The shared library built from the C file `source` (compiled on the first call per machine), or None (with
-    one warning naming the cause) where it cannot be built or QUANTKIT_NATIVE=0."""
+def load(source: Path, openmp: bool = False) -> Optional[ctypes.CDLL]:
+    """The shared library built from the C file `source` (compiled on the first call per machine; with `openmp`,
+    with OpenMP where the compiler has it), or None (with one warning naming the cause) where it cannot be built or
+    QUANTKIT_NATIVE=0."""
     if os.environ.get(DISABLE_VARIABLE, "1") == "0":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
@@ -75,7 +80,8 @@ def load(source: Path) -> Optional[ctypes.CDLL]:
                       "several times slower (install gcc or clang, or set CC)")
         return None
     text, why = source.read_bytes(), None
-    for flags in FLAG_SETS:
+    flag_sets = ((*FLAG_SETS[0], OPENMP),) + FLAG_SETS if openmp else FLAG_SETS
+    for flags in flag_sets:
         key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), compiler.encode(),
                                          _cpu_name().encode()])).hexdigest()[:16]
         target = cache_folder() / f"{source.stem}-{key}.so"
@@ -90,10 +96,10 @@ def load(source: Path) -> Optional[ctypes.CDLL]:
     return None
 
 
-def function(source: Path, name: str, argtypes: list, restype=None):
-    """The C function `name` of the library built from `source`, with its ctypes argument and result types set, or
-    None where the library cannot be built (load's warning says why)."""
-    library = load(source)
+def function(source: Path, name: str, argtypes: list, restype=None, openmp: bool = False):
+    """The C function `name` of the library built from `source` (`openmp`: see load), with its ctypes argument and
+    result types set, or None where the library cannot be built (load's warning says why)."""
+    library = load(source, openmp)
     if library is None:
         return None
     fn = getattr(library, name)
