@@ -8,7 +8,7 @@ rounding: the strips' weights bit for bit, y up to the order of the float32 sums
 `max_rows` rows: 64 where its 16-lane AVX-512 loop takes the layer (3-8x the strips at 32 rows, a tie to 2x at 128),
 8 for its scalar loop (other CPUs, QTIP's 16 x 16 tiles). Other calls (longer prefills, fp16 x, no C compiler) keep
 the strips. Measured in docs/BENCHMARKS.md (scripts/bench_cpu_codebook.py's product table,
-scripts/bench_cpu_generate.py's trellis row): a layer 10-25x the strips at 1-8 rows, SmolLM2's generation 5-7x.
+scripts/bench_cpu_generate.py's trellis row): a layer 10-30x the strips at 1-8 rows, SmolLM2's generation 7-10x.
 """
 import ctypes
 from functools import lru_cache

@@ -63,3 +63,28 @@ def test_quantkit_native_0_turns_it_off_silently(tmp_path, cache_home, monkeypat
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert build(tmp_path) is None
+
+
+OPENMP_SOURCE = """#ifdef _OPENMP
+int64_t built_with_openmp(void) { return 1; }
+#else
+int64_t built_with_openmp(void) { return 0; }
+#endif
+"""
+
+
+def test_openmp_is_asked_for_and_given_up_where_the_compiler_has_none(tmp_path, cache_home, monkeypatch):
+    """openmp=True builds with OpenMP first; a compiler that refuses the flag gets the plain build, silently."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler here")
+    source = tmp_path / "omp_probe.c"
+    source.write_text("#include <stdint.h>\n" + OPENMP_SOURCE)
+    plain = native.load.__wrapped__(source)
+    assert plain.built_with_openmp() == 0
+    with_openmp = native.load.__wrapped__(source, openmp=True)
+    assert with_openmp.built_with_openmp() in (0, 1)  # 1 where cc has OpenMP (gcc does)
+    monkeypatch.setattr(native, "OPENMP", "-fno-such-openmp-flag")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback says nothing
+        refused = native.load.__wrapped__(source, openmp=True)
+    assert refused is not None and refused.built_with_openmp() == 0
