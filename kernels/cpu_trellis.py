@@ -53,7 +53,7 @@ def _max_rows(L: int, k: int, V: int, tile_rows: int, width: int) -> int:
 def takes(x: torch.Tensor, quantizer) -> bool:
     """Whether trellis_linear runs this call: a trellis layer's, on the CPU, float32 or bf16 x of at most max_rows
     rows."""
-    if getattr(getattr(quantizer, "kernel_decode", None), "variant", None) != "trellis":
+    if getattr(quantizer, "name", None) != "trellis":  # (its kernel_decode would build a KernelDecode every call)
         return False
     rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
     return x.device.type == "cpu" and x.dtype in DTYPES and 0 < rows <= max_rows(quantizer)

@@ -88,8 +88,8 @@ def layer_backend(layer: LayerFacts, device, dtype: torch.dtype, cache_dequantiz
     if cache_dequantized:
         return Backend("dense", "cache_dequantized: the weight is decoded once and kept")
     if layer.codebook:
-        how = {"lookup": "by table lookup", "trellis": "through its quantizer (calls of float32 or bf16 x up to 64 "
-               "rows with AVX-512, 8 without: multiplied in C straight from the packed codes)"}.get(
+        how = {"lookup": "by table lookup", "trellis": "through its quantizer (calls of a few rows of float32 or "
+               "bf16 x, cpu_trellis.max_rows: multiplied in C straight from the packed codes)"}.get(
                    layer.codebook, "through its quantizer")
         return Backend("strips", f"{no_triton}: decoded a strip at a time, {how}")
     if device != "cpu":

@@ -17,10 +17,10 @@ before the next, as a second generate() call would), and reports:
 Rows: the source model in float32 and bfloat16, and quantkit checkpoints of it (made in --workdir by `quantize`, reused
 when there) from the source stored in --source-dtype: RTN w4 g128 (also with --lm-head: lm_head quantized, the
 embedding then only looked up) and w3 g128 (GPTQ layout), TurboQuant w4 and E8P w2 (codebooks, rotated: their strips
-decode through lookup tables, quantkit.kernels.codebook), the trellis w2 (data-free `--method trellis`: its strips
-decode through the quantizer, by a C walk of each tile where a C compiler is found), loaded in bfloat16 (the int4 CPU
-kernel decodes,
-quantkit.nn.cpu_int4_linear) and in float32 (exact strip-wise decode), and w4 with
+decode through lookup tables, quantkit.kernels.codebook), the trellis w2 (data-free `--method trellis`: decode
+steps multiplied in C from the packed codes, kernels/cpu_trellis.py, where a C compiler is found; the prefill through
+strips), loaded in bfloat16 (the int4 CPU kernel decodes, quantkit.nn.cpu_int4_linear) and in float32 (exact
+strip-wise decode), and w4 with
 cache_dequantized=True (the decoded weights kept: the memory of the fp32 model).
 With --llama-bench (llama.cpp's benchmark binary) and --gguf files of the same model, llama-bench's prefill and
 decode (pp and tg of the same lengths) of each file on the same number of threads are the anchor rows.

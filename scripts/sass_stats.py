@@ -144,27 +144,28 @@ def _rotate_launch(config, _, bits):
     return triton_rotation.rotate_kernel, sig, const, ["x_ptr", "s_ptr", "y_ptr", "N"]
 
 
+def _trellis_layer(kw, bits):
+    """The constexprs both trellis kernels take for the default setting (L 16) or trellis-l12's (the width's step and
+    code), and the config's lanes."""
+    q = Trellis(bits, **({} if kw["L"] == 16 else FAST_SETTING))
+    return dict(BITS=bits, L=kw["L"], V=q.step, CODE=CODES.index(q.code), Q=0, TILE_ROWS=q.tile_rows,
+                WIDTH=q.length // q.tile_rows, BLOCK_J=kw["BLOCK_J"], BLOCK_N=kw["BLOCK_N"], INTERPRETER=False)
+
+
 def _trellis_launch(config, _, bits):
-    kw = config.kwargs
-    q = Trellis(bits, **({} if kw["L"] == 16 else FAST_SETTING))  # the default or trellis-l12; the width's step, code
     sig = {"codes_ptr": "*i32", "scales_ptr": "*fp16", "g_idx_ptr": "*i32", "table_ptr": "*fp32", "out_ptr": "*fp16",
            "N": "i32", "K": "i32", "KW": "i32"}
-    const = dict(BITS=bits, L=kw["L"], V=q.step, CODE=CODES.index(q.code), Q=0, TILE_ROWS=q.tile_rows,
-                 WIDTH=q.length // q.tile_rows, BLOCK_J=kw["BLOCK_J"], BLOCK_N=kw["BLOCK_N"], INTERPRETER=False)
+    const = _trellis_layer(config.kwargs, bits)
     return triton_trellis.trellis_dequant_kernel, sig, const, [n for n in sig if n.endswith("_ptr")] + ["N", "K", "KW"]
 
 
 def _trellis_matmul_launch(config, _, bits):
-    kw = config.kwargs
-    q = Trellis(bits, **({} if kw["L"] == 16 else FAST_SETTING))
     sig = {"x_ptr": "*fp16", "codes_ptr": "*i32", "scales_ptr": "*fp16", "g_idx_ptr": "*i32", "table_ptr": "*fp32",
            "b_ptr": "*fp16", "y_ptr": "*fp16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
            **{n: "i32" for n in ("M", "N", "K", "KW", "GROUP_SHIFT", "SPLIT_K")}}
-    const = dict(BITS=bits, L=kw["L"], V=q.step, CODE=CODES.index(q.code), Q=0, TILE_ROWS=q.tile_rows,
-                 WIDTH=q.length // q.tile_rows, UNIFORM=True, HAS_BIAS=False, IEEE=False, BLOCK_M=kw["BLOCK_M"],
-                 BLOCK_J=kw["BLOCK_J"], BLOCK_N=kw["BLOCK_N"], INTERPRETER=False)
-    return (triton_trellis.trellis_matmul_kernel, sig, const,
-            [n for n in sig if n.endswith("_ptr")] + ["N", "K", "KW"])
+    const = dict(_trellis_layer(config.kwargs, bits), UNIFORM=True, HAS_BIAS=False, IEEE=False,
+                 BLOCK_M=config.kwargs["BLOCK_M"])
+    return triton_trellis.trellis_matmul_kernel, sig, const, [n for n in sig if n.endswith("_ptr")] + ["N", "K", "KW"]
 
 
 def _trellis_matmul_configs():

@@ -12,8 +12,8 @@ decodes the weight a strip of outputs at a time (quantkit.core.strips), so the l
 table lookups where the quantizer has them (`lookup_of`: TurboQuant, E8P, and E8 at 2 bits; 4x to 29x faster
 than its dequantize), through the quantizer for the others (E8 at 3 bits and more, trellises); `cache_dequantized =
 True` (as for QuantLinear) decodes it once and keeps it instead (a dense fp32 copy per layer, for speed). A trellis
-layer's calls of up to 8 rows (generation) skip the strips: kernels/cpu_trellis.py makes each weight from the packed
-codes in C and multiplies it at once.
+layer's calls of a few rows (generation; `cpu_trellis.max_rows`: 64 with AVX-512, else 8) skip the strips:
+kernels/cpu_trellis.py makes each weight from the packed codes in C and multiplies it at once.
 """
 import torch
 from torch import nn
